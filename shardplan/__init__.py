@@ -1,0 +1,3 @@
+"""shardplan: plan, estimate and run distributed training jobs."""
+
+__version__ = "0.1.0"

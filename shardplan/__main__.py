@@ -1,0 +1,5 @@
+import sys
+
+from shardplan.cli.app import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""The `shardplan` command line: one small module per command."""

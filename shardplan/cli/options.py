@@ -1,0 +1,102 @@
+"""Options shared by the commands that read a job: the shortcut flags, `--set`, `--json`.
+
+`plan_flags` appends the shared flags to a command's signature (typer reads signatures), so
+each command declares only its own options and receives the shared ones as one `PlanFlags`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, field
+from typing import Annotated, Callable, List, Optional
+
+import typer
+
+from ..io.job import ResolvedJob, load_job
+from ..io.overrides import SHORTCUTS, collect_overrides, parse_value
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="print one JSON document on stdout")]
+
+_FLAG_HELP = {
+    "dp": "data-parallel degree",
+    "tp": "tensor-parallel degree",
+    "pp": "pipeline-parallel degree",
+    "cp": "context-parallel degree",
+    "zero": "ZeRO stage 0-3, or an FSDP name (full_shard, ...)",
+    "framework": "memory accounting: fsdp2 or deepspeed",
+    "params": "parameter count without an architecture, e.g. 7.5B",
+    "gpus_per_node": "GPUs per node",
+}
+_INT_FLAGS = ("dp", "tp", "pp", "cp", "gpus_per_node")
+
+
+def _flag_annotation(name: str) -> object:
+    kind = int if name in _INT_FLAGS else str
+    option = typer.Option(
+        "--" + name.replace("_", "-"),
+        help=f"{_FLAG_HELP[name]} (sets {SHORTCUTS[name]})",
+        rich_help_panel="Plan overrides",
+        show_default=False,
+    )
+    return Annotated[Optional[kind], option]  # type: ignore[valid-type]
+
+
+_SET_ANNOTATION = Annotated[
+    Optional[List[str]],
+    typer.Option(
+        "--set",
+        help="override any job-file key: section.key=value (repeatable)",
+        rich_help_panel="Plan overrides",
+        show_default=False,
+    ),
+]
+
+
+@dataclass
+class PlanFlags:
+    """The overrides given on the command line."""
+
+    shortcuts: dict[str, object] = field(default_factory=dict)
+    sets: list[str] = field(default_factory=list)
+
+    def overrides(self):
+        values = {
+            k: (parse_value(v) if isinstance(v, str) else v) for k, v in self.shortcuts.items()
+        }
+        return collect_overrides(values, self.sets)
+
+    def labels(self) -> dict[str, str]:
+        """Dotted path -> the flag that set it (for messages)."""
+        return {
+            SHORTCUTS[k]: f"--{k.replace('_', '-')} {v}"
+            for k, v in self.shortcuts.items()
+            if v is not None
+        }
+
+    def load(self, source: str | None, world: int | None = None, check_paths: bool = False) -> ResolvedJob:
+        return load_job(
+            source, self.overrides(), world=world, flag_labels=self.labels(), check_paths=check_paths
+        )
+
+
+def plan_flags(func: Callable) -> Callable:
+    """Give `func` the shortcut flags and `--set`; it receives them as `flags: PlanFlags`."""
+    own = [p for p in inspect.signature(func, eval_str=True).parameters.values() if p.name != "flags"]
+    extra = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=_flag_annotation(name))
+        for name in SHORTCUTS
+    ]
+    extra.append(inspect.Parameter("set_", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=_SET_ANNOTATION))
+
+    @functools.wraps(func)
+    def wrapper(**kwargs):
+        shortcuts = {name: kwargs.pop(name) for name in SHORTCUTS}
+        flags = PlanFlags({k: v for k, v in shortcuts.items() if v is not None}, kwargs.pop("set_") or [])
+        return func(**kwargs, flags=flags)
+
+    params = own + extra
+    wrapper.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
+    del wrapper.__wrapped__  # typer must see the new signature, not the original
+    return wrapper

@@ -1,0 +1,63 @@
+"""`shardplan validate FILE... [--world N]`: every problem of every file, one line each."""
+
+from __future__ import annotations
+
+from typing import Annotated, List, Optional
+
+import typer
+
+from ..core.params import count_params
+from ..io.job import ResolvedJob
+from ..render.output import emit_diagnostics, emit_json, emit_line
+from ..render.summary import job_summary_line
+from ..spec.errors import EXIT_BAD_INPUT, InputError
+from .options import JsonFlag, PlanFlags, plan_flags
+
+
+def _summary(resolved: ResolvedJob) -> dict:
+    job = resolved.job
+    degrees = resolved.degrees
+    params = count_params(resolved.shape).total if resolved.shape else resolved.params_only
+    return {
+        "model": resolved.model_name or None,
+        "params": params,
+        "world_size": degrees.world,
+        "degrees": {"dp": degrees.dp, "tp": degrees.tp, "pp": degrees.pp, "cp": degrees.cp},
+        "nodes": -(-degrees.world // job.cluster.gpus_per_node),
+        "gpus_per_node": job.cluster.gpus_per_node,
+    }
+
+
+@plan_flags
+def validate(
+    files: Annotated[List[str], typer.Argument(help="job, model or cluster files (TOML or JSON), or job preset names")],
+    world: Annotated[Optional[int], typer.Option("--world", min=1, help="world size the job must fill")] = None,
+    json_out: JsonFlag = False,
+    *,
+    flags: PlanFlags,
+) -> None:
+    """Check job files and list every problem: file, line, dotted key, what is wrong."""
+    reports, failed = [], False
+    for file in files:
+        try:
+            resolved = flags.load(file, world=world, check_paths=True)
+        except InputError as exc:
+            failed = True
+            emit_diagnostics(exc.lines())
+            reports.append({"file": file, "valid": False, "problems": [p.to_json() for p in exc.problems]})
+            continue
+        emit_diagnostics(resolved.warnings)
+        summary = _summary(resolved)
+        reports.append({
+            "file": file, "valid": True, "problems": [p.to_json() for p in resolved.warnings], **summary,
+        })
+        if not json_out:
+            emit_line(job_summary_line(file, summary))
+    if json_out:
+        emit_json({"valid": not failed, "files": reports})
+    if failed:
+        raise typer.Exit(EXIT_BAD_INPUT)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("validate")(validate)

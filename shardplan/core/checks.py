@@ -1,0 +1,224 @@
+"""Cross-field rules of a job: every problem at once, each at the dotted path to change.
+
+Field-level rules (types, ranges) are pydantic's, in `shardplan.spec`; these relate fields
+to each other and to the model's shape. Sources of the rules are named where they come from
+a framework's own constraint.
+"""
+
+from __future__ import annotations
+
+from ..spec.errors import Problem
+from ..spec.job import JobSpec
+from ..spec.model import ModelShape
+from ..spec.units import format_bytes
+from .degrees import Degrees, missing_axes
+from .pipeline import describe_split
+
+# Schedules that run one forward and one backward alternately after a warm-up of up to
+# pp - 1 forwards: they need at least pp microbatches to fill the pipeline.
+NEEDS_FULL_PIPELINE = ("1f1b", "zero-bubble", "interleaved-1f1b")
+# Schedules that place several model chunks on one rank.
+VIRTUAL_SCHEDULES = ("interleaved-1f1b", "round-robin")
+
+
+def error(path: str, message: str) -> Problem:
+    return Problem(path, message)
+
+
+def warning(path: str, message: str) -> Problem:
+    return Problem(path, message, severity="warning")
+
+
+def world_problems(degrees: Degrees, worlds: list[tuple[int, str]]) -> list[Problem]:
+    """dp*tp*pp*cp must equal every world size that was given, with the arithmetic shown."""
+    problems = []
+    for world, source in worlds:
+        message = degrees.world_mismatch(world, source)
+        if message:
+            problems.append(error("parallel", message))
+    return problems
+
+
+def heads_problems(tp: int, shape: ModelShape) -> list[Problem]:
+    """Tensor parallel splits attention by heads (Megatron-LM: heads divisible by tp)."""
+    problems = []
+    heads, kv_heads = shape.num_heads, shape.num_kv_heads
+    if heads % tp:
+        problems.append(error("parallel.tp", f"{tp} does not divide model.num_heads ({heads})"))
+        return problems
+    if tp > kv_heads:
+        if tp % kv_heads:
+            problems.append(error(
+                "parallel.tp",
+                f"{tp} exceeds model.num_kv_heads ({kv_heads}) and is not a multiple of it: "
+                "key/value heads cannot be replicated evenly",
+            ))
+        else:
+            problems.append(warning(
+                "parallel.tp",
+                f"{tp} exceeds model.num_kv_heads ({kv_heads}): each key/value head must be "
+                f"replicated on {tp // kv_heads} tp ranks (the estimate counts the copies); "
+                "Megatron-LM and `shardplan run` need num_kv_heads divisible by tp",
+            ))
+    elif kv_heads % tp:
+        problems.append(error(
+            "parallel.tp", f"{tp} does not divide model.num_kv_heads ({kv_heads})"
+        ))
+    return problems
+
+
+def pipeline_problems(job: JobSpec, num_layers: int | None) -> list[Problem]:
+    """Stage count against layers, and each schedule's own requirements."""
+    par = job.parallel
+    pp, virtual, m, schedule = par.pp, par.virtual_stages, par.num_microbatches, par.pipeline_schedule
+    problems = []
+    if virtual > 1 and schedule not in VIRTUAL_SCHEDULES:
+        problems.append(error(
+            "parallel.virtual_stages",
+            f"{virtual} chunks per rank need pipeline_schedule interleaved-1f1b or round-robin "
+            f"(got {schedule})",
+        ))
+    if pp > 1 and schedule in NEEDS_FULL_PIPELINE and m < pp:
+        problems.append(error(
+            "parallel.num_microbatches",
+            f"{schedule} needs at least pp ({pp}) microbatches to fill the pipeline (got {m})",
+        ))
+    if pp > 1 and schedule == "interleaved-1f1b" and m % pp:
+        problems.append(error(
+            "parallel.num_microbatches",
+            f"interleaved-1f1b needs microbatches divisible by pp ({pp}) (got {m})",
+        ))
+    if pp > 1 and schedule == "gpipe" and m < pp:
+        problems.append(warning(
+            "parallel.num_microbatches",
+            f"{m} microbatches on {pp} stages leave most of the pipeline idle",
+        ))
+    if num_layers is None:
+        return problems
+    stages = pp * (virtual if schedule in VIRTUAL_SCHEDULES else 1)
+    if stages > num_layers:
+        what = f"pp ({pp})" if stages == pp else f"pp * virtual_stages ({pp} * {virtual} = {stages})"
+        problems.append(error(
+            "parallel.pp", f"{what} exceeds model.num_layers ({num_layers}): a stage needs a layer"
+        ))
+        return problems
+    if schedule in VIRTUAL_SCHEDULES and pp > 1 and num_layers % stages:
+        problems.append(error(
+            "parallel.virtual_stages",
+            f"{schedule} needs model.num_layers ({num_layers}) divisible by pp * virtual_stages "
+            f"({pp} * {virtual} = {stages})",
+        ))
+    elif stages > 1 and num_layers % stages:
+        problems.append(warning(
+            "parallel.pp",
+            f"{num_layers} layers split unevenly over {stages} stages: {describe_split(num_layers, stages)}",
+        ))
+    return problems
+
+
+def sequence_problems(job: JobSpec, shape: ModelShape | None) -> list[Problem]:
+    """Sequence and context parallel split the sequence; it must divide."""
+    par, seq = job.parallel, job.train.seq_len
+    problems = []
+    if par.cp > 1 and seq % (2 * par.cp):
+        # Load-balanced causal context parallelism cuts the sequence into 2*cp chunks and
+        # gives rank i chunks i and 2cp-1-i (Megatron-LM / torch context_parallel).
+        problems.append(error(
+            "train.seq_len", f"{seq} is not divisible by 2 * cp ({2 * par.cp}): context parallel "
+            "splits the sequence into 2*cp chunks",
+        ))
+    if par.sequence_parallel:
+        if par.tp == 1:
+            problems.append(warning("parallel.sequence_parallel", "has no effect with tp = 1"))
+        elif (seq // par.cp) % par.tp:
+            local = f"seq_len / cp ({seq // par.cp})" if par.cp > 1 else f"train.seq_len ({seq})"
+            problems.append(error(
+                "parallel.sequence_parallel", f"{local} is not divisible by tp ({par.tp})"
+            ))
+    if shape is not None and shape.max_seq_len is not None and seq > shape.max_seq_len:
+        if shape.position_embedding == "learned":
+            problems.append(error(
+                "train.seq_len",
+                f"{seq} exceeds the model's {shape.max_seq_len} learned positions",
+            ))
+        else:
+            problems.append(warning(
+                "train.seq_len", f"{seq} exceeds model.max_seq_len ({shape.max_seq_len})"
+            ))
+    return problems
+
+
+def sharding_problems(job: JobSpec, nodes: int) -> list[Problem]:
+    """ZeRO stage, hybrid sharding, offload and budgets."""
+    zero, off, cluster = job.zero, job.offload, job.cluster
+    problems = []
+    if off.params and zero.stage != 3:
+        problems.append(error(
+            "offload.params", f"offloading parameters requires zero.stage = 3 (got {zero.stage})"
+        ))
+    if zero.hybrid and zero.stage < 2:
+        problems.append(error(
+            "zero.hybrid", f"hybrid sharding needs zero.stage 2 or 3 (got {zero.stage})"
+        ))
+    elif zero.hybrid and nodes == 1:
+        problems.append(warning(
+            "zero.hybrid", "on a single node hybrid sharding is the same as sharding over dp"
+        ))
+    offloading = off.params or off.grads or off.optimizer
+    if zero.stage > 0 and job.parallel.dp == 1 and not offloading:
+        problems.append(warning("zero.stage", f"stage {zero.stage} with dp = 1 shards nothing"))
+    if zero.framework == "deepspeed" and job.parallel.pp > 1 and zero.stage >= 2:
+        # DeepSpeed's PipelineEngine supports ZeRO stage 0 and 1 only.
+        problems.append(error(
+            "zero.stage",
+            f"DeepSpeed's pipeline engine supports ZeRO stages 0 and 1 only (pp = "
+            f"{job.parallel.pp}, stage = {zero.stage})",
+        ))
+    if off.gpu_param_budget > cluster.gpu_memory:
+        problems.append(error(
+            "offload.gpu_param_budget",
+            f"{format_bytes(off.gpu_param_budget)} exceeds cluster.gpu_memory "
+            f"({format_bytes(cluster.gpu_memory)})",
+        ))
+    if off.cpu_memory_budget > cluster.cpu_memory_per_node:
+        problems.append(error(
+            "offload.cpu_memory_budget",
+            f"{format_bytes(off.cpu_memory_budget)} exceeds cluster.cpu_memory_per_node "
+            f"({format_bytes(cluster.cpu_memory_per_node)})",
+        ))
+    if off.cpu_compression != "none" and not off.params:
+        problems.append(warning(
+            "offload.cpu_compression", "has no effect unless offload.params is true"
+        ))
+    return problems
+
+
+def job_problems(
+    job: JobSpec, shape: ModelShape | None, worlds: list[tuple[int, str]]
+) -> list[Problem]:
+    """Every cross-field problem of a job whose tables are individually valid.
+
+    `worlds` lists the world sizes given from outside the degrees, each with its source
+    (`from --world`, `from cluster: 2 nodes * 8 GPUs`, `from WORLD_SIZE`).
+    """
+    par = job.parallel
+    degrees = Degrees(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp)
+    problems = world_problems(degrees, worlds)
+    for axis in missing_axes(par.order, degrees):
+        problems.append(error(
+            "parallel.order",
+            f"{par.order!r} leaves out {axis}, whose degree is {degrees.of(axis)}",
+        ))
+    if shape is not None:
+        problems += heads_problems(par.tp, shape)
+    problems += pipeline_problems(job, shape.num_layers if shape else None)
+    problems += sequence_problems(job, shape)
+    world = worlds[0][0] if worlds else degrees.world
+    nodes = -(-world // job.cluster.gpus_per_node)
+    problems += sharding_problems(job, nodes)
+    if shape is not None and job.offload.prefetch_layers > shape.num_layers:
+        problems.append(warning(
+            "offload.prefetch_layers",
+            f"{job.offload.prefetch_layers} exceeds model.num_layers ({shape.num_layers})",
+        ))
+    return problems

@@ -1,0 +1,1 @@
+"""Files and flags <-> spec: job files, presets, Hugging Face configs, overrides."""

@@ -1,0 +1,132 @@
+"""Reading job files (TOML or JSON) into plain dicts, with the line of every key.
+
+Every failure becomes an `InputError` naming the file: missing, a directory, unreadable,
+not text, too large, malformed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+from ..spec.errors import InputError, Problem
+
+# A job file is a few dozen lines; anything this large is not one (and reading it whole
+# would be the first mistake).
+MAX_FILE_BYTES = 8 * 2**20
+
+_HEADER = re.compile(r"^\s*\[\s*([A-Za-z0-9_.\-\"' ]+?)\s*\]\s*(#.*)?$")
+_KEY = re.compile(r"^\s*([A-Za-z0-9_\-]+(?:\s*\.\s*[A-Za-z0-9_\-]+)*)\s*=")
+_TOML_POSITION = re.compile(r"\s*\(at line (\d+), column \d+\)\s*$")
+_TOML_EOF = re.compile(r"\s*\(at end of document\)\s*$")
+
+
+@dataclass
+class Document:
+    """A parsed file: its data and the line where each dotted key was written."""
+
+    path: str
+    data: dict
+    lines: dict[str, int] = field(default_factory=dict)
+
+    def line_of(self, path: str) -> int | None:
+        """The line of `a.b.c`, else of its closest written parent, else None."""
+        parts = path.split(".")
+        while parts:
+            line = self.lines.get(".".join(parts))
+            if line is not None:
+                return line
+            parts.pop()
+        return None
+
+
+def toml_key_lines(text: str) -> dict[str, int]:
+    """Dotted key -> 1-based line, for tables and keys written one per line."""
+    lines: dict[str, int] = {}
+    prefix = ""
+    for number, line in enumerate(text.splitlines(), start=1):
+        header = _HEADER.match(line)
+        if header and not line.lstrip().startswith("[["):
+            prefix = ".".join(p.strip().strip("\"'") for p in header.group(1).split("."))
+            lines.setdefault(prefix, number)
+            continue
+        key = _KEY.match(line)
+        if key:
+            dotted = ".".join(p.strip() for p in key.group(1).split("."))
+            lines.setdefault(f"{prefix}.{dotted}" if prefix else dotted, number)
+    return lines
+
+
+def _read_text(path: Path, shown: str) -> str:
+    def fail(message: str) -> InputError:
+        return InputError(Problem("", message, file=shown))
+
+    try:
+        if path.is_dir():
+            raise fail("is a directory, not a file")
+        if not path.exists():
+            raise fail("no such file")
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise fail(f"is {size} bytes: too large for a job file")
+        raw = path.read_bytes()
+    except PermissionError:
+        raise fail("permission denied") from None
+    except OSError as exc:
+        raise fail(f"cannot read: {exc.strerror or exc}") from None
+    if b"\x00" in raw:
+        raise fail("is a binary file, not TOML or JSON")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise fail(f"is not UTF-8 text (invalid byte at offset {exc.start})") from None
+
+
+def parse_toml(text: str, shown: str) -> Document:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        message = str(exc)
+        line = None
+        position = _TOML_POSITION.search(message)
+        if position:
+            line = int(position.group(1))
+            message = message[: position.start()]
+        message = _TOML_EOF.sub("", message)
+        raise InputError(Problem("", f"invalid TOML: {message}", file=shown, line=line)) from None
+    return Document(shown, data, toml_key_lines(text))
+
+
+def parse_json(text: str, shown: str) -> Document:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(Problem("", f"invalid JSON: {exc.msg}", file=shown, line=exc.lineno)) from None
+    except RecursionError:
+        raise InputError(Problem("", "invalid JSON: nested too deeply", file=shown)) from None
+    if not isinstance(data, dict):
+        raise InputError(Problem("", "a job file must hold a JSON object at the top", file=shown))
+    return Document(shown, data)
+
+
+def read_json(path: str | Path, shown: str | None = None) -> Document:
+    """Parse a JSON file whatever its name."""
+    shown = shown or str(path)
+    return parse_json(_read_text(Path(path), shown), shown)
+
+
+def read_document(path: str | Path) -> Document:
+    """Parse a TOML file (JSON when its name ends in .json) into a `Document`."""
+    shown = str(path)
+    text = _read_text(Path(path), shown)
+    if shown.lower().endswith(".json"):
+        return parse_json(text, shown)
+    return parse_toml(text, shown)

@@ -1,0 +1,137 @@
+"""Hugging Face `config.json` -> an inline model shape.
+
+Key names and defaults follow the configuration classes of `transformers`
+(configuration_gpt2.py, configuration_llama.py, configuration_mistral.py,
+configuration_mixtral.py, configuration_qwen2.py, configuration_gemma.py,
+configuration_falcon.py, configuration_phi3.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..spec.errors import InputError, Problem
+from .files import read_json
+
+SUPPORTED = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "gemma", "falcon", "phi3")
+
+
+class _Reader:
+    """Typed access to a config dict that collects problems instead of stopping."""
+
+    def __init__(self, config: dict, file: str):
+        self.config, self.file, self.problems = config, file, []
+
+    def get(self, *keys: str, default: object = None, kind: type = int, required: bool = True):
+        for key in keys:
+            if key in self.config and self.config[key] is not None:
+                value = self.config[key]
+                if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                    self.problems.append(Problem(key, f"expected a positive integer, got {value!r}", file=self.file))
+                    return default
+                if kind is bool and not isinstance(value, bool):
+                    self.problems.append(Problem(key, f"expected true or false, got {value!r}", file=self.file))
+                    return default
+                return value
+        if required and default is None:
+            self.problems.append(Problem(keys[0], "required", file=self.file))
+        return default
+
+
+def shape_from_hf_config(config: dict, file: str) -> dict:
+    """The inline `[model]` table (family and sizes) equivalent to a config.json."""
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED:
+        raise InputError(Problem(
+            "model_type",
+            f"{model_type!r} is not supported (supported: {', '.join(SUPPORTED)})",
+            file=file,
+        ))
+    r = _Reader(config, file)
+    if model_type == "gpt2":
+        hidden = r.get("n_embd", "hidden_size")
+        shape = dict(
+            family="gpt2",
+            num_layers=r.get("n_layer", "num_hidden_layers"),
+            hidden_size=hidden,
+            num_heads=r.get("n_head", "num_attention_heads"),
+            ffn_hidden_size=r.get("n_inner", default=4 * hidden if hidden else None),
+            vocab_size=r.get("vocab_size"),
+            max_seq_len=r.get("n_positions", "max_position_embeddings"),
+            tie_embeddings=r.get("tie_word_embeddings", default=True, kind=bool),
+        )
+    elif model_type == "falcon":
+        shape = _falcon(r)
+    else:
+        heads = r.get("num_attention_heads")
+        shape = dict(
+            family=model_type,
+            num_layers=r.get("num_hidden_layers"),
+            hidden_size=r.get("hidden_size"),
+            num_heads=heads,
+            num_kv_heads=r.get("num_key_value_heads", default=heads),
+            head_dim=r.get("head_dim", required=False),
+            ffn_hidden_size=r.get("intermediate_size"),
+            vocab_size=r.get("vocab_size"),
+            max_seq_len=r.get("max_position_embeddings", required=False),
+            tie_embeddings=r.get(
+                "tie_word_embeddings", default=model_type == "gemma", kind=bool
+            ),
+        )
+        if model_type == "llama":
+            # LlamaConfig.attention_bias puts biases on q, k, v and o.
+            bias = r.get("attention_bias", default=False, kind=bool)
+            shape.update(qkv_bias=bias, out_bias=bias, mlp_bias=r.get("mlp_bias", default=False, kind=bool))
+        if model_type == "mixtral":
+            shape.update(
+                num_experts=r.get("num_local_experts", default=8),
+                experts_per_token=r.get("num_experts_per_tok", default=2),
+            )
+    if r.problems:
+        raise InputError(r.problems)
+    name = config.get("_name_or_path")
+    if isinstance(name, str) and name:
+        shape["name"] = name
+    return {k: v for k, v in shape.items() if v is not None}
+
+
+def _falcon(r: _Reader) -> dict:
+    hidden = r.get("hidden_size")
+    heads = r.get("num_attention_heads", "n_head")
+    new_arch = r.get("new_decoder_architecture", default=False, kind=bool)
+    if new_arch:
+        kv_heads = r.get("num_kv_heads", default=heads)
+    elif r.get("multi_query", default=True, kind=bool):
+        kv_heads = 1
+    else:
+        kv_heads = heads
+    bias = r.get("bias", default=False, kind=bool)
+    parallel = r.get("parallel_attn", default=True, kind=bool)
+    # FalconDecoderLayer: the new architecture has ln_attn and ln_mlp (two norms, unless
+    # num_ln_in_parallel_attn is 1); the old one a single input_layernorm when attention
+    # and MLP run in parallel, else input + post-attention norms.
+    if new_arch:
+        shared = r.get("num_ln_in_parallel_attn", default=2) == 1
+    else:
+        shared = parallel
+    return dict(
+        family="falcon",
+        num_layers=r.get("num_hidden_layers", "n_layer"),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        ffn_hidden_size=r.get("ffn_hidden_size", default=4 * hidden if hidden else None),
+        vocab_size=r.get("vocab_size"),
+        max_seq_len=r.get("max_position_embeddings", required=False),
+        tie_embeddings=r.get("tie_word_embeddings", default=True, kind=bool),
+        position_embedding="alibi" if r.get("alibi", default=False, kind=bool) else "rope",
+        qkv_bias=bias,
+        out_bias=bias,
+        mlp_bias=bias,
+        shared_layer_norm=shared,
+    )
+
+
+def read_hf_config(path: Path, shown: str) -> dict:
+    """Read a config.json file and convert it; every failure names the file."""
+    return shape_from_hf_config(read_json(path, shown).data, shown)

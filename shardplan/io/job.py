@@ -1,0 +1,200 @@
+"""From a file (or a job preset) and command-line flags to a checked, resolved job.
+
+The order is: read the file, write the overrides in, expand a cluster preset, validate the
+tables (pydantic), resolve the model (preset, config.json or inline shape), then check the
+cross-field rules. Every problem found on the way is reported together, at its file, line
+and dotted path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+from pydantic import ValidationError
+
+from ..core.checks import job_problems
+from ..core.degrees import Degrees
+from ..spec.errors import InputError, Problem
+from ..spec.job import JobSpec
+from ..spec.model import ModelShape, ModelSpec, resolve_shape
+from .files import Document, read_document
+from .hf_config import read_hf_config
+from .overrides import Override, apply_overrides
+from .presets import find_preset
+from .problems import problems_from_validation
+
+
+@dataclass(frozen=True)
+class ResolvedJob:
+    """A valid job with its model resolved, ready for the planner."""
+
+    file: str
+    job: JobSpec
+    shape: ModelShape | None
+    model_name: str
+    worlds: list[tuple[int, str]] = field(default_factory=list)
+    warnings: list[Problem] = field(default_factory=list)
+
+    @property
+    def degrees(self) -> Degrees:
+        par = self.job.parallel
+        return Degrees(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp)
+
+    @property
+    def world(self) -> int:
+        return self.degrees.world
+
+    @property
+    def params_only(self) -> int | None:
+        """The bare parameter count of a `params` model (no architecture), else None."""
+        return self.job.model.params
+
+
+def open_job_source(source: str | None) -> Document:
+    """A job file, else a job preset of that name; None gives an empty job (all defaults)."""
+    if source is None:
+        return Document("", {})
+    path = Path(source)
+    looks_like_path = path.suffix in (".toml", ".json") or os.sep in source or "/" in source
+    if looks_like_path or path.exists():
+        return read_document(path)
+    try:
+        preset = find_preset(source, "jobs")
+    except InputError:
+        raise InputError(Problem("", "no such file or job preset (see `shardplan presets`)", file=source)) from None
+    return read_document(preset.path)
+
+
+def _expand_cluster_preset(data: dict) -> list[Problem]:
+    cluster = data.get("cluster")
+    if not isinstance(cluster, dict) or not isinstance(cluster.get("preset"), str):
+        return []
+    try:
+        preset = find_preset(cluster["preset"], "clusters", "cluster.preset")
+    except InputError as exc:
+        return exc.problems
+    base = read_document(preset.path).data.get("cluster", {})
+    data["cluster"] = {**base, **cluster}
+    return []
+
+
+def _resolve_model(spec: ModelSpec, base_dir: Path) -> tuple[ModelShape | None, str, list[Problem]]:
+    if spec.source == "preset":
+        preset = find_preset(spec.preset or "", "models", "model.preset")
+        table = read_document(preset.path).data.get("model", {})
+        try:
+            inline = ModelSpec.model_validate(table)
+        except ValidationError as exc:
+            problems = problems_from_validation(ModelSpec, exc)
+            return None, "", [p.at(str(preset.path)) for p in problems]
+        shape, problems = resolve_shape(inline.shape_table())
+        return shape, spec.preset or "", [p.at(str(preset.path)) for p in problems]
+    if spec.source == "hf_config":
+        config_path = Path(spec.hf_config or "")
+        if not config_path.is_absolute():
+            config_path = base_dir / config_path
+        if not config_path.is_file():
+            what = "is a directory" if config_path.is_dir() else "no such file"
+            return None, "", [Problem("model.hf_config", f"{spec.hf_config!r}: {what}")]
+        table = read_hf_config(config_path, spec.hf_config or "")
+        shape, problems = resolve_shape(table, where="")
+        return shape, table.get("name", config_path.name), [p.at(spec.hf_config) for p in problems]
+    if spec.source == "shape":
+        shape, problems = resolve_shape(spec.shape_table())
+        return shape, spec.name or (f"{shape.family} (inline)" if shape else ""), problems
+    if spec.source == "params":
+        return None, f"{spec.params} parameters", []
+    return None, "", []
+
+
+def _default_seq_len(job: JobSpec, shape: ModelShape | None) -> JobSpec:
+    """A seq_len nobody wrote never exceeds the model: it becomes the model's longest."""
+    limit = shape.max_seq_len if shape else None
+    if limit is None or "seq_len" in job.train.model_fields_set or job.train.seq_len <= limit:
+        return job
+    return job.model_copy(update={"train": job.train.model_copy(update={"seq_len": limit})})
+
+
+def external_worlds(job: JobSpec, world: int | None, env: Mapping[str, str]) -> list[tuple[int, str]]:
+    """World sizes given outside the degrees: --world, torchrun's WORLD_SIZE, the cluster."""
+    worlds = []
+    if world is not None:
+        worlds.append((world, "from --world"))
+    raw = env.get("WORLD_SIZE")
+    if raw is not None:
+        if not raw.strip().isdigit() or int(raw) < 1:
+            raise InputError(Problem("WORLD_SIZE", f"environment variable is {raw!r}, not a positive integer"))
+        worlds.append((int(raw), "from WORLD_SIZE"))
+    if job.cluster_given():
+        c = job.cluster
+        worlds.append((c.nodes * c.gpus_per_node, f"from cluster: {c.nodes} nodes * {c.gpus_per_node} GPUs"))
+    return worlds
+
+
+def _locate(problems: list[Problem], doc: Document, flagged: dict[str, str]) -> list[Problem]:
+    located = []
+    for problem in problems:
+        if problem.file:
+            located.append(problem)
+        elif problem.path in flagged:
+            located.append(problem.at(flagged[problem.path]))
+        else:
+            located.append(problem.at(doc.path or None, doc.line_of(problem.path) if problem.path else None))
+    return located
+
+
+def load_job(
+    source: str | None,
+    overrides: list[Override] | None = None,
+    world: int | None = None,
+    env: Mapping[str, str] | None = None,
+    flag_labels: dict[str, str] | None = None,
+    check_paths: bool = False,
+) -> ResolvedJob:
+    """Read, override, validate and resolve a job; raise `InputError` with every problem.
+
+    `flag_labels` maps a dotted path set on the command line to the flag that set it, so a
+    problem there names the flag instead of the file. With `check_paths`, files the job
+    names for `run` (data.path) must exist.
+    """
+    env = os.environ if env is None else env
+    doc = open_job_source(source)
+    overrides = overrides or []
+    flagged = {path: (flag_labels or {}).get(path, "--set") for path, _ in overrides}
+    data = apply_overrides(doc.data, overrides)
+    problems = _expand_cluster_preset(data)
+    try:
+        job = JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise InputError(_locate(problems + problems_from_validation(JobSpec, exc), doc, flagged)) from None
+    if problems:
+        raise InputError(_locate(problems, doc, flagged))
+    base_dir = Path(doc.path).parent if doc.path else Path.cwd()
+    if "model.hf_config" in flagged:
+        base_dir = Path.cwd()
+    try:
+        shape, name, problems = _resolve_model(job.model, base_dir)
+    except InputError as exc:
+        raise InputError(_locate(exc.problems, doc, flagged)) from None
+    if problems:
+        raise InputError(_locate(problems, doc, flagged))
+    job = _default_seq_len(job, shape)
+    worlds = external_worlds(job, world, env)
+    problems = job_problems(job, shape, worlds)
+    if job.data.path:
+        data_path = Path(job.data.path)
+        if not data_path.is_absolute():
+            data_path = base_dir / data_path
+        if not data_path.is_file():
+            problems.append(Problem(
+                "data.path", f"{job.data.path!r}: no such file",
+                severity="error" if check_paths else "warning",
+            ))
+    problems = _locate(problems, doc, flagged)
+    errors = [p for p in problems if p.severity == "error"]
+    if errors:
+        raise InputError(problems)
+    return ResolvedJob(doc.path, job, shape, name, worlds, problems)

@@ -1,0 +1,86 @@
+"""pydantic validation errors -> one readable `Problem` per error, with "did you mean"."""
+
+from __future__ import annotations
+
+import difflib
+
+from pydantic import BaseModel, ValidationError
+
+from ..spec.errors import Problem
+
+_TYPE_NAMES = {
+    bool: "a boolean", int: "an integer", float: "a float", str: "a string",
+    dict: "a table", list: "an array", type(None): "nothing",
+}
+_EXPECTED = {
+    "int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
+    "string_type": "a string", "model_type": "a table", "dict_type": "a table",
+}
+_BOUNDS = {
+    "greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"),
+    "less_than_equal": ("<=", "le"), "less_than": ("<", "lt"),
+}
+
+
+def did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str:
+    """` (did you mean 'tp'?)` or an empty string."""
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _type_name(value: object) -> str:
+    return _TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def _model_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model that owns the last element of `loc` (None past a leaf)."""
+    model = root
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        annotation = field.annotation if field else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
+
+
+def problem_from_error(root: type[BaseModel], err: dict) -> Problem:
+    loc = tuple(err.get("loc", ()))
+    path = ".".join(str(p) for p in loc)
+    kind = err.get("type", "")
+    value = err.get("input")
+    ctx = err.get("ctx") or {}
+    if kind == "extra_forbidden":
+        owner = _model_at(root, loc)
+        choices = list(owner.model_fields) if owner else []
+        what = "unknown table" if len(loc) == 1 and isinstance(value, dict) else "unknown key"
+        hint = did_you_mean(str(loc[-1]), choices)
+        if not hint and choices:
+            hint = f" (known: {', '.join(choices)})"
+        return Problem(path, what + hint)
+    if kind == "missing":
+        return Problem(path, "required")
+    if kind in _EXPECTED:
+        return Problem(path, f"expected {_EXPECTED[kind]}, got {_type_name(value)} {_shown(value)}")
+    if kind in _BOUNDS:
+        symbol, key = _BOUNDS[kind]
+        return Problem(path, f"must be {symbol} {ctx.get(key)} (got {_shown(value)})")
+    if kind == "literal_error":
+        expected = ctx.get("expected", "")
+        choices = [c.strip().strip("'") for c in expected.replace(" or ", ", ").split(",")]
+        hint = did_you_mean(str(value), choices) if isinstance(value, str) else ""
+        return Problem(path, f"must be one of {expected} (got {_shown(value)}){hint}")
+    message = str(err.get("msg", "invalid"))
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if message.startswith(prefix):
+            message = message[len(prefix):]
+    return Problem(path, message)
+
+
+def problems_from_validation(root: type[BaseModel], exc: ValidationError) -> list[Problem]:
+    return [problem_from_error(root, err) for err in exc.errors(include_url=False)]

@@ -1,0 +1,1 @@
+"""Plans to text, tables, JSON and SVG. Formats; never computes."""

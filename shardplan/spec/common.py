@@ -1,0 +1,56 @@
+"""Shared pydantic pieces of the job file: strict tables, sizes, counts, bounds."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+
+from .units import MAX_BYTES, MAX_COUNT, parse_count, parse_size
+
+# The largest world any command accepts: 2^20 ranks is ~50x the largest training cluster
+# announced to date; larger values are typing mistakes, not plans.
+MAX_WORLD_SIZE = 2**20
+# Bounds for shape values (layers, hidden size, vocabulary, sequence length): far above any
+# published model, small enough that products of them stay meaningful.
+MAX_DIM = 2**24
+
+
+class Table(BaseModel):
+    """A TOML table of the job file: unknown keys are errors, types are not coerced."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_default=False)
+
+
+Size = Annotated[
+    int,
+    BeforeValidator(parse_size),
+    Field(ge=0, le=MAX_BYTES),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "integer", "minimum": 0},
+                {"type": "string", "pattern": r"^\s*[0-9.eE+-]+\s*([KkMmGgTtPp][Ii]?)?[Bb]?\s*$"},
+            ],
+            "description": "bytes: an integer, or a string such as '80GiB', '80GB', '512MiB'",
+        }
+    ),
+]
+
+Count = Annotated[
+    int,
+    BeforeValidator(parse_count),
+    Field(ge=0, le=MAX_COUNT),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "integer", "minimum": 0},
+                {"type": "string", "pattern": r"^\s*[0-9.eE+-]+\s*[KkMmBbTt]?\s*$"},
+            ],
+            "description": "a count: an integer, or a string such as '7.5B', '124M', '1T', '7.5e9'",
+        }
+    ),
+]
+
+Degree = Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)]
+Dim = Annotated[int, Field(ge=1, le=MAX_DIM)]

@@ -1,0 +1,211 @@
+"""The job file: one pydantic table per TOML table, as fixed by CONTRACT ("The job file").
+
+Only single-field rules live here (types, ranges, enumerations). Rules that relate several
+fields (dp*tp*pp*cp = world, tp divides heads, ...) are in `shardplan.core.checks`, which
+reports them all at once.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional
+
+from pydantic import BeforeValidator, Field, WithJsonSchema, field_validator, model_validator
+
+from .common import Count, Degree, Dim, Size, Table
+from .model import ModelSpec
+
+AXES = ("tp", "cp", "dp", "pp")
+DEFAULT_ORDER = "tp-cp-dp-pp"
+
+Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "round-robin"]
+SCHEDULES: tuple[str, ...] = Schedule.__args__  # type: ignore[attr-defined]
+
+# FSDP sharding-strategy names and the ZeRO stage each one behaves like (FSDP docs,
+# torch.distributed.fsdp.ShardingStrategy): NO_SHARD is DDP, SHARD_GRAD_OP shards gradients
+# and optimizer states (ZeRO-2), FULL_SHARD also parameters (ZeRO-3); the HYBRID variants
+# shard inside a node and replicate across nodes.
+FSDP_STAGE_NAMES = {
+    "no_shard": (0, False),
+    "shard_grad_op": (2, False),
+    "full_shard": (3, False),
+    "hybrid_shard": (3, True),
+    "_hybrid_shard_zero2": (2, True),
+}
+
+
+def parse_order(order: str) -> tuple[str, ...]:
+    """Axis names of an order string, fastest first; unknown or repeated axes raise."""
+    names = tuple(part.strip() for part in order.split("-"))
+    unknown = [n for n in names if n not in AXES]
+    if unknown:
+        raise ValueError(
+            f"unknown axis {unknown[0]!r} in order {order!r} (axes: {', '.join(AXES)}, fastest first)"
+        )
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"axis {repeated[0]!r} appears twice in order {order!r}")
+    return names
+
+
+class ParallelSpec(Table):
+    """How the ranks divide the work."""
+
+    dp: Degree = Field(1, description="data-parallel degree")
+    tp: Degree = Field(1, description="tensor-parallel degree")
+    pp: Degree = Field(1, description="pipeline-parallel degree (stages)")
+    cp: Degree = Field(1, description="context-parallel degree (sequence split across ranks)")
+    order: str = Field(
+        DEFAULT_ORDER, description="rank order, fastest-varying axis first (Megatron: tp-cp-dp-pp)"
+    )
+    sequence_parallel: bool = Field(False, description="shard norms/dropout activations along the sequence over tp")
+    pipeline_schedule: Schedule = Field("1f1b", description="pipeline schedule")
+    virtual_stages: Dim = Field(1, description="model chunks per pipeline rank (interleaved, round-robin)")
+    micro_batch_size: Dim = Field(1, description="sequences per microbatch on one data-parallel rank")
+    num_microbatches: Dim = Field(1, description="pipeline microbatches / gradient accumulation steps")
+    communication_timeout: float = Field(
+        1800.0, gt=0, le=7 * 24 * 3600, description="seconds a collective may take before the run fails"
+    )
+
+    @field_validator("order")
+    @classmethod
+    def _order(cls, value: str) -> str:
+        parse_order(value)
+        return value
+
+
+def _stage_from_name(value: object) -> object:
+    if isinstance(value, str):
+        name = value.strip().lower()
+        if name not in FSDP_STAGE_NAMES:
+            raise ValueError(
+                f"unknown sharding {value!r} (0, 1, 2, 3 or one of {', '.join(FSDP_STAGE_NAMES)})"
+            )
+        return FSDP_STAGE_NAMES[name][0]
+    return value
+
+
+ZeroStage = Annotated[
+    int,
+    BeforeValidator(_stage_from_name),
+    Field(ge=0, le=3),
+    WithJsonSchema({"anyOf": [
+        {"type": "integer", "minimum": 0, "maximum": 3},
+        {"type": "string", "enum": list(FSDP_STAGE_NAMES)},
+    ]}),
+]
+
+
+class ZeroSpec(Table):
+    """ZeRO / FSDP sharding of model states over the data-parallel ranks."""
+
+    stage: ZeroStage = Field(
+        0, description="0 replicate, 1 shard optimizer states, 2 and gradients, 3 and parameters "
+        "(FSDP names: no_shard, shard_grad_op, full_shard, hybrid_shard)",
+    )
+    hybrid: bool = Field(False, description="shard inside a node, replicate across nodes (HSDP)")
+    min_num_params: Count = Field(0, description="parameters smaller than this stay unsharded")
+    framework: Literal["fsdp2", "deepspeed"] = Field(
+        "fsdp2", description="whose memory accounting: fsdp2 (what `shardplan run` executes) or deepspeed"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hybrid_names(cls, data: object) -> object:
+        # hybrid_shard names set two keys: the stage (above) and hybrid.
+        if isinstance(data, dict) and isinstance(data.get("stage"), str):
+            known = FSDP_STAGE_NAMES.get(data["stage"].strip().lower())
+            if known and known[1]:
+                data = {**data, "hybrid": True}
+        return data
+
+
+class OffloadSpec(Table):
+    """What lives in CPU memory instead of on the GPU."""
+
+    params: bool = Field(False, description="keep parameters on the CPU (needs ZeRO stage 3)")
+    grads: bool = Field(False, description="move gradients to the CPU")
+    optimizer: bool = Field(False, description="keep optimizer states on the CPU (step runs there)")
+    cpu_memory_budget: Size = Field(2**35, description="CPU memory this job may use per node")
+    gpu_param_budget: Size = Field(2**31, description="parameter bytes kept on the GPU; blocks beyond stay on the CPU")
+    prefetch_layers: Dim = Field(1, description="blocks fetched ahead of the one computing")
+    async_prefetch: bool = Field(True, description="prefetch on a side stream")
+    overlap: bool = Field(True, description="overlap transfers with compute")
+    pin_memory: bool = Field(True, description="pin CPU buffers (only where an accelerator exists)")
+    cpu_compression: Literal["none", "fp16", "bf16", "int8"] = Field(
+        "none", description="store offloaded parameters compressed on the CPU"
+    )
+    strategy: Literal["conservative", "balanced", "aggressive", "extreme"] = Field(
+        "balanced", description="how eagerly to offload when memory is short"
+    )
+
+
+class TrainSpec(Table):
+    """The training step."""
+
+    seq_len: Dim = Field(2048, description="tokens per sequence")
+    precision: Literal["bf16-mixed", "fp16-mixed", "fp32", "bf16"] = Field(
+        "bf16-mixed", description="parameter/compute precision"
+    )
+    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="optimizer")
+    activation_checkpointing: Literal["none", "selective", "full"] = Field(
+        "none", description="activation recomputation"
+    )
+    attention: Literal["flash", "eager"] = Field(
+        "flash", description="flash keeps no score matrix; eager keeps it for backward"
+    )
+    steps: Dim = Field(10, description="optimizer steps `shardplan run` takes")
+    lr: float = Field(3e-4, gt=0, le=1e3, description="learning rate")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="seed of weights, data order and dropout")
+
+
+class DataSpec(Table):
+    """Where `shardplan run` reads tokens."""
+
+    path: str = Field("", description="flat binary file of token ids; empty: a synthetic stream")
+    dtype: Literal["auto", "uint16", "uint32"] = Field(
+        "auto", description="token id type of `path`; auto: uint16 when the vocabulary fits"
+    )
+
+
+class CheckpointSpec(Table):
+    """Sharded checkpoints written by `shardplan run`."""
+
+    dir: str = Field("", description="checkpoint folder; empty: no checkpoints")
+    every: Dim = Field(100, description="steps between checkpoints")
+    keep: Dim = Field(2, description="complete checkpoints kept")
+
+
+class ClusterSpec(Table):
+    """The machines the job runs on."""
+
+    preset: Optional[str] = Field(None, description="a shipped node type (`shardplan presets`); keys here override it")
+    nodes: Optional[Degree] = Field(
+        None, description="number of nodes; when given, nodes * gpus_per_node must equal the world "
+        "(default: as many as dp*tp*pp*cp needs)"
+    )
+    gpus_per_node: Degree = Field(8, description="GPUs (ranks) per node")
+    gpu_memory: Size = Field(80 * 2**30, description="memory of one GPU")
+    cpu_memory_per_node: Size = Field(2**40, description="CPU RAM of one node")
+
+
+class JobSpec(Table):
+    """A shardplan job: every table is optional and has defaults."""
+
+    model: ModelSpec = Field(default_factory=ModelSpec, description="the model")
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec, description="parallel degrees and schedule")
+    zero: ZeroSpec = Field(default_factory=ZeroSpec, description="ZeRO / FSDP sharding")
+    offload: OffloadSpec = Field(default_factory=OffloadSpec, description="CPU offload")
+    train: TrainSpec = Field(default_factory=TrainSpec, description="training step")
+    data: DataSpec = Field(default_factory=DataSpec, description="training data for `run`")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="checkpoints for `run`")
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="the machines")
+
+    def cluster_given(self) -> bool:
+        """True when the file (or a flag) fixed the number of nodes: the world then follows."""
+        return self.cluster.nodes is not None
+
+
+TABLES: dict[str, type[Table]] = {
+    name: field.annotation  # type: ignore[misc]
+    for name, field in JobSpec.model_fields.items()
+}

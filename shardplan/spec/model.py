@@ -1,0 +1,248 @@
+"""The `[model]` table and the resolved architecture (`ModelShape`) the planner computes on.
+
+A model is given in exactly one way: a shipped `preset`, a Hugging Face `hf_config`, a bare
+parameter count `params` (model states only), or an inline shape (`family` plus sizes).
+Presets and config.json files are resolved to an inline shape by `shardplan.io`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Literal, Optional
+
+from pydantic import Field, model_validator
+
+from .common import Count, Dim, Table
+from .errors import Problem
+
+Family = Literal["gpt2", "llama", "mistral", "mixtral", "qwen2", "gemma", "falcon", "phi3"]
+Norm = Literal["layernorm", "rmsnorm"]
+Activation = Literal["gelu", "swiglu", "geglu"]
+PositionEmbedding = Literal["learned", "rope", "alibi"]
+
+FAMILIES: tuple[str, ...] = Family.__args__  # type: ignore[attr-defined]
+
+# Structural defaults of each family, from the reference implementations in Hugging Face
+# transformers (modeling_gpt2.py, modeling_llama.py, modeling_qwen2.py, modeling_gemma.py,
+# modeling_falcon.py, modeling_phi3.py, modeling_mixtral.py).
+FAMILY_DEFAULTS: dict[str, dict[str, object]] = {
+    "gpt2": dict(norm="layernorm", activation="gelu", position_embedding="learned",
+                 qkv_bias=True, out_bias=True, mlp_bias=True, tie_embeddings=True),
+    "llama": dict(norm="rmsnorm", activation="swiglu", position_embedding="rope",
+                  qkv_bias=False, out_bias=False, mlp_bias=False, tie_embeddings=False),
+    "mistral": dict(norm="rmsnorm", activation="swiglu", position_embedding="rope",
+                    qkv_bias=False, out_bias=False, mlp_bias=False, tie_embeddings=False),
+    "mixtral": dict(norm="rmsnorm", activation="swiglu", position_embedding="rope",
+                    qkv_bias=False, out_bias=False, mlp_bias=False, tie_embeddings=False,
+                    experts_per_token=2),
+    "qwen2": dict(norm="rmsnorm", activation="swiglu", position_embedding="rope",
+                  qkv_bias=True, out_bias=False, mlp_bias=False, tie_embeddings=False),
+    "gemma": dict(norm="rmsnorm", activation="geglu", position_embedding="rope",
+                  qkv_bias=False, out_bias=False, mlp_bias=False, tie_embeddings=True),
+    "falcon": dict(norm="layernorm", activation="gelu", position_embedding="rope",
+                   qkv_bias=False, out_bias=False, mlp_bias=False, tie_embeddings=True,
+                   shared_layer_norm=True),
+    "phi3": dict(norm="rmsnorm", activation="swiglu", position_embedding="rope",
+                 qkv_bias=False, out_bias=False, mlp_bias=False, tie_embeddings=False),
+}
+
+# GPT-2 and Falcon fix the MLP width at 4x the hidden size (modeling_gpt2.py: n_inner
+# defaults to 4 * n_embd; modeling_falcon.py: dense_h_to_4h).
+FFN_MULTIPLIER_DEFAULT = {"gpt2": 4, "falcon": 4}
+
+SHAPE_KEYS = (
+    "family", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+    "ffn_hidden_size", "vocab_size", "max_seq_len", "tie_embeddings", "norm", "activation",
+    "position_embedding", "qkv_bias", "out_bias", "mlp_bias", "shared_layer_norm",
+    "num_experts", "experts_per_token",
+)
+SOURCE_KEYS = ("preset", "hf_config", "params")
+
+
+class ModelSpec(Table):
+    """The model to plan for: a preset, a Hugging Face config.json, a parameter count, or a shape."""
+
+    preset: Optional[str] = Field(None, description="name of a shipped model preset (`shardplan presets`)")
+    hf_config: Optional[str] = Field(
+        None, description="path to a Hugging Face config.json (relative to this file)"
+    )
+    params: Optional[Count] = Field(
+        None, description="parameter count only ('7.5B'): estimates model states, no activations"
+    )
+    name: Optional[str] = Field(None, description="display name of an inline model")
+    family: Optional[Family] = Field(None, description="architecture family of an inline shape")
+    num_layers: Optional[Dim] = Field(None, description="number of transformer layers")
+    hidden_size: Optional[Dim] = Field(None, description="model width h")
+    num_heads: Optional[Dim] = Field(None, description="attention (query) heads a")
+    num_kv_heads: Optional[Dim] = Field(
+        None, description="key/value heads (grouped-query attention); default num_heads"
+    )
+    head_dim: Optional[Dim] = Field(None, description="width of one head; default hidden_size / num_heads")
+    ffn_hidden_size: Optional[Dim] = Field(
+        None, description="MLP inner width (per expert for MoE); gpt2/falcon default 4*hidden_size"
+    )
+    vocab_size: Optional[Dim] = Field(None, description="vocabulary size V")
+    max_seq_len: Optional[Dim] = Field(None, description="longest sequence the model supports")
+    tie_embeddings: Optional[bool] = Field(
+        None, description="output head shares the input embedding matrix (family default)"
+    )
+    norm: Optional[Norm] = Field(None, description="layernorm (weight and bias) or rmsnorm (weight)")
+    activation: Optional[Activation] = Field(
+        None, description="gelu (two MLP matrices) or a gated swiglu/geglu (three)"
+    )
+    position_embedding: Optional[PositionEmbedding] = Field(
+        None, description="learned (a max_seq_len x h table), rope or alibi (no parameters)"
+    )
+    qkv_bias: Optional[bool] = Field(None, description="query/key/value projections have biases")
+    out_bias: Optional[bool] = Field(None, description="attention output projection has a bias")
+    mlp_bias: Optional[bool] = Field(None, description="MLP projections have biases")
+    shared_layer_norm: Optional[bool] = Field(
+        None, description="attention and MLP read one shared norm per layer (Falcon-7B)"
+    )
+    num_experts: Optional[Dim] = Field(None, description="MoE experts per layer; 1 is a dense MLP")
+    experts_per_token: Optional[Dim] = Field(None, description="MoE top-k: experts each token uses")
+    dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="dropout probability; > 0 keeps masks for backward"
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        given = [k for k in SOURCE_KEYS if getattr(self, k) is not None]
+        if any(getattr(self, k) is not None for k in SHAPE_KEYS):
+            given.append("an inline shape")
+        if len(given) > 1:
+            raise ValueError(
+                "give exactly one of preset, hf_config, params or an inline shape "
+                f"(got {' and '.join(given)})"
+            )
+        return self
+
+    @property
+    def source(self) -> str | None:
+        """`preset`, `hf_config`, `params`, `shape`, or None when no model is given."""
+        for key in SOURCE_KEYS:
+            if getattr(self, key) is not None:
+                return key
+        if any(getattr(self, k) is not None for k in SHAPE_KEYS):
+            return "shape"
+        return None
+
+    def shape_table(self) -> dict:
+        """The inline shape keys that are set, as a plain dict."""
+        return {k: getattr(self, k) for k in ("name", *SHAPE_KEYS) if getattr(self, k) is not None}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A fully resolved decoder-only transformer: every structural choice made explicit."""
+
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    max_seq_len: int | None
+    tie_embeddings: bool
+    norm: str
+    activation: str
+    position_embedding: str
+    qkv_bias: bool
+    out_bias: bool
+    mlp_bias: bool
+    shared_layer_norm: bool
+    num_experts: int
+    experts_per_token: int
+    name: str = ""
+
+    @property
+    def gated(self) -> bool:
+        return self.activation in ("swiglu", "geglu")
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 1
+
+    def to_table(self) -> dict:
+        """The inline `[model]` table that reproduces this shape (None values left out)."""
+        return {k: v for k, v in asdict(self).items() if v is not None and v != ""}
+
+
+SHAPE_FIELDS = tuple(f.name for f in fields(ModelShape))
+
+
+def resolve_shape(table: dict, where: str = "model") -> tuple[ModelShape | None, list[Problem]]:
+    """Fill family defaults into an inline shape and check it; problems carry dotted paths."""
+    problems: list[Problem] = []
+
+    def at(key: str) -> str:
+        return f"{where}.{key}" if where else key
+
+    def need(key: str) -> None:
+        if table.get(key) is None:
+            problems.append(Problem(at(key), f"required for an inline shape of family {family!r}"))
+
+    family = table.get("family")
+    if family is None:
+        return None, [Problem(at("family"), f"required for an inline shape (one of {', '.join(FAMILIES)})")]
+    values = {**FAMILY_DEFAULTS[family], **{k: v for k, v in table.items() if v is not None}}
+    for key in ("num_layers", "hidden_size", "num_heads", "vocab_size"):
+        need(key)
+    if family not in FFN_MULTIPLIER_DEFAULT:
+        need("ffn_hidden_size")
+    if family == "mixtral":
+        need("num_experts")
+    if values.get("position_embedding") == "learned":
+        need("max_seq_len")
+    if problems:
+        return None, problems
+
+    hidden, heads = values["hidden_size"], values["num_heads"]
+    kv_heads = values.get("num_kv_heads") or heads
+    head_dim = values.get("head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            problems.append(Problem(
+                at("num_heads"),
+                f"{heads} heads do not divide hidden_size {hidden}; set head_dim explicitly",
+            ))
+        head_dim = hidden // heads
+    if heads % kv_heads:
+        problems.append(Problem(
+            at("num_kv_heads"),
+            f"{kv_heads} key/value heads must divide the {heads} query heads (grouped-query attention)",
+        ))
+    num_experts = values.get("num_experts") or 1
+    top_k = values.get("experts_per_token") or 1
+    if top_k > num_experts:
+        problems.append(Problem(
+            at("experts_per_token"), f"{top_k} exceeds num_experts ({num_experts})"
+        ))
+    if problems:
+        return None, problems
+    ffn = values.get("ffn_hidden_size") or FFN_MULTIPLIER_DEFAULT[family] * hidden
+    shape = ModelShape(
+        family=family,
+        name=values.get("name") or "",
+        num_layers=values["num_layers"],
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        ffn_hidden_size=ffn,
+        vocab_size=values["vocab_size"],
+        max_seq_len=values.get("max_seq_len"),
+        tie_embeddings=values["tie_embeddings"],
+        norm=values["norm"],
+        activation=values["activation"],
+        position_embedding=values["position_embedding"],
+        qkv_bias=values["qkv_bias"],
+        out_bias=values["out_bias"],
+        mlp_bias=values["mlp_bias"],
+        shared_layer_norm=bool(values.get("shared_layer_norm", False)),
+        num_experts=num_experts,
+        experts_per_token=top_k if num_experts > 1 else 1,
+    )
+    return shape, []

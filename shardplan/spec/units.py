@@ -1,0 +1,127 @@
+"""Size strings (`80GiB`, `80GB`, `512MiB`) and parameter counts (`7.5B`, `124M`).
+
+CONTRACT, "Units and conventions": sizes accept binary (2^10 steps) and decimal (10^3
+steps) units or a plain integer of bytes; counts accept `K/M/B/T` suffixes (10^3..10^12),
+scientific notation or integers. Both parse to exact integers (Decimal, never float).
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+
+# Larger than any memory or model that exists by orders of magnitude; a bound keeps absurd
+# input (1e400, 10**30) from reaching arithmetic that would loop or print nonsense.
+MAX_BYTES = 2**70
+MAX_COUNT = 10**16
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "pb": 10**15,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "pib": 2**50,
+}
+_COUNT_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+
+_NUMBER = r"(?P<num>[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?|\.[0-9]+(?:[eE][+-]?[0-9]+)?)"
+_SIZE_RE = re.compile(rf"^\s*{_NUMBER}\s*(?P<unit>[A-Za-z]*)\s*$")
+_COUNT_RE = re.compile(rf"^\s*{_NUMBER}\s*(?P<unit>[A-Za-z]?)\s*$")
+
+
+def _to_int(number: str, scale: int, what: str, text: str, limit: int) -> int:
+    try:
+        value = Decimal(number) * scale
+    except InvalidOperation:  # pragma: no cover - the regex admits only numbers
+        raise ValueError(f"not a {what}: {text!r}") from None
+    if not value.is_finite() or value > limit:
+        raise ValueError(f"{what} {text!r} is absurdly large (limit {limit:.3g})")
+    return int(value)
+
+
+def parse_size(value: object) -> int:
+    """Bytes from `80GiB`, `80GB` (10^9), `512MiB`, `1.5TiB` or an integer of bytes."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as '80GiB' or an integer of bytes, got a boolean")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a size cannot be negative (got {value})")
+        if value > MAX_BYTES:
+            raise ValueError(f"size {value} is absurdly large")
+        return value
+    if isinstance(value, float):
+        raise ValueError(f"write sizes as an integer of bytes or with a unit ('80GiB'), got {value}")
+    if not isinstance(value, str):
+        raise ValueError(f"expected a size such as '80GiB', got {type(value).__name__}")
+    match = _SIZE_RE.match(value)
+    if not match:
+        if value.strip().startswith("-"):
+            raise ValueError(f"a size cannot be negative (got {value!r})")
+        raise ValueError(f"not a size: {value!r} (write e.g. '80GiB', '80GB', '512MiB' or bytes)")
+    unit = match["unit"].lower()
+    if unit not in _SIZE_UNITS:
+        known = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+        raise ValueError(f"unknown size unit {match['unit']!r} in {value!r} (known: {known})")
+    return _to_int(match["num"], _SIZE_UNITS[unit], "size", value, MAX_BYTES)
+
+
+def parse_count(value: object) -> int:
+    """A count from `7.5B`, `124M`, `1T`, `7.5e9` or an integer."""
+    if isinstance(value, bool):
+        raise ValueError("expected a count such as '7.5B' or an integer, got a boolean")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a count cannot be negative (got {value})")
+        if value > MAX_COUNT:
+            raise ValueError(f"count {value} is absurdly large")
+        return value
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"not a count: {value}")
+        value = repr(value)
+    if not isinstance(value, str):
+        raise ValueError(f"expected a count such as '7.5B', got {type(value).__name__}")
+    match = _COUNT_RE.match(value)
+    if not match:
+        if value.strip().startswith("-"):
+            raise ValueError(f"a count cannot be negative (got {value!r})")
+        raise ValueError(f"not a count: {value!r} (write e.g. '7.5B', '124M', '1T' or '7.5e9')")
+    unit = match["unit"].lower()
+    if unit not in _COUNT_SUFFIXES:
+        raise ValueError(f"unknown suffix {match['unit']!r} in {value!r} (known: K, M, B, T)")
+    return _to_int(match["num"], _COUNT_SUFFIXES[unit], "count", value, MAX_COUNT)
+
+
+GIB = 2**30
+MIB = 2**20
+
+
+def format_bytes(num_bytes: int | float) -> str:
+    """`79.2 GiB`, `512.0 MiB` or `12 B`: the human form of a byte figure."""
+    sign = "-" if num_bytes < 0 else ""
+    size = abs(num_bytes)
+    if size >= 2**40:
+        return f"{sign}{size / 2**40:.2f} TiB"
+    if size >= GIB:
+        return f"{sign}{size / GIB:.2f} GiB"
+    if size >= MIB:
+        return f"{sign}{size / MIB:.1f} MiB"
+    if size >= 2**10:
+        return f"{sign}{size / 2**10:.1f} KiB"
+    return f"{sign}{int(size)} B"
+
+
+def format_count(count: int) -> str:
+    """`8.03B`, `69.0B`, `124.4M`: the human form of a parameter count."""
+    for scale, suffix in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if count >= scale:
+            value = count / scale
+            return f"{value:.2f}{suffix}" if value < 10 else f"{value:.1f}{suffix}"
+    return str(count)

@@ -1,0 +1,83 @@
+"""Shipped presets: each loads, validates, and survives a round trip through tomli-w."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import tomli_w
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from conftest import run_cli
+from test_params import TRANSFORMERS_COUNTS
+from shardplan.core.params import count_params
+from shardplan.io.job import load_job
+from shardplan.io.presets import list_presets
+from shardplan.spec.job import JobSpec
+
+PRESETS = list_presets()
+# Model presets and the reference configuration each one reproduces.
+PRESET_REFERENCE = {
+    "gpt2": "gpt2", "gpt2-medium": "gpt2-medium", "gpt2-large": "gpt2-large", "gpt2-xl": "gpt2-xl",
+    "llama-2-7b": "llama-2-7b", "llama-2-13b": "llama-2-13b", "llama-2-70b": "llama-2-70b",
+    "llama-3-8b": "llama-3-8b", "llama-3-70b": "llama-3-70b", "llama-3.1-405b": "llama-3.1-405b",
+    "mistral-7b": "mistral-7b-v0.1", "mixtral-8x7b": "mixtral-8x7b", "qwen2.5-7b": "qwen2.5-7b",
+}
+
+
+def test_the_promised_presets_ship():
+    names = {(p.kind, p.name) for p in PRESETS}
+    for model in PRESET_REFERENCE:
+        assert ("models", model) in names
+    for cluster in ("h100-80gb", "a100-80gb", "a100-40gb"):
+        assert ("clusters", cluster) in names
+    assert sum(1 for p in PRESETS if p.kind == "jobs") >= 3
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: f"{p.kind}/{p.name}")
+def test_preset_validates(preset):
+    result = run_cli("validate", str(preset.path))
+    assert result.code == 0, result.err
+    assert preset.description
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: f"{p.kind}/{p.name}")
+def test_round_trip(preset, tmp_path):
+    first = load_job(str(preset.path), env={})
+    dumped = first.job.model_dump(mode="json", exclude_none=True)
+    path = tmp_path / "again.toml"
+    path.write_text(tomli_w.dumps(dumped), encoding="utf-8")
+    second = load_job(str(path), env={})
+    assert second.job == first.job
+    assert second.shape == first.shape
+    # The resolved shape written inline loads to the same shape, too.
+    if first.shape is not None:
+        inline = tmp_path / "inline.toml"
+        inline.write_text(tomli_w.dumps({"model": first.shape.to_table()}), encoding="utf-8")
+        assert load_job(str(inline), env={}).shape == first.shape
+    assert JobSpec.model_validate(tomllib.loads(path.read_text())) == first.job
+
+
+@pytest.mark.parametrize("name", sorted(PRESET_REFERENCE))
+def test_model_presets_match_transformers(name):
+    shape = load_job(None, [("model.preset", name)], env={}).shape
+    total, embedding, active = TRANSFORMERS_COUNTS[PRESET_REFERENCE[name]]
+    counts = count_params(shape)
+    assert (counts.total, counts.embedding, counts.active) == (total, embedding, active or total)
+
+
+def test_presets_command_lists_and_shows():
+    listing = run_cli("presets", "--json")
+    assert listing.code == 0
+    rows = {row["name"]: row for row in listing.json["presets"]}
+    assert rows["llama-3-8b"]["params"]["total"] == 8_030_261_248
+    assert rows["h100-80gb"]["kind"] == "cluster"
+    shown = run_cli("presets", "mixtral-8x7b", "--json").json
+    assert shown["params"] == {"total": 46_702_792_704, "embedding": 131_072_000, "active": 12_879_925_248}
+    assert shown["table"]["model"]["num_experts"] == 8
+    text = run_cli("presets", "llama-3-8b")
+    assert "8,030,261,248" in text.out and "num_kv_heads = 8" in text.out

@@ -1,0 +1,171 @@
+"""`shardplan validate`: the cross-field rules users hit, each reported with its arithmetic."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import run_cli
+
+LLAMA3 = '[model]\npreset = "llama-3-8b"\n'
+
+
+def errors(result):
+    return [line for line in result.err_lines if ": warning: " not in line]
+
+
+def warnings(result):
+    return [line for line in result.err_lines if ": warning: " in line]
+
+
+def test_valid_job_summary(write):
+    path = write("job.toml", LLAMA3 + "[parallel]\ndp = 2\ntp = 4\npp = 2\nnum_microbatches = 4\n")
+    result = run_cli("validate", path)
+    assert result.code == 0, result.err
+    assert "valid: llama-3-8b (8.03B params); world 16 = dp 2 x tp 4 x pp 2 x cp 1 on 2 nodes of 8 GPUs" in result.out
+
+
+def test_every_problem_at_once_with_lines(write):
+    text = LLAMA3 + (
+        "[parallel]\n"          # line 3
+        "dp = 2\n"
+        "tp = 3\n"              # line 5
+        "pp = 40\n"             # line 6
+        "num_microbatches = 2\n"  # line 7
+        "[offload]\n"           # line 8
+        "params = true\n"       # line 9
+    )
+    path = write("job.toml", text)
+    result = run_cli("validate", path, "--world", "16")
+    assert result.code == 2
+    lines = errors(result)
+    expected = [
+        f"{path}:3: parallel: dp(2) * tp(3) * pp(40) * cp(1) = 240 != world size 16 (from --world)",
+        f"{path}:5: parallel.tp: 3 does not divide model.num_heads (32)",
+        f"{path}:7: parallel.num_microbatches: 1f1b needs at least pp (40) microbatches to fill the pipeline (got 2)",
+        f"{path}:6: parallel.pp: pp (40) exceeds model.num_layers (32): a stage needs a layer",
+        f"{path}:9: offload.params: offloading parameters requires zero.stage = 3 (got 0)",
+    ]
+    for line in expected:
+        assert line in lines, result.err
+
+
+def test_world_arithmetic_hint(write):
+    result = run_cli("validate", write("job.toml", "[parallel]\ntp = 4\n"), "--world", "16")
+    assert "dp(1) * tp(4) * pp(1) * cp(1) = 4 != world size 16 (from --world); dp = 4 would fit" in result.err
+
+
+def test_world_from_cluster_and_env(write):
+    path = write("job.toml", "[parallel]\ndp = 8\n[cluster]\nnodes = 2\ngpus_per_node = 8\n")
+    result = run_cli("validate", path)
+    assert "!= world size 16 (from cluster: 2 nodes * 8 GPUs)" in result.err
+    result = run_cli("validate", write("j2.toml", "[parallel]\ndp = 8\n"), env={"WORLD_SIZE": "4"})
+    assert "!= world size 4 (from WORLD_SIZE)" in result.err
+    assert run_cli("validate", write("j3.toml", "[parallel]\ndp = 4\n"), env={"WORLD_SIZE": "4"}).code == 0
+
+
+def test_cluster_without_nodes_follows_the_degrees(write):
+    path = write("job.toml", '[parallel]\ndp = 16\n[cluster]\npreset = "h100-80gb"\n')
+    result = run_cli("validate", path, "--json")
+    assert result.code == 0, result.err
+    assert result.json["files"][0]["nodes"] == 2
+
+
+def test_kv_heads(write):
+    # Llama-3 8B: 32 query heads, 8 KV heads.
+    ok = run_cli("validate", write("a.toml", LLAMA3), "--tp", "16", "--set", "parallel.sequence_parallel=false")
+    assert ok.code == 0
+    assert any("16 exceeds model.num_kv_heads (8): each key/value head must be replicated on 2 tp ranks" in w
+               for w in warnings(ok))
+    bad = run_cli("validate", write("b.toml", '[model]\nfamily = "llama"\nnum_layers = 2\nhidden_size = 96\n'
+                                    'num_heads = 12\nnum_kv_heads = 4\nffn_hidden_size = 64\nvocab_size = 10\n'), "--tp", "6")
+    assert "--tp 6: parallel.tp: 6 exceeds model.num_kv_heads (4) and is not a multiple of it" in bad.err
+    bad = run_cli("validate", write("c.toml", LLAMA3), "--tp", "32")
+    assert "parallel.tp: 32 exceeds model.num_kv_heads (8)" in bad.err and bad.code == 0
+
+
+def test_uneven_pipeline_split_is_shown(write):
+    result = run_cli("validate", write("job.toml", LLAMA3 + "[parallel]\npp = 3\nnum_microbatches = 3\n"))
+    assert result.code == 0
+    assert ("32 layers split unevenly over 3 stages: stage 0: layers 0-10 (11), "
+            "stage 1: layers 11-21 (11), stage 2: layers 22-31 (10)") in result.err
+
+
+def test_interleaved_rules(write):
+    base = LLAMA3 + '[parallel]\npp = 4\npipeline_schedule = "interleaved-1f1b"\n'
+    result = run_cli("validate", write("a.toml", base + "virtual_stages = 3\nnum_microbatches = 6\n"))
+    assert "interleaved-1f1b needs microbatches divisible by pp (4) (got 6)" in result.err
+    assert "needs model.num_layers (32) divisible by pp * virtual_stages (4 * 3 = 12)" in result.err
+    ok = run_cli("validate", write("b.toml", base + "virtual_stages = 2\nnum_microbatches = 8\n"))
+    assert ok.code == 0, ok.err
+    result = run_cli("validate", write("c.toml", LLAMA3 + "[parallel]\npp = 2\nvirtual_stages = 2\nnum_microbatches = 4\n"))
+    assert "2 chunks per rank need pipeline_schedule interleaved-1f1b or round-robin (got 1f1b)" in result.err
+
+
+def test_sequence_and_context_parallel(write):
+    text = LLAMA3 + "[parallel]\ntp = 8\ncp = 3\nsequence_parallel = true\n[train]\nseq_len = 4000\n"
+    result = run_cli("validate", write("a.toml", text))
+    assert "train.seq_len: 4000 is not divisible by 2 * cp (6)" in result.err
+    assert "seq_len / cp (1333) is not divisible by tp (8)" in result.err
+
+
+def test_budgets_against_the_cluster(write):
+    text = '[offload]\ngpu_param_budget = "90GiB"\ncpu_memory_budget = "2TiB"\n[cluster]\npreset = "a100-40gb"\n'
+    result = run_cli("validate", write("a.toml", text))
+    assert "offload.gpu_param_budget: 90.00 GiB exceeds cluster.gpu_memory (40.00 GiB)" in result.err
+    assert "offload.cpu_memory_budget: 2.00 TiB exceeds cluster.cpu_memory_per_node (1.00 TiB)" in result.err
+
+
+def test_learned_positions_limit(write):
+    result = run_cli("validate", write("a.toml", '[model]\npreset = "gpt2"\n[train]\nseq_len = 2048\n'))
+    assert "train.seq_len: 2048 exceeds the model's 1024 learned positions" in result.err
+    # An unwritten seq_len follows the model instead of failing.
+    assert run_cli("validate", write("b.toml", '[model]\npreset = "gpt2"\n')).code == 0
+
+
+def test_fsdp_names_and_framework_rules(write):
+    ok = run_cli("validate", write("a.toml", '[parallel]\ndp = 16\n[zero]\nstage = "hybrid_shard"\n'), "--json")
+    assert ok.code == 0
+    bad = run_cli("validate", write("b.toml", LLAMA3 + '[parallel]\npp = 2\nnum_microbatches = 2\n'), "--zero", "3",
+                  "--framework", "deepspeed")
+    assert "DeepSpeed's pipeline engine supports ZeRO stages 0 and 1 only" in bad.err
+    bad = run_cli("validate", write("c.toml", '[zero]\nstage = 1\nhybrid = true\n'))
+    assert "zero.hybrid: hybrid sharding needs zero.stage 2 or 3 (got 1)" in bad.err
+
+
+def test_flags_override_the_file(write):
+    path = write("job.toml", LLAMA3 + "[parallel]\ndp = 2\n")
+    result = run_cli("validate", path, "--dp", "4", "--tp", "2", "--json")
+    summary = result.json["files"][0]
+    assert summary["degrees"] == {"dp": 4, "tp": 2, "pp": 1, "cp": 1}
+    # --params replaces the file's model
+    result = run_cli("validate", path, "--params", "7.5B", "--json")
+    assert result.json["files"][0]["params"] == 7_500_000_000
+
+
+def test_json_document(write):
+    good = write("good.toml", LLAMA3)
+    bad = write("bad.toml", "[parallel]\ntp = 0\n")
+    result = run_cli("validate", good, bad, "--json")
+    assert result.code == 2
+    doc = result.json
+    assert doc["schema_version"] == 1 and doc["valid"] is False
+    assert [f["valid"] for f in doc["files"]] == [True, False]
+    problem = doc["files"][1]["problems"][0]
+    assert problem == {"file": bad, "line": 2, "path": "parallel.tp", "severity": "error",
+                       "message": "must be >= 1 (got 0)"}
+    assert result.err_lines == [f"{bad}:2: parallel.tp: must be >= 1 (got 0)"]
+
+
+def test_hf_config_relative_to_job_file(write, tmp_path):
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "vocab_size": 100, "_name_or_path": "toy"}
+    write("models/config.json", json.dumps(config))
+    path = write("jobs/job.toml", '[model]\nhf_config = "../models/config.json"\n')
+    result = run_cli("validate", path, "--json")
+    assert result.code == 0, result.err
+    assert result.json["files"][0]["model"] == "toy"
+
+
+def test_job_presets_by_name():
+    result = run_cli("validate", "llama-3-8b-h100")
+    assert result.code == 0 and "valid: llama-3-8b" in result.out
