@@ -80,8 +80,10 @@ HF_CASES = [
     ("hf_not_json", "model_type = 'llama'", "invalid JSON"),
 ]
 
-# Commands that read a job file and flags; extended as commands land.
-JOB_COMMANDS = [["validate"]]
+# Commands that read a job file and the plan flags.
+JOB_COMMANDS = [["validate"], ["layout"], ["estimate"], ["shards"], ["run"]]
+# Commands for which a missing data file is an error (elsewhere it is a warning).
+CHECKS_PATHS = ("validate", "run")
 
 
 def _check(result, needle):
@@ -94,6 +96,10 @@ def _check(result, needle):
 @pytest.mark.parametrize("command", JOB_COMMANDS, ids=lambda c: c[0])
 @pytest.mark.parametrize("name, text, flags, needle", FILE_CASES, ids=[c[0] for c in FILE_CASES])
 def test_file_corpus(command, name, text, flags, needle, write):
+    if name == "missing_data" and command[0] not in CHECKS_PATHS:
+        pytest.skip("a missing data file only warns when nothing will read it")
+    if name == "world_mismatch" and command[0] in ("shards", "run"):
+        pytest.skip("shards' --world is the shard group's size; run's world is torchrun's")
     path = write("job.toml", text)
     result = run_cli(*command, path, *flags)
     _check(result, needle)
@@ -140,5 +146,50 @@ def test_unknown_command():
     _check(run_cli("estimat"), "No such command")
 
 
-def test_unknown_preset_name():
-    _check(run_cli("presets", "llama-3-9b"), "no preset named 'llama-3-9b'")
+# Commands with their own arguments: (argv, text the error line must contain).
+OWN_ARGUMENT_CASES = [
+    (["schedule", "--pp", "4", "--microbatches", "3", "--schedule", "1f1b"], "--microbatches: 1f1b needs at least pp (4) microbatches"),
+    (["schedule", "--pp", "4", "--microbatches", "2", "--schedule", "zero-bubble"], "--microbatches: zero-bubble needs at least pp (4) microbatches"),
+    (["schedule", "--pp", "4", "--microbatches", "6", "--schedule", "interleaved-1f1b", "--virtual", "2"], "--microbatches: interleaved-1f1b needs microbatches divisible by pp (4) (got 6)"),
+    (["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "1f1b", "--virtual", "2"], "--virtual: 2 chunks per rank need interleaved-1f1b or round-robin"),
+    (["schedule", "--pp", "0", "--microbatches", "8", "--schedule", "gpipe"], "--pp: must be >= 1 (got 0)"),
+    (["schedule", "--pp", "-4", "--microbatches", "8", "--schedule", "gpipe"], "--pp: must be >= 1 (got -4)"),
+    (["schedule", "--pp", "9223372036854775807", "--microbatches", "8", "--schedule", "gpipe"], "--pp: must be <= 256"),
+    (["schedule", "--pp", "4", "--microbatches", "99999999999999999999", "--schedule", "gpipe"], "--microbatches: must be <= 65536"),
+    (["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "round-robin", "--virtual", "0"], "--virtual: must be >= 1 (got 0)"),
+    (["schedule", "--pp", "256", "--microbatches", "8192", "--schedule", "gpipe"], "(microbatch, stage) pairs exceed the 1048576"),
+    (["schedule", "--pp", "64", "--microbatches", "2048", "--schedule", "gpipe"], "more than the 262144 shardplan draws"),
+    (["schedule", "--pp", "two", "--microbatches", "8", "--schedule", "gpipe"], "--pp"),
+    (["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "1f1f"], "--schedule: unknown schedule '1f1f' (did you mean '1f1b'?"),
+    (["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "1f1b", "--cost-w", "1"], "--cost-w: only zero-bubble splits the backward"),
+    (["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "1f1b", "--cost-b", "0"], "--cost-b: must be >= 1 (got 0)"),
+    (["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "1f1b", "--cost-f", "101"], "--cost-f: must be <= 100"),
+    (["schedule", "--microbatches", "8", "--schedule", "1f1b"], "--pp: required (or give a job FILE that sets parallel.pp)"),
+    (["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "1f1b", "--svg", "/nonexistent-dir/x.svg"], "--svg: cannot write"),
+    (["schedule", "no-such-job.toml"], "no such file"),
+    (["layout", "--rank", "16", "--dp", "16"], "rank 16 is out of range"),
+    (["layout", "--order", "tp-tp"], "axis 'tp' appears twice"),
+    (["layout", "--pp", "2", "--order", "tp-dp"], "leaves out pp"),
+    (["layout", "--dp", "0"], "parallel.dp: must be >= 1"),
+    (["layout", "--gpus-per-node", "0"], "cluster.gpus_per_node: must be >= 1"),
+    (["shards", "--numel", "10", "--world", "0"], "--world"),
+    (["shards", "--numel", "-1"], "--numel"),
+    (["shards", "--numel", "10", "--style", "fsdp3"], "--style: unknown style"),
+    (["shards", "--blocks", "4"], "--blocks: needs --assign"),
+    (["shards", "--blocks", "4", "--assign", "random"], "--assign: unknown assignment"),
+    (["shards", "--numel", "4", "--blocks", "2", "--assign", "contiguous"], "--numel: cannot be combined"),
+    (["shards", "--world", "4"], "nothing to shard: no model"),
+    (["shards", "--params", "7B"], "nothing to shard: a bare parameter count"),
+    (["estimate"], "no model"),
+    (["estimate", "--params", "7.5B", "--pp", "0"], "parallel.pp: must be >= 1"),
+    (["run", "tiny-gpt2-cpu", "--nproc", "3"], "--nproc: 3 workers, but dp(2) * tp(1) * pp(1) * cp(1) = 2"),
+    (["run", "tiny-gpt2-cpu", "--set", "parallel.cp=2", "--dp", "1"], "parallel.cp: context parallelism is not executed"),
+    (["run", "tiny-gpt2-cpu", "--params", "1B"], "model: `run` needs an architecture"),
+    (["run", "tiny-gpt2-cpu", "--set", "offload.cpu_compression=int8"], "offload.cpu_compression: int8 compression"),
+    (["presets", "llama-3-9b"], "no preset named 'llama-3-9b'"),
+]
+
+
+@pytest.mark.parametrize("argv, needle", OWN_ARGUMENT_CASES, ids=[" ".join(c[0])[:60] for c in OWN_ARGUMENT_CASES])
+def test_own_argument_corpus(argv, needle):
+    _check(run_cli(*argv), needle)

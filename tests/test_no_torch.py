@@ -16,6 +16,17 @@ PLANNING_COMMANDS = [
     ["presets"],
     ["presets", "mixtral-8x7b"],
     ["schema"],
+    ["layout", "--dp", "2", "--tp", "4", "--pp", "2"],
+    ["layout", "llama-2-70b-3d", "--rank", "9"],
+    ["shards", "--numel", "1000", "--world", "3"],
+    ["shards", "llama-3-8b-h100"],
+    ["shards", "tiny-gpt2-cpu", "--assign", "round-robin"],
+    ["shards", "--blocks", "10", "--assign", "contiguous", "--world", "4"],
+    ["estimate", "llama-3-8b-h100"],
+    ["estimate", "llama-2-70b-3d", "--explain"],
+    ["estimate", "--params", "7.5B", "--dp", "64", "--zero", "3", "--framework", "deepspeed"],
+    ["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "zero-bubble"],
+    ["schedule", "llama-2-70b-3d", "--schedule", "interleaved-1f1b", "--virtual", "2"],
 ]
 
 

@@ -20,7 +20,16 @@ except ImportError:  # pragma: no cover - older typer on top of click
 from .. import __version__
 from ..spec.errors import EXIT_BAD_INPUT, EXIT_RUNTIME, ShardplanError
 from ..render.output import emit_diagnostics
-from . import presets_cmd, schema_cmd, validate_cmd
+from . import (
+    estimate_cmd,
+    layout_cmd,
+    presets_cmd,
+    run_cmd,
+    schedule_cmd,
+    schema_cmd,
+    shards_cmd,
+    validate_cmd,
+)
 
 app = typer.Typer(
     name="shardplan",
@@ -51,8 +60,9 @@ def _main(
         _state["debug"] = True
 
 
-for module in (validate_cmd, presets_cmd, schema_cmd):
-    module.register(app)
+# One module per command, in the order `--help` lists them.
+for _module in (validate_cmd, layout_cmd, shards_cmd, estimate_cmd, schedule_cmd, run_cmd, presets_cmd, schema_cmd):
+    _module.register(app)
 
 
 def _debugging() -> bool:

@@ -12,6 +12,7 @@ from ..spec.job import JobSpec
 from ..spec.model import ModelShape
 from ..spec.units import format_bytes
 from .degrees import Degrees, missing_axes
+from .layout import layout_problems
 from .pipeline import describe_split
 
 # Schedules that run one forward and one backward alternately after a warm-up of up to
@@ -174,13 +175,15 @@ def sharding_problems(job: JobSpec, nodes: int) -> list[Problem]:
             f"DeepSpeed's pipeline engine supports ZeRO stages 0 and 1 only (pp = "
             f"{job.parallel.pp}, stage = {zero.stage})",
         ))
-    if off.gpu_param_budget > cluster.gpu_memory:
+    # Only budgets the user wrote are checked: a default adapts to the cluster instead.
+    written = off.model_fields_set
+    if "gpu_param_budget" in written and off.gpu_param_budget > cluster.gpu_memory:
         problems.append(error(
             "offload.gpu_param_budget",
             f"{format_bytes(off.gpu_param_budget)} exceeds cluster.gpu_memory "
             f"({format_bytes(cluster.gpu_memory)})",
         ))
-    if off.cpu_memory_budget > cluster.cpu_memory_per_node:
+    if "cpu_memory_budget" in written and off.cpu_memory_budget > cluster.cpu_memory_per_node:
         problems.append(error(
             "offload.cpu_memory_budget",
             f"{format_bytes(off.cpu_memory_budget)} exceeds cluster.cpu_memory_per_node "
@@ -213,6 +216,13 @@ def job_problems(
         problems += heads_problems(par.tp, shape)
     problems += pipeline_problems(job, shape.num_layers if shape else None)
     problems += sequence_problems(job, shape)
+    placement = layout_problems(degrees, par.order, job.cluster.gpus_per_node,
+                                hybrid=job.zero.hybrid and job.zero.stage >= 2)
+    # Partly filled nodes matter only on a machine the job names; the default of 8 GPUs per
+    # node is not a claim about the user's cluster.
+    if "gpus_per_node" not in job.cluster.model_fields_set:
+        placement = [p for p in placement if p.path != "cluster.gpus_per_node"]
+    problems += placement
     world = worlds[0][0] if worlds else degrees.world
     nodes = -(-world // job.cluster.gpus_per_node)
     problems += sharding_problems(job, nodes)

@@ -1,0 +1,62 @@
+"""`shardplan estimate [FILE] [--params N] [plan flags]`: per-device and per-node memory."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from ..core.estimate_inputs import inputs_from_job
+from ..core.memory import estimate_memory
+from ..io.job import ResolvedJob
+from ..render.estimate import estimate_document, explain_lines, render_estimate
+from ..render.output import emit_diagnostics, emit_json, stdout_console
+from ..spec.errors import EXIT_INFEASIBLE, InputError, Problem
+from .options import JsonFlag, PlanFlags, plan_flags
+
+
+def limits_known(resolved: ResolvedJob) -> bool:
+    """The fit is checked only against a GPU memory the job states (a [cluster] table or preset)."""
+    return "gpu_memory" in resolved.job.cluster.model_fields_set
+
+
+@plan_flags
+def estimate(
+    file: Annotated[Optional[str], typer.Argument(help="job file (TOML/JSON) or job preset name")] = None,
+    explain: Annotated[bool, typer.Option("--explain", help="print every formula with its numbers")] = False,
+    world: Annotated[Optional[int], typer.Option("--world", min=1, help="world size the job must fill")] = None,
+    json_out: JsonFlag = False,
+    *,
+    flags: PlanFlags,
+) -> None:
+    """Per-device GPU memory and per-node CPU memory, with offload; exit 1 when it does not fit.
+
+    Parameters, gradients, optimizer states, activations and buffers per pipeline stage,
+    headroom against the cluster, and `--explain` for every formula with its numbers.
+    """
+    resolved = flags.load(file, world=world)
+    if resolved.shape is None and resolved.params_only is None:
+        raise InputError(Problem("model", "no model: set model.preset, model.hf_config, an inline shape, or --params",
+                                 file=file))
+    emit_diagnostics(resolved.warnings)
+    cluster = resolved.job.cluster
+    known = limits_known(resolved)
+    inputs = inputs_from_job(resolved.job, resolved.shape, known)
+    result = estimate_memory(inputs)
+    gpu_memory = cluster.gpu_memory if known else None
+    cpu_memory = cluster.cpu_memory_per_node if known else None
+    if json_out:
+        emit_json(estimate_document(result, gpu_memory, explain))
+    else:
+        title = f"{resolved.model_name or 'model'}: memory per device"
+        console = stdout_console()
+        console.print(render_estimate(result, gpu_memory, cpu_memory, title))
+        for line in explain_lines(result) if explain else []:
+            console.print(line, soft_wrap=True)
+    emit_diagnostics(f"warning: {w}" for w in result.warnings)
+    if result.fits is False:
+        raise typer.Exit(EXIT_INFEASIBLE)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("estimate")(estimate)

@@ -1,0 +1,97 @@
+"""`shardplan layout [FILE] [--dp --tp --pp --cp] [--order] [--gpus-per-node] [--rank R]`."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Annotated, Optional
+
+import typer
+from pydantic import ValidationError
+
+from ..core.degrees import Degrees
+from ..core.layout import Layout, layout_warnings
+from ..io.job import _expand_cluster_preset, load_job, open_job_source
+from ..io.overrides import Override, apply_overrides
+from ..render.layout import layout_document, layout_picture, rank_document, rank_text, write_document
+from ..render.output import emit_diagnostics, stdout_console
+from ..spec.errors import InputError, Problem
+from ..spec.job import JobSpec
+from .options import JsonFlag, PlanFlags, plan_flags
+
+# Job-file fields whose cross-field rules do not move a rank: the pipeline schedule, the
+# training step, ZeRO/offload and run-time settings. A job that breaks only those still has
+# a layout, and `layout` shows their problems as warnings; every other error (degrees,
+# order, world, cluster, the model) stops it, as bad input.
+NOT_PLACEMENT = (
+    "parallel.num_microbatches", "parallel.virtual_stages", "parallel.pipeline_schedule",
+    "parallel.sequence_parallel", "parallel.micro_batch_size", "train.", "zero.", "offload.",
+    "data.", "checkpoint.",
+)
+
+
+def _moves_ranks(problem: Problem) -> bool:
+    return not problem.path.startswith(NOT_PLACEMENT)
+
+
+def load_placement(
+    file: str | None, overrides: list[Override], labels: dict[str, str], world: int | None
+) -> tuple[JobSpec, list[Problem]]:
+    """The job's tables and the problems to show as warnings; raises on errors that matter
+    for placement (every problem of the file is then listed, as `validate` would)."""
+    try:
+        resolved = load_job(file, overrides, world=world, flag_labels=labels)
+        return resolved.job, resolved.warnings
+    except InputError as exc:
+        if any(_moves_ranks(p) for p in exc.problems if p.severity == "error"):
+            raise
+        data = apply_overrides(open_job_source(file).data, overrides)
+        if _expand_cluster_preset(data):
+            raise
+        try:
+            job = JobSpec.model_validate(data)
+        except ValidationError:  # a malformed table: the original message says where
+            raise exc from None
+        return job, [replace(p, severity="warning") for p in exc.problems]
+
+
+@plan_flags
+def layout(
+    file: Annotated[Optional[str], typer.Argument(help="job file (TOML or JSON) or job preset name")] = None,
+    order: Annotated[
+        Optional[str],
+        typer.Option("--order", help="rank order, fastest axis first, e.g. tp-cp-dp-pp (sets parallel.order)"),
+    ] = None,
+    rank: Annotated[Optional[int], typer.Option("--rank", help="show one rank: coordinates, node, groups")] = None,
+    world: Annotated[Optional[int], typer.Option("--world", min=1, help="world size the job must fill")] = None,
+    json_out: JsonFlag = False,
+    *,
+    flags: PlanFlags,
+) -> None:
+    """Rank grid, process groups and node placement: which rank does what."""
+    overrides, labels = flags.overrides(), flags.labels()
+    if order is not None:
+        overrides.append(("parallel.order", order))
+        labels["parallel.order"] = f"--order {order}"
+    job, problems = load_placement(file, overrides, labels, world)
+    par = job.parallel
+    degrees = Degrees(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp)
+    grid = Layout(degrees, par.order, job.cluster.gpus_per_node)
+    if rank is not None:
+        grid.check_rank(rank)
+    warnings = layout_warnings(grid)
+    emit_diagnostics([*problems, *(f"warning: {w}" for w in warnings)])
+    if rank is not None:
+        document = rank_document(grid, rank, warnings)
+        if json_out:
+            write_document(document)
+        else:
+            stdout_console().print(rank_text(document), soft_wrap=True)
+        return
+    if json_out:
+        write_document(layout_document(grid, warnings))
+    else:
+        stdout_console().print(layout_picture(grid), soft_wrap=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("layout")(layout)

@@ -1,0 +1,121 @@
+"""`shardplan schedule [FILE] --pp P --microbatches M --schedule S [--virtual V] [--svg F]`.
+
+Builds the pipeline schedule, simulates it with the given costs, and shows the timeline,
+the bubble and the microbatches each rank holds. A job FILE (or job preset) supplies
+parallel.pp, num_microbatches, pipeline_schedule and virtual_stages; flags override it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..core.schedule import ScheduleInputError, default_costs, plan_schedule
+from ..core.schedule_sim import Costs
+from ..io.job import load_job
+from ..render.output import emit_diagnostics, emit_json, stdout_console
+from ..render.schedule import print_schedule, schedule_document, schedule_svg
+from ..spec.errors import InputError, Problem
+from .options import JsonFlag
+
+# Each input: its flag, and the job-file key it can come from.
+INPUTS = {
+    "pp": ("--pp", "parallel.pp"),
+    "microbatches": ("--microbatches", "parallel.num_microbatches"),
+    "schedule": ("--schedule", "parallel.pipeline_schedule"),
+    "virtual": ("--virtual", "parallel.virtual_stages"),
+    "cost_f": ("--cost-f", None),
+    "cost_b": ("--cost-b", None),
+    "cost_w": ("--cost-w", None),
+}
+REQUIRED = ("pp", "microbatches", "schedule")
+
+
+def _problem(field: str | None, message: str, from_file: dict[str, str]) -> Problem:
+    """Blame the flag that set `field`, else the job file's key, else nobody in particular."""
+    if field is None:
+        return Problem("", message)
+    flag, key = INPUTS[field]
+    if field in from_file:
+        return Problem(key or flag, message, file=from_file[field])
+    return Problem(flag, message)
+
+
+def _resolve(job: str | None, flags: dict[str, object]) -> tuple[dict[str, object], dict[str, str]]:
+    """The inputs, file values first and flags over them; and which came from the file."""
+    values: dict[str, object] = {"virtual": 1}
+    from_file: dict[str, str] = {}
+    if job is not None:
+        par = load_job(job, env={}).job.parallel
+        values.update(pp=par.pp, microbatches=par.num_microbatches,
+                      schedule=par.pipeline_schedule, virtual=par.virtual_stages)
+        from_file = {field: job for field in ("pp", "microbatches", "schedule", "virtual")}
+    for field, value in flags.items():
+        if value is not None:
+            values[field] = value
+            from_file.pop(field, None)
+    missing = [field for field in REQUIRED if field not in values]
+    if missing:
+        raise InputError([
+            Problem(INPUTS[f][0], f"required (or give a job FILE that sets {INPUTS[f][1]})") for f in missing
+        ])
+    return values, from_file
+
+
+def schedule(
+    job: Annotated[Optional[str], typer.Argument(
+        help="job file or job preset to read parallel.pp, num_microbatches, pipeline_schedule, "
+        "virtual_stages from", show_default=False)] = None,
+    pp: Annotated[Optional[int], typer.Option("--pp", help="pipeline ranks", show_default=False)] = None,
+    microbatches: Annotated[Optional[int], typer.Option(
+        "--microbatches", help="microbatches per step", show_default=False)] = None,
+    schedule_name: Annotated[Optional[str], typer.Option(
+        "--schedule", help="gpipe | 1f1b | interleaved-1f1b | zero-bubble | round-robin",
+        show_default=False)] = None,
+    virtual: Annotated[Optional[int], typer.Option(
+        "--virtual", help="model chunks per rank, for interleaved-1f1b and round-robin (default 1)",
+        show_default=False)] = None,
+    svg: Annotated[Optional[Path], typer.Option(
+        "--svg", help="also write the timeline as a standalone SVG file", show_default=False)] = None,
+    cost_f: Annotated[Optional[int], typer.Option(
+        "--cost-f", help="time units of a forward (default 1)", show_default=False)] = None,
+    cost_b: Annotated[Optional[int], typer.Option(
+        "--cost-b", help="time units of a backward; for zero-bubble its input-gradient part "
+        "(default 2; zero-bubble 1)", show_default=False)] = None,
+    cost_w: Annotated[Optional[int], typer.Option(
+        "--cost-w", help="time units of a weight gradient, zero-bubble only (default 1)",
+        show_default=False)] = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Build a pipeline schedule and simulate it: per-rank timeline, bubble, microbatches in flight."""
+    flags = {"pp": pp, "microbatches": microbatches, "schedule": schedule_name, "virtual": virtual,
+             "cost_f": cost_f, "cost_b": cost_b, "cost_w": cost_w}
+    values, from_file = _resolve(job, flags)
+    name = values["schedule"]
+    defaults = default_costs(name)
+    costs = Costs(
+        forward=defaults.forward if cost_f is None else cost_f,
+        backward=defaults.backward if cost_b is None else cost_b,
+        weight=defaults.weight if cost_w is None else cost_w,
+    )
+    try:
+        plan = plan_schedule(name, values["pp"], values["microbatches"], values["virtual"], costs)
+    except ScheduleInputError as exc:
+        raise InputError(_problem(exc.field, exc.message, from_file)) from None
+    if svg is not None:
+        try:
+            svg.write_text(schedule_svg(plan), encoding="utf-8")
+        except OSError as exc:
+            raise InputError(Problem("--svg", f"cannot write {str(svg)!r}: {exc.strerror or exc}")) from None
+    if json_out:
+        emit_json(schedule_document(plan))
+    else:
+        print_schedule(stdout_console(), plan)
+    if svg is not None:
+        emit_diagnostics([f"wrote {svg}"])
+
+
+def register(app: typer.Typer) -> None:
+    app.command("schedule")(schedule)

@@ -1,0 +1,132 @@
+"""`shardplan shards [FILE] [--world N] [--numel N] [--style S] [--blocks N --assign A]`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from ..core.checks import VIRTUAL_SCHEDULES
+from ..core.layout import Layout, hybrid_shard_groups
+from ..core.shards import ASSIGNMENTS, STYLES, assign_blocks, chunk_size, ownership, shard_ranges
+from ..core.shards_model import assign_params, model_shards, param_element_bytes, placed_params
+from ..io.job import ResolvedJob
+from ..render.layout import write_document
+from ..render.output import emit_diagnostics, stdout_console
+from ..render.shards import (
+    blocks_document, blocks_text, model_document, model_text, numel_document, numel_text,
+    param_blocks_document, param_blocks_text,
+)
+from ..spec.common import MAX_WORLD_SIZE
+from ..spec.errors import InputError, Problem
+from .options import JsonFlag, PlanFlags, plan_flags
+
+# More blocks than this is a typing mistake, not an optimizer (same bound as the world).
+MAX_BLOCKS = MAX_WORLD_SIZE
+
+
+def default_style(resolved: ResolvedJob) -> str:
+    """The job's own framework: fsdp2 -> fsdp2; deepspeed -> zero3 at stage 3, else zero12."""
+    zero = resolved.job.zero
+    if zero.framework == "fsdp2":
+        return "fsdp2"
+    return "zero3" if zero.stage == 3 else "zero12"
+
+
+def default_world(resolved: ResolvedJob) -> int:
+    """The job's ZeRO/FSDP shard group: dp * cp, or its node-local part with hybrid sharding."""
+    degrees = resolved.degrees
+    if resolved.job.zero.hybrid:
+        grid = Layout(degrees, resolved.job.parallel.order, resolved.job.cluster.gpus_per_node)
+        shard_groups, _ = hybrid_shard_groups(grid, "dp_cp")
+        return len(shard_groups[0])
+    return degrees.dp * degrees.cp
+
+
+def _show(document: dict, json_out: bool, text) -> None:
+    if json_out:
+        write_document(document)
+    else:
+        stdout_console().print(text(document), soft_wrap=True)
+
+
+@plan_flags
+def shards(
+    file: Annotated[Optional[str], typer.Argument(help="job file (TOML or JSON) or job preset name")] = None,
+    world: Annotated[
+        Optional[int],
+        typer.Option("--world", min=1, max=MAX_WORLD_SIZE, help="ranks sharing the tensor (default: the job's dp*cp)"),
+    ] = None,
+    numel: Annotated[Optional[int], typer.Option("--numel", min=0, help="shard one flat tensor of N elements")] = None,
+    style: Annotated[
+        Optional[str], typer.Option("--style", help=f"{', '.join(STYLES)} (default: the job's framework)")
+    ] = None,
+    blocks: Annotated[
+        Optional[int], typer.Option("--blocks", min=1, max=MAX_BLOCKS, help="number of equal blocks to assign")
+    ] = None,
+    assign: Annotated[
+        Optional[str], typer.Option("--assign", help="contiguous or round-robin: owner of each block (or parameter)")
+    ] = None,
+    json_out: JsonFlag = False,
+    *,
+    flags: PlanFlags,
+) -> None:
+    """What each rank owns: ranges of a flat tensor, a model's parameters, or whole blocks."""
+    problems = []
+    if style is not None and style not in STYLES:
+        problems.append(Problem("--style", f"unknown style {style!r} (one of {', '.join(STYLES)})"))
+    if assign is not None and assign not in ASSIGNMENTS:
+        problems.append(Problem("--assign", f"unknown assignment {assign!r} (one of {', '.join(ASSIGNMENTS)})"))
+    if blocks is not None and assign is None:
+        problems.append(Problem("--blocks", "needs --assign contiguous or --assign round-robin"))
+    if numel is not None and (blocks is not None or assign is not None):
+        problems.append(Problem("--numel", "cannot be combined with --blocks/--assign: one question at a time"))
+    if assign is not None and style is not None:
+        problems.append(Problem("--assign", "assigns whole blocks; --style cuts tensors: give one of them"))
+    if problems:
+        raise InputError(problems)
+
+    resolved = flags.load(file)
+    emit_diagnostics(resolved.warnings)
+    shard_world = world if world is not None else default_world(resolved)
+
+    if blocks is not None:
+        owners = assign_blocks(blocks, shard_world, assign)
+        shares = ownership(owners, [1] * blocks, shard_world)
+        _show(blocks_document(shard_world, assign, owners, shares), json_out, blocks_text)
+        return
+    chosen = style or default_style(resolved)
+    if numel is not None:
+        shards_ = shard_ranges(numel, shard_world, chosen)
+        document = numel_document(numel, shard_world, chosen, chunk_size(numel, shard_world, chosen), shards_)
+        _show(document, json_out, numel_text)
+        return
+
+    shape = resolved.shape
+    if shape is None:
+        what = "a bare parameter count (model.params) has no tensors" if resolved.params_only else "no model"
+        raise InputError(Problem(
+            "", f"nothing to shard: {what}; give --numel N, --blocks N --assign A, or a job with a model"
+        ))
+    job = resolved.job
+    par = job.parallel
+    virtual = par.virtual_stages if par.pipeline_schedule in VIRTUAL_SCHEDULES else 1
+    # tp rank 0 holds the largest tensor-parallel pieces (torch.chunk gives later ranks less).
+    placed = placed_params(shape, par.pp, virtual, par.tp, tp_rank=0)
+    element_bytes = param_element_bytes(job.train.precision, chosen, job.zero.framework)
+    model = resolved.model_name or shape.name or shape.family
+
+    if assign is not None:
+        owned, shares = assign_params(placed, shard_world, assign, element_bytes)
+        _show(param_blocks_document(model, shard_world, assign, element_bytes, owned, shares), json_out, param_blocks_text)
+        return
+    plan = model_shards(placed, shard_world, chosen, element_bytes, min_numel=job.zero.min_num_params)
+    context = {"model": model, "tp": par.tp, "tp_rank": 0, "pp": par.pp, "precision": job.train.precision}
+    if json_out:
+        write_document(model_document(context, plan))
+    else:
+        stdout_console().print(model_text(context, plan, shape.num_layers), soft_wrap=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("shards")(shards)

@@ -1,0 +1,184 @@
+"""Activation memory: the tensors saved for backward, per layer and microbatch.
+
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+section 4: with s tokens, b sequences, hidden h, a heads, 16-bit activations and 1-byte
+dropout masks, one GPT layer saves
+
+    attention  11sbh + 5as^2b   (QKV input 2sbh, Q and K 4sbh, softmax 2as^2b, its dropout
+                                 mask as^2b and output 2as^2b, V 2sbh, projection input 2sbh,
+                                 dropout mask sbh)
+    MLP        19sbh            (input 2sbh, GeLU input 8sbh and output 8sbh, mask sbh)
+    norms       4sbh            (the two LayerNorm inputs)
+
+= sbh(34 + 5as/h). Tensor parallel (t) splits all but 10sbh (norm inputs, QKV and MLP
+inputs, dropout masks): sbh(10 + 24/t + 5as/(ht)); sequence parallel splits those too:
+(sbh/t)(34 + 5as/h). Selective recomputation drops the 5as^2b term; full recomputation keeps
+only the layer input, 2sbh.
+
+The model's own shape replaces the paper's GPT assumptions term by term: K and V have
+num_kv_heads * head_dim columns (GQA), a gated MLP (SwiGLU/GeGLU) saves four ffn-wide tensors
+(gate output, activation output, up output, their product), an MoE layer routes each token to
+k experts, `dropout = 0` keeps no masks, flash attention keeps no score matrix (only a fp32
+log-sum-exp per head and token), and context parallel (cp) divides the tokens of a rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..spec.model import ModelShape
+from .terms import Term
+
+MASK_BYTES = 1  # dropout masks are bool tensors (Korthikanti et al. count 1 byte)
+LSE_BYTES = 4  # flash attention keeps an fp32 log-sum-exp per head and query
+INDEX_BYTES = 8  # token ids and routing indices are int64
+LOSS_BYTES = 4  # the loss is computed in fp32: log-softmax output saved for backward
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    """What decides activation sizes: the model and how the step is cut."""
+
+    shape: ModelShape
+    micro_batch: int
+    seq_len: int
+    tp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"  # none | selective | full
+    attention: str = "flash"  # flash | eager
+    dropout: bool = False
+    act_bytes: int = 2  # 2 for 16-bit activations, 4 for fp32
+
+    @property
+    def tokens(self) -> int:
+        """sb/cp: tokens of one microbatch on this rank (before sequence parallel)."""
+        return self.micro_batch * self.seq_len // self.cp
+
+    @property
+    def replicated_div(self) -> int:
+        """Divisor of the terms tensor parallel replicates: t with sequence parallel, else 1."""
+        return self.tp if self.sequence_parallel else 1
+
+
+def _kv_width(act: ActivationShape) -> int:
+    shape = act.shape
+    kv_heads_local = max(1, shape.num_kv_heads // act.tp)
+    return kv_heads_local * shape.head_dim
+
+
+def layer_terms(act: ActivationShape) -> list[Term]:
+    """Saved activations of one transformer layer for one microbatch, term by term."""
+    shape, e, t = act.shape, act.act_bytes, act.tp
+    sb = act.tokens
+    h = shape.hidden_size
+    rep = act.replicated_div
+    q_width = shape.num_heads * shape.head_dim // t
+    kv_width = _kv_width(act)
+    heads = shape.num_heads // t
+    masks = act.dropout
+    terms: list[Term] = []
+
+    def add(label: str, elements: int, unit: int, formula: str) -> None:
+        if elements:
+            terms.append(Term(label, elements * unit, lambda: f"{formula} = {elements:,} * {unit} B"))
+
+    parallel_block = shape.family == "falcon"
+    sp = f"/{rep}" if rep > 1 else ""
+    add("norm inputs", (1 if parallel_block else 2) * sb * h // rep, e, f"{1 if parallel_block else 2} * sbh{sp}")
+    add("QKV input (norm output)", sb * h // rep, e, f"sbh{sp}")
+    add("Q, K", sb * (q_width + kv_width), e, "sb(h_q + h_kv)/t")
+    add("V", sb * kv_width, e, "sb*h_kv/t")
+    if act.attention == "eager" and act.recompute == "none":
+        scores = act.micro_batch * heads * (act.seq_len // act.cp) * act.seq_len
+        add("softmax output", scores, e, "(a/t)*s*s*b")
+        if masks:
+            add("attention dropout mask", scores, MASK_BYTES, "(a/t)*s*s*b")
+            add("attention dropout output", scores, e, "(a/t)*s*s*b")
+    elif act.attention == "flash" and act.recompute == "none":
+        add("flash log-sum-exp", heads * sb, LSE_BYTES, "(a/t)*sb")
+    add("attention projection input", sb * q_width, e, "sb*h_q/t")
+    if masks:
+        add("attention dropout mask (residual)", sb * h // rep, MASK_BYTES, f"sbh{sp}")
+    if not parallel_block:
+        add("MLP input (norm output)", sb * h // rep, e, f"sbh{sp}")
+    elif shape.shared_layer_norm is False:
+        add("MLP input (second norm output)", sb * h // rep, e, f"sbh{sp}")
+    terms += _mlp_terms(act, sb, rep)
+    if masks:
+        add("MLP dropout mask (residual)", sb * h // rep, MASK_BYTES, f"sbh{sp}")
+    return terms
+
+
+def _mlp_terms(act: ActivationShape, sb: int, rep: int) -> list[Term]:
+    shape, e, t = act.shape, act.act_bytes, act.tp
+    h, f = shape.hidden_size, shape.ffn_hidden_size // t
+    tensors = 4 if shape.gated else 2
+    why = "gate, activation, up, product" if shape.gated else "activation input and output"
+    if not shape.moe:
+        return [Term(f"MLP ({why})", tensors * sb * f * e, lambda: f"{tensors} * sb*f/t = {tensors * sb * f:,} * {e} B")]
+    k, experts = shape.experts_per_token, shape.num_experts
+    routed = sb * k
+    return [
+        Term("router probabilities", sb * experts * 4, lambda: f"sb*E fp32 = {sb * experts:,} * 4 B"),
+        Term("routing indices and weights", routed * (INDEX_BYTES + 4), lambda: f"sb*k * (8 + 4) B = {routed:,} * 12 B"),
+        Term("expert inputs and outputs", 2 * routed * h * e, lambda: f"2 * sb*k*h = {2 * routed * h:,} * {e} B"),
+        Term(f"expert MLPs ({why})", tensors * routed * f * e, lambda: f"{tensors} * sb*k*f/t = {tensors * routed * f:,} * {e} B"),
+    ]
+
+
+def recompute_working_terms(act: ActivationShape) -> list[Term]:
+    """Recomputation needs one layer's activations again during its backward: all of them
+    under full recomputation, the score matrices under selective recomputation of eager
+    attention."""
+    if act.recompute == "full":
+        full = layer_terms(ActivationShape(**{**act.__dict__, "recompute": "none"}))
+        return [Term("recomputed layer (one at a time)", sum(t.bytes for t in full), "one layer, no recomputation")]
+    if act.recompute == "selective" and act.attention == "eager":
+        eager = layer_terms(ActivationShape(**{**act.__dict__, "recompute": "none"}))
+        scores = [t for t in eager if "softmax" in t.label or "attention dropout" in t.label and "residual" not in t.label]
+        return [Term("recomputed attention scores (one layer)", sum(t.bytes for t in scores), "score terms of one layer")]
+    return []
+
+
+def stored_layer_terms(act: ActivationShape) -> list[Term]:
+    """What one layer keeps between its forward and backward under the recompute policy."""
+    if act.recompute == "full":
+        rep = act.replicated_div
+        elements = act.tokens * act.shape.hidden_size // rep
+        sp = f"/{rep}" if rep > 1 else ""
+        return [Term("layer input (full recomputation)", elements * act.act_bytes,
+                     lambda: f"sbh{sp} = {elements:,} * {act.act_bytes} B")]
+    return layer_terms(act)
+
+
+def embedding_terms(act: ActivationShape) -> list[Term]:
+    """First stage: token ids (the embedding backward's indices) and the embedding dropout mask."""
+    terms = [Term("token ids", act.tokens * INDEX_BYTES, lambda: f"sb = {act.tokens:,} * {INDEX_BYTES} B")]
+    if act.dropout:
+        elements = act.tokens * act.shape.hidden_size // act.replicated_div
+        terms.append(Term("embedding dropout mask", elements * MASK_BYTES, lambda: f"sbh = {elements:,} * 1 B"))
+    return terms
+
+
+def head_terms(act: ActivationShape) -> list[Term]:
+    """Last stage: final norm input, head input, and the fp32 log-probabilities the loss keeps
+    (vocabulary-parallel over tp), plus the targets."""
+    sb, h, e = act.tokens, act.shape.hidden_size, act.act_bytes
+    rep = act.replicated_div
+    vocab_local = -(-act.shape.vocab_size // act.tp)
+    return [
+        Term("final norm input", sb * h // rep * e, lambda: f"sbh = {sb * h // rep:,} * {e} B"),
+        Term("output head input", sb * h // rep * e, lambda: f"sbh = {sb * h // rep:,} * {e} B"),
+        Term("log-probabilities (loss)", sb * vocab_local * LOSS_BYTES,
+             lambda: f"sb*V/t fp32 = {sb * vocab_local:,} * {LOSS_BYTES} B"),
+        Term("targets", sb * INDEX_BYTES, lambda: f"sb = {sb:,} * {INDEX_BYTES} B"),
+    ]
+
+
+def loss_backward_terms(act: ActivationShape) -> list[Term]:
+    """Transient at the start of backward on the last stage: the fp32 gradient of the
+    log-probabilities and the logits' gradient in the activation dtype."""
+    elements = act.tokens * -(-act.shape.vocab_size // act.tp)
+    return [Term("loss gradient (fp32 and activation dtype)", elements * (LOSS_BYTES + act.act_bytes),
+                 lambda: f"sb*V/t * (4 + {act.act_bytes}) B = {elements:,} * {LOSS_BYTES + act.act_bytes} B")]

@@ -1,0 +1,104 @@
+"""Transient GPU memory beside model states and saved activations: the terms calculators
+forget. Each term states its assumption; the totals are per phase of a step (forward and
+backward, then the optimizer step), because the two peaks do not coincide.
+
+fsdp2 (torch `fully_shard`, torch/distributed/fsdp/_fully_shard):
+- a block's parameters are all-gathered unsharded in the compute dtype (bf16 under
+  MixedPrecisionPolicy) for its forward and again for its backward; with explicit prefetching
+  `prefetch_layers` more blocks are gathered ahead. ZeRO-3 (`reshard_after_forward=True`)
+  frees them after each block; ZeRO-2 (`reshard_after_forward=False`) keeps every block
+  unsharded from its forward to its backward;
+- the root module (embedding, final norm, head) stays unsharded between forward and backward;
+- backward produces a block's unsharded gradients in the compute dtype and copies them into a
+  reduce-scatter input in the reduce dtype (fp32).
+DDP (stage 0/1) under autocast keeps a 16-bit copy of every weight used in forward until its
+backward (autocast's cast cache, saved by the matmuls); its gradient buckets are the
+gradients themselves (`gradient_as_bucket_view=True`).
+
+The allowances for the CUDA context and allocator fragmentation are stated constants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .precision import FP32, ElementBytes
+from .stages import LocalParam, RankParams
+from .terms import Term
+
+# CUDA context (driver, kernels of torch/cuDNN/NCCL loaded lazily) as seen per process by
+# nvidia-smi, and a fraction of the tensor total lost to the caching allocator's
+# fragmentation. Both are allowances, stated in `assumptions`, not measurements of a job.
+CUDA_CONTEXT_BYTES = 512 * 2**20
+FRAGMENTATION = 0.05
+
+
+@dataclass(frozen=True)
+class Phases:
+    """Buffer terms of the forward/backward phase and of the optimizer step."""
+
+    forward_backward: list[Term]
+    step: list[Term]
+
+
+def padded_unsharded(params: tuple[LocalParam, ...], degree: int) -> int:
+    """Elements of an all-gathered block: each tensor's rows rounded up to a multiple of the
+    shard group (FSDP2 pads dim 0 so every rank contributes the same number of rows)."""
+    total = 0
+    for p in params:
+        width = p.numel // p.rows if p.rows else 0
+        total += -(-p.rows // degree) * degree * width
+    return total
+
+
+def fsdp2_buffers(
+    rp: RankParams, eb: ElementBytes, stage: int, degree: int, prefetch: int, mixed: bool
+) -> Phases:
+    """Transient buffers of one rank running FSDP2 (stage 2/3) or DDP (stage 0/1)."""
+    c = eb.compute
+    terms: list[Term] = []
+    if stage >= 2:
+        block = padded_unsharded(rp.layer, degree)
+        live = rp.num_layers if stage == 2 else min(rp.num_layers, 1 + prefetch)
+        why = "all blocks (reshard_after_forward=False)" if stage == 2 else f"1 + prefetch {prefetch} blocks"
+        if live:
+            terms.append(Term("unsharded block parameters", live * block * c,
+                              lambda: f"{why}: {live} * {block:,} elements * {c} B"))
+        root = padded_unsharded(rp.root, degree)
+        if root:
+            terms.append(Term("unsharded root parameters (embedding/head)", root * c,
+                              lambda: f"{root:,} elements * {c} B, kept from forward to backward"))
+        if rp.num_layers:
+            terms.append(Term("block gradients before reduce-scatter", block * (c + FP32),
+                              lambda: f"{block:,} elements * ({c} B unsharded + {FP32} B reduce-scatter input)"))
+    elif mixed:
+        numel = rp.numel
+        terms.append(Term("16-bit weight copies held for backward (autocast)", numel * c,
+                          lambda: f"{numel:,} elements * {c} B"))
+    return Phases(terms, [])
+
+
+def step_buffers(optimizer_elements: int, eb: ElementBytes, optimizer: str) -> list[Term]:
+    """The optimizer step's temporaries on the GPU.
+
+    torch's foreach AdamW (torch/optim/adamw.py, `_multi_tensor_adamw`) computes
+    `exp_avg_sq.sqrt()` into a new list of tensors the size of the parameters it steps, then
+    divides in place: one parameter-sized temporary in the state dtype.
+    """
+    if optimizer != "adamw" or optimizer_elements == 0:
+        return []
+    unit = eb.optimizer // 2 if eb.optimizer else 0
+    return [Term("AdamW step temporary (sqrt of exp_avg_sq)", optimizer_elements * unit,
+                 lambda: f"{optimizer_elements:,} elements * {unit} B")]
+
+
+def allowance_terms(tensor_bytes: int, on_gpu: bool) -> list[Term]:
+    """The CUDA context and the fragmentation allowance (GPU only)."""
+    if not on_gpu:
+        return []
+    fragmentation = int(tensor_bytes * FRAGMENTATION)
+    return [
+        Term("CUDA context (allowance)", CUDA_CONTEXT_BYTES, "512 MiB per process"),
+        Term("allocator fragmentation (allowance)", fragmentation,
+             lambda: f"{FRAGMENTATION:.0%} of {tensor_bytes:,} B of tensors"),
+    ]

@@ -1,0 +1,96 @@
+"""The narrow inputs of a memory estimate, and their derivation from a job."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..spec.job import JobSpec
+from ..spec.model import ModelShape
+from .degrees import Degrees
+
+
+@dataclass(frozen=True)
+class EstimateInputs:
+    """Everything a memory estimate depends on, and nothing else."""
+
+    shape: ModelShape | None  # None: a bare parameter count (`params`)
+    params: int | None
+    degrees: Degrees
+    order: str = "tp-cp-dp-pp"
+    gpus_per_node: int = 8
+    # sharding
+    framework: str = "fsdp2"
+    zero_stage: int = 0
+    hybrid: bool = False
+    min_num_params: int = 0
+    # the step
+    precision: str = "bf16-mixed"
+    optimizer: str = "adamw"
+    seq_len: int = 2048
+    micro_batch: int = 1
+    num_microbatches: int = 1
+    schedule: str = "1f1b"
+    virtual: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    attention: str = "flash"
+    dropout: bool = False
+    # offload
+    offload_params: bool = False
+    offload_grads: bool = False
+    offload_optimizer: bool = False
+    resident_layers: int | None = None  # set by the offload decision; None: from the budget
+    gpu_param_budget: int = 2 * 2**30
+    cpu_memory_budget: int = 32 * 2**30
+    prefetch_layers: int = 1
+    compression: str = "none"
+    strategy: str = "balanced"
+    pin_memory: bool = True
+    # limits (None: unknown, `fits` is then null)
+    gpu_memory: int | None = None
+    cpu_memory_per_node: int | None = None
+    on_gpu: bool = True  # CUDA allowances apply
+
+    def with_(self, **changes) -> EstimateInputs:
+        return replace(self, **changes)
+
+
+def inputs_from_job(job: JobSpec, shape: ModelShape | None, limits_known: bool) -> EstimateInputs:
+    """Map a validated job onto estimate inputs; `limits_known` when the job states its
+    cluster's memory (a [cluster] table or preset), else `fits` is unknown."""
+    par, zero, off, train, cluster = job.parallel, job.zero, job.offload, job.train, job.cluster
+    return EstimateInputs(
+        shape=shape,
+        params=job.model.params,
+        degrees=Degrees(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp),
+        order=par.order,
+        gpus_per_node=cluster.gpus_per_node,
+        framework=zero.framework,
+        zero_stage=zero.stage,
+        hybrid=zero.hybrid,
+        min_num_params=zero.min_num_params,
+        precision=train.precision,
+        optimizer=train.optimizer,
+        seq_len=train.seq_len,
+        micro_batch=par.micro_batch_size,
+        num_microbatches=par.num_microbatches,
+        schedule=par.pipeline_schedule,
+        virtual=par.virtual_stages,
+        sequence_parallel=par.sequence_parallel,
+        recompute=train.activation_checkpointing,
+        attention=train.attention,
+        dropout=job.model.dropout > 0,
+        offload_params=off.params,
+        offload_grads=off.grads,
+        offload_optimizer=off.optimizer,
+        gpu_param_budget=off.gpu_param_budget if "gpu_param_budget" in off.model_fields_set
+        else min(off.gpu_param_budget, cluster.gpu_memory),
+        cpu_memory_budget=off.cpu_memory_budget if "cpu_memory_budget" in off.model_fields_set
+        else min(off.cpu_memory_budget, cluster.cpu_memory_per_node),
+        prefetch_layers=off.prefetch_layers,
+        compression=off.cpu_compression,
+        strategy=off.strategy,
+        pin_memory=off.pin_memory,
+        gpu_memory=cluster.gpu_memory if limits_known else None,
+        cpu_memory_per_node=cluster.cpu_memory_per_node if limits_known else None,
+    )

@@ -1,0 +1,51 @@
+"""Bytes per element of each kind of tensor, by precision, optimizer and framework.
+
+Two accountings (`[zero] framework`):
+
+- `deepspeed`, the ZeRO paper's (Rajbhandari et al. 2019, section 3.1): mixed precision
+  keeps 16-bit parameters (2 bytes) and gradients (2 bytes) and an fp32 master copy plus
+  Adam's momentum and variance (K = 12 bytes). Without mixed precision Adam keeps m and v
+  (8 bytes) and no master copy.
+- `fsdp2`, what `shardplan run` executes with PyTorch: parameters stay fp32 (FSDP2
+  `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` or autocast under DDP only
+  cast them for compute), gradients are fp32 like their parameters, AdamW's exp_avg and
+  exp_avg_sq are `zeros_like(param)` and its `step` is a 4-byte fp32 scalar per parameter
+  tensor (torch/optim/adamw.py, `_init_group`).
+
+SGD means torch's default `SGD(lr)`: no momentum, no state (a master copy under deepspeed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FP32, HALF = 4, 2
+STEP_BYTES = 4  # AdamW's per-tensor `step`, a float32 scalar (torch/optim/adamw.py)
+MIXED = ("bf16-mixed", "fp16-mixed")
+
+
+@dataclass(frozen=True)
+class ElementBytes:
+    """Bytes per element of parameters, gradients, optimizer state, and activations."""
+
+    params: int
+    grads: int
+    optimizer: int  # all optimizer state of one element (master + moments)
+    step: int  # per parameter tensor (AdamW's step), 0 when none
+    compute: int  # unsharded parameters and activations during forward/backward
+
+
+def element_bytes(framework: str, precision: str, optimizer: str) -> ElementBytes:
+    compute = FP32 if precision == "fp32" else HALF
+    if framework == "deepspeed":
+        if precision == "fp32":
+            states = 2 * FP32 if optimizer == "adamw" else 0
+            return ElementBytes(FP32, FP32, states, 0, FP32)
+        # Mixed precision (pure bf16 is run as bf16 mixed precision by DeepSpeed): the fp32
+        # master copy, plus m and v for Adam: K = 12 (ZeRO paper, section 3.1).
+        states = 3 * FP32 if optimizer == "adamw" else FP32
+        return ElementBytes(HALF, HALF, states, 0, HALF)
+    param = HALF if precision == "bf16" else FP32
+    states = 2 * param if optimizer == "adamw" else 0
+    step = STEP_BYTES if optimizer == "adamw" else 0
+    return ElementBytes(param, param, states, step, compute)

@@ -1,0 +1,116 @@
+"""Which parameters a rank holds: its pipeline stages' layers, the root parameters, and the
+tensor-parallel slice of each.
+
+Pipeline placement follows Megatron-LM: the token embedding lives on the first stage, the
+final norm and output head on the last; with tied embeddings and more than one stage the last
+stage keeps its own copy of the embedding matrix as the head (Megatron-LM keeps both copies
+and all-reduces their gradients over the embedding group). With `virtual` chunks per rank
+(interleaved / looped schedules) rank r holds stages r, r + pp, r + 2pp, ... (loop placement,
+as torch.distributed.pipelining's interleaved and looped-BFS schedules expect).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from math import prod
+
+from ..spec.model import ModelShape
+from .params import ParamInfo, embedding_params, head_params, layer_params
+from .pipeline import stage_layers
+
+_KV_SUFFIXES = ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")
+
+
+@dataclass(frozen=True)
+class LocalParam:
+    """A parameter as one tensor-parallel rank holds it."""
+
+    info: ParamInfo
+    shape: tuple[int, ...]
+    numel: int = field(init=False, compare=False)
+    rows: int = field(init=False, compare=False)  # dim 0, which ZeRO-3/FSDP2 shard over dp ranks
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "numel", prod(self.shape))
+        object.__setattr__(self, "rows", self.shape[0])
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """The parameters of one pipeline rank on one tensor-parallel rank.
+
+    Transformer layers are identical, so they are given once (`layer`) with their count.
+    """
+
+    num_layers: int
+    chunk_layers: tuple[int, ...]  # layers of each stage (model chunk) this rank holds
+    layer: tuple[LocalParam, ...]
+    root: tuple[LocalParam, ...]
+    has_embedding: bool
+    has_head: bool
+
+    @property
+    def layer_numel(self) -> int:
+        return sum(p.numel for p in self.layer)
+
+    @property
+    def root_numel(self) -> int:
+        return sum(p.numel for p in self.root)
+
+    @property
+    def numel(self) -> int:
+        return self.num_layers * self.layer_numel + self.root_numel
+
+
+def chunk_size(size: int, parts: int, index: int) -> int:
+    """Elements of part `index` when `size` is cut like `torch.chunk`: ceil-sized pieces,
+    the last ones shorter or empty."""
+    piece = -(-size // parts)
+    return max(0, min(piece, size - index * piece))
+
+
+def tp_local_shape(param: ParamInfo, tp: int, tp_rank: int, shape: ModelShape) -> tuple[int, ...]:
+    """The slice of `param` that tensor-parallel rank `tp_rank` of `tp` holds."""
+    if tp == 1 or param.tp_dim is None:
+        return param.shape
+    dims = list(param.shape)
+    if param.name.endswith(_KV_SUFFIXES) and tp > shape.num_kv_heads:
+        # More tp ranks than key/value heads: every rank holds one whole, replicated head.
+        dims[param.tp_dim] = shape.head_dim
+    else:
+        dims[param.tp_dim] = chunk_size(dims[param.tp_dim], tp, tp_rank)
+    return tuple(dims)
+
+
+def rank_chunks(num_layers: int, pp: int, virtual: int, pp_rank: int) -> list[range]:
+    """The layer ranges of the stages pipeline rank `pp_rank` holds (loop placement)."""
+    stages = stage_layers(num_layers, pp * virtual)
+    return [stages[stage] for stage in range(pp_rank, pp * virtual, pp)]
+
+
+@lru_cache(maxsize=4096)
+def rank_params(shape: ModelShape, pp: int, virtual: int, pp_rank: int, tp: int, tp_rank: int) -> RankParams:
+    """The parameters pipeline rank `pp_rank` holds, as tensor-parallel rank `tp_rank` sees them."""
+    chunks = rank_chunks(shape.num_layers, pp, virtual, pp_rank)
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    root: list[ParamInfo] = []
+    if first:
+        root += embedding_params(shape)
+    if last:
+        root += head_params(shape)
+        if shape.tie_embeddings and pp > 1:
+            embed = embedding_params(shape)[0]
+            root.append(ParamInfo("lm_head.weight", embed.shape, "head", None, embed.tp_dim))
+
+    def local(params: list[ParamInfo]) -> tuple[LocalParam, ...]:
+        return tuple(LocalParam(p, tp_local_shape(p, tp, tp_rank, shape)) for p in params)
+
+    return RankParams(
+        num_layers=sum(len(c) for c in chunks),
+        chunk_layers=tuple(len(c) for c in chunks),
+        layer=local(layer_params(shape, 0)),
+        root=local(root),
+        has_embedding=first,
+        has_head=last,
+    )

@@ -1,0 +1,130 @@
+"""Estimate -> a table with bars, headroom lines, `--explain` formulas, or JSON."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from ..core.memory import Estimate
+from ..spec.units import format_bytes, format_count
+
+GPU_KINDS = ("params", "grads", "optimizer", "activations", "buffers")
+COLOURS = {"params": "blue", "grads": "magenta", "optimizer": "yellow", "activations": "green", "buffers": "cyan"}
+BAR_WIDTH = 28
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) <= 4:
+        return ",".join(map(str, ranks))
+    return f"{ranks[0]},{ranks[1]},...,{ranks[-1]} ({len(ranks)})"
+
+
+def _bar(gpu: dict[str, int], scale: int) -> Text:
+    bar = Text()
+    used = 0
+    for kind in GPU_KINDS:
+        cells = round(BAR_WIDTH * gpu[kind] / scale) if scale else 0
+        cells = min(cells, BAR_WIDTH - used)
+        bar.append("█" * cells, style=COLOURS[kind])
+        used += cells
+    bar.append("·" * (BAR_WIDTH - used), style="dim")
+    return bar
+
+
+def estimate_table(result: Estimate, gpu_memory: int | None, title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column("stage", justify="right")
+    table.add_column("ranks")
+    for kind in GPU_KINDS:
+        table.add_column(kind, justify="right", style=COLOURS[kind])
+    table.add_column("GPU total", justify="right", style="bold")
+    table.add_column("of GPU" if gpu_memory else "of peak")
+    table.add_column("CPU", justify="right")
+    table.add_column("peak in")
+    scale = gpu_memory or result.peak_gpu_bytes
+    for device in result.devices:
+        gpu = device.gpu
+        table.add_row(
+            str(device.stage), _ranks(device.ranks),
+            *(format_bytes(gpu[k]) for k in GPU_KINDS),
+            format_bytes(gpu["total"]), _bar(gpu, scale), format_bytes(device.cpu["total"]),
+            "step" if device.phase == "optimizer step" else "fwd/bwd",
+        )
+    return table
+
+
+def summary_lines(result: Estimate, gpu_memory: int | None, cpu_memory: int | None) -> list[Text]:
+    p = result.params
+    params = f"parameters {format_count(p['total'])} ({p['total']:,})"
+    if p["active"] != p["total"]:
+        params += f", active per token {format_count(p['active'])}"
+    lines = [Text(params)]
+    peak = result.peak_gpu_bytes
+    if gpu_memory:
+        share = peak / gpu_memory
+        style = "green" if peak <= gpu_memory else "bold red"
+        lines.append(Text(
+            f"peak GPU {format_bytes(peak)} of {format_bytes(gpu_memory)} ({share:.0%}), "
+            f"headroom {format_bytes(gpu_memory - peak)}", style=style))
+    else:
+        lines.append(Text(f"peak GPU {format_bytes(peak)} (no GPU memory given: set [cluster] to check the fit)"))
+    cpu = f"CPU per node {format_bytes(result.cpu_bytes_per_node)}"
+    if cpu_memory:
+        cpu += f" of {format_bytes(cpu_memory)}"
+    lines.append(Text(cpu))
+    for decision in result.decisions:
+        lines.append(Text(f"offload: {decision}", style="yellow"))
+    if result.fits is not None:
+        lines.append(Text("fits" if result.fits else "does NOT fit", style="bold green" if result.fits else "bold red"))
+    return lines
+
+
+def explain_lines(result: Estimate) -> list[Text]:
+    lines: list[Text] = []
+    for device in result.devices:
+        lines.append(Text(f"stage {device.stage} (peak in {device.phase}):", style="bold"))
+        for key, terms in device.terms.items():
+            for term in terms:
+                formula = f" = {term.formula}" if term.formula else ""
+                lines.append(Text(f"  {key}: {term.label}{formula} = {format_bytes(term.bytes)}"))
+    return lines
+
+
+def render_estimate(result: Estimate, gpu_memory: int | None, cpu_memory: int | None, title: str) -> Group:
+    return Group(estimate_table(result, gpu_memory, title), *summary_lines(result, gpu_memory, cpu_memory))
+
+
+def estimate_document(result: Estimate, gpu_memory: int | None, explain: bool) -> dict:
+    """The contract's `estimate` JSON (byte figures are integers)."""
+    devices = []
+    for device in result.devices:
+        entry = {
+            "stage": device.stage,
+            "ranks": device.ranks,
+            "gpu": device.gpu,
+            "cpu": device.cpu,
+            "peak_phase": device.phase,
+            "phase_totals": device.phase_totals,
+            "saved_activations": device.saved_activations,
+            "layers": device.num_layers,
+            "resident_layers": device.resident_layers,
+        }
+        if explain:
+            entry["terms"] = {
+                key: [{"label": t.label, "bytes": t.bytes, "formula": t.formula} for t in terms]
+                for key, terms in device.terms.items()
+            }
+        devices.append(entry)
+    return {
+        "params": result.params,
+        "devices": devices,
+        "peak_gpu_bytes": result.peak_gpu_bytes,
+        "cpu_bytes_per_node": result.cpu_bytes_per_node,
+        "gpu_memory": gpu_memory,
+        "headroom_bytes": None if gpu_memory is None else gpu_memory - result.peak_gpu_bytes,
+        "fits": result.fits,
+        "decisions": result.decisions,
+        "assumptions": result.assumptions,
+        "warnings": result.warnings,
+    }

@@ -1,0 +1,78 @@
+"""`shardplan run` output: the progress bar and the estimate-vs-measured table."""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console, Group
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from ..spec.units import format_bytes
+
+KINDS = ("params", "grads", "optimizer", "activations")
+
+
+class StepProgress:
+    """A rich progress bar on stderr: step, loss, tokens per second."""
+
+    def __init__(self, total: int):
+        self.progress = Progress(
+            TextColumn("training"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[speed]} tokens/s"),
+            TimeElapsedColumn(), console=Console(file=sys.stderr), transient=False,
+        )
+        self.task = self.progress.add_task("train", total=total, loss="-", speed="-")
+
+    def __enter__(self) -> StepProgress:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.progress.__exit__(*exc)
+        return False
+
+    def advance(self, step: int, loss: float, tokens_per_second: float) -> None:
+        self.progress.update(self.task, completed=step, loss=f"{loss:.4f}", speed=f"{tokens_per_second:,.0f}")
+
+
+def progress_bar(total: int) -> StepProgress:
+    return StepProgress(total)
+
+
+def difference(estimated: int, measured: int) -> str:
+    if measured == 0:
+        return "exact" if estimated == 0 else "n/a"
+    if estimated == measured:
+        return "exact"
+    return f"{(estimated - measured) / measured:+.1%}"
+
+
+def run_table(report: dict, model: str) -> Group:
+    """One row per rank and kind: estimate, measurement, difference."""
+    table = Table(title=f"{model}: estimate vs measured per rank", title_justify="left")
+    for name, justify in (("rank", "right"), ("coords", "left"), ("kind", "left"),
+                          ("estimated", "right"), ("measured", "right"), ("diff", "right")):
+        table.add_column(name, justify=justify)
+    for entry in report["ranks"]:
+        c = entry["coords"]
+        coords = f"dp{c['dp']} tp{c['tp']} pp{c['pp']}"
+        for index, kind in enumerate(KINDS):
+            est, meas = entry["estimated"][kind], entry["measured"][kind]
+            first = index == 0
+            table.add_row(str(entry["rank"]) if first else "", coords if first else "", kind,
+                          format_bytes(est), format_bytes(meas), difference(est, meas),
+                          end_section=index == len(KINDS) - 1)
+        if report["device"] == "cuda":
+            table.add_row("", "", "peak allocated", "", format_bytes(entry["measured"]["peak_device"] or 0), "",
+                          end_section=True)
+    steps = report["steps"]
+    lines = [
+        Text(f"loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f} over {len(steps)} steps; "
+             f"{report['step_seconds']:.3f} s/step, {report['tokens_per_second']:,.0f} tokens/s"
+             + (f", MFU {report['mfu']:.1%}" if report.get("mfu") else "")),
+    ]
+    if report.get("pipeline_schedule"):
+        lines.append(Text(f"pipeline schedule: torch {report['pipeline_schedule']}"))
+    return Group(table, *lines)

@@ -1,0 +1,53 @@
+"""What `shardplan run` can execute: a job asking for more is refused before any process
+starts, with the key and the reason, never silently run differently. Torch-free."""
+
+from __future__ import annotations
+
+from ..io.job import ResolvedJob
+from ..spec.errors import InputError, Problem
+
+
+def unsupported(resolved: ResolvedJob) -> list[Problem]:
+    job, shape = resolved.job, resolved.shape
+    par, zero, off = job.parallel, job.zero, job.offload
+    found: list[tuple[str, str]] = []
+    if shape is None:
+        found.append(("model", "`run` needs an architecture (a preset, hf_config or inline shape), not a bare count"))
+    elif shape.moe or shape.family == "falcon" or shape.position_embedding == "alibi":
+        found.append(("model", f"`run` builds GPT-2 and Llama-style models (not {shape.family} with this structure)"))
+    if par.cp > 1:
+        found.append(("parallel.cp", "context parallelism is not executed by `run`"))
+    if par.sequence_parallel:
+        found.append(("parallel.sequence_parallel", "sequence parallelism is not executed by `run`"))
+    if zero.hybrid:
+        found.append(("zero.hybrid", "hybrid sharding is not executed by `run`"))
+    if zero.min_num_params:
+        found.append(("zero.min_num_params", "FSDP2 shards every parameter; `run` cannot keep small ones whole"))
+    if zero.framework != "fsdp2":
+        found.append(("zero.framework", "`run` executes the fsdp2 accounting; set zero.framework = \"fsdp2\""))
+    if off.cpu_compression != "none":
+        found.append(("offload.cpu_compression", f"{off.cpu_compression} compression is not implemented by `run`"))
+    if (off.grads or off.optimizer) and not off.params:
+        found.append(("offload.params", "FSDP2 offloads gradients and optimizer states together with the "
+                                        "parameters: set offload.params = true"))
+    if par.tp > 1 and zero.stage < 2:
+        found.append(("zero.stage", "stages 0 and 1 run under DDP, which cannot wrap tensor-parallel (DTensor) "
+                                    "parameters: use stage 2 or 3 with tp > 1"))
+    if shape is not None and par.tp > 1 and shape.tie_embeddings:
+        found.append(("model.tie_embeddings", "tied embeddings with tensor parallel are not executed by `run`"))
+    if shape is not None and par.tp > shape.num_kv_heads:
+        found.append(("parallel.tp", "replicated key/value heads (tp > num_kv_heads) are not executed by `run`"))
+    if par.pp > 1 and par.pipeline_schedule == "zero-bubble":
+        found.append(("parallel.pipeline_schedule",
+                      "torch 2.13's zero-bubble schedule (ScheduleInterleavedZeroBubble) diverges under FSDP2 and "
+                      "keeps every microbatch's activations until the step ends on the last stage; `run` refuses it: "
+                      "use 1f1b (the estimate still models ZB-H1)"))
+    if job.train.precision == "fp16-mixed":
+        found.append(("train.precision", "fp16-mixed needs loss scaling, which `run` does not implement: use bf16-mixed"))
+    return [Problem(path, message) for path, message in found]
+
+
+def require_supported(resolved: ResolvedJob) -> None:
+    problems = unsupported(resolved)
+    if problems:
+        raise InputError([p.at(resolved.file or None) for p in problems])

@@ -1,0 +1,92 @@
+"""Process group, device and DeviceMesh, built in the planner's rank order and checked
+against the groups `shardplan layout` computes."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..core.degrees import Degrees
+from ..core.layout import Layout, mesh_dims
+from ..spec.errors import RunFailure
+
+MESH_AXES = ("dp", "tp", "pp", "cp")
+
+
+@dataclass
+class Runtime:
+    """This process's place in the job."""
+
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    mesh: DeviceMesh
+    layout: Layout
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    def coords(self) -> dict[str, int]:
+        return self.layout.coords(self.rank)
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        return self.mesh.get_group(axis)
+
+
+def under_torchrun(env=os.environ) -> bool:
+    """torchrun (torch.distributed.elastic) sets these for every worker it starts."""
+    return "TORCHELASTIC_RUN_ID" in env or ("LOCAL_RANK" in env and "WORLD_SIZE" in env)
+
+
+def pick_device(local_rank: int) -> torch.device:
+    """CUDA with NCCL where a GPU exists, else the CPU with gloo."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def start(degrees: Degrees, order: str, gpus_per_node: int, timeout_s: float) -> Runtime:
+    """Join the process group and build the DeviceMesh in the planner's order."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layout = Layout(degrees, order, gpus_per_node)
+    names, shape = mesh_dims(order, degrees)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    runtime = Runtime(rank, world, local_rank, device, mesh, layout)
+    check_mesh(runtime)
+    return runtime
+
+
+def check_mesh(runtime: Runtime) -> None:
+    """Each rank's mesh groups must be the groups the planner computed."""
+    for axis in MESH_AXES:
+        mesh_group = sorted(dist.get_process_group_ranks(runtime.mesh.get_group(axis)))
+        planned = sorted(runtime.layout.group_of(axis, runtime.rank))
+        if mesh_group != planned:
+            raise RunFailure(
+                f"rank {runtime.rank}: the DeviceMesh {axis} group {mesh_group} differs from the "
+                f"planned group {planned}"
+            )
+
+
+def stop() -> None:
+    """Leave together: a rank tearing down while a peer still sends aborts the peer (gloo)."""
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()

@@ -1,0 +1,135 @@
+"""What a rank really holds, measured the way the estimate counts it.
+
+Bytes of parameters, gradients and optimizer states: for each tensor its local shard
+(`DTensor.to_local()`), then the unique storages it lives in, `untyped_storage().nbytes()`
+(FSDP2's padded shards and its shared reduce-scatter buffers count as allocated). Saved
+activations: every tensor autograd saves for backward is tracked from the moment it is saved
+until autograd releases it; the measurement is the peak of the bytes of the distinct live
+storages, leaving out parameters (and views of them) and 16-bit casts of parameters (counted
+as buffers by the estimate).
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding the data: a DTensor's local shard, the result inside a
+    functional collective's AsyncCollectiveTensor (tensor-parallel outputs)."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    while type(tensor).__name__ == "AsyncCollectiveTensor":
+        tensor = tensor.elem
+    return tensor
+
+
+def unique_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> dict[str, int]:
+    """Bytes of the distinct storages behind `tensors`, by device type ("cpu", "cuda")."""
+    seen: dict[tuple[str, int], int] = {}
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        local = _local(tensor)
+        storage = local.untyped_storage()
+        key = (local.device.type, storage.data_ptr() or id(storage))
+        seen[key] = max(seen.get(key, 0), storage.nbytes())
+    totals: dict[str, int] = {}
+    for (device, _), nbytes in seen.items():
+        totals[device] = totals.get(device, 0) + nbytes
+    return totals
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every state tensor of an optimizer (ZeroRedundancyOptimizer: its local optimizer)."""
+    inner = getattr(optimizer, "optim", optimizer)
+    return [value for state in inner.state.values() for value in state.values() if torch.is_tensor(value)]
+
+
+def state_bytes(params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, dict[str, int]]:
+    return {
+        "params": unique_storage_bytes(params),
+        "grads": unique_storage_bytes(p.grad for p in params),
+        "optimizer": unique_storage_bytes(optimizer_tensors(optimizer)),
+    }
+
+
+def _is_parameter_copy(tensor: torch.Tensor) -> bool:
+    """A cast of a parameter (autocast's or a mixed-precision copy): ToCopy on a leaf."""
+    node = tensor.grad_fn
+    if node is None or type(node).__name__ != "ToCopyBackward0":
+        return False
+    return any(type(fn).__name__ == "AccumulateGrad" for fn, _ in node.next_functions if fn is not None)
+
+
+class SavedTensorTracker:
+    """Peak bytes of live saved-for-backward storages (see the module docstring)."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.param_storages = {_local(p).untyped_storage().data_ptr() for p in params}
+        self.live: dict[int, list[int]] = {}  # storage ptr -> [count, nbytes]
+        self.current = 0
+        self.peak = 0
+        self.copies_peak = 0
+        self._copies = 0
+
+    def _release(self, key: int, copy: bool, nbytes: int) -> None:
+        if copy:
+            self._copies -= nbytes
+            return
+        entry = self.live.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.current -= entry[1]
+            del self.live[key]
+
+    def pack(self, tensor: torch.Tensor) -> object:
+        holder = _Saved(tensor)
+        # Parameters and views of them (F.linear saves weight.t(), a view of FSDP2's
+        # unsharded parameter) are weights, not activations.
+        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter) or tensor.device.type == "meta":
+            return holder
+        local = _local(tensor)
+        try:
+            storage = local.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+        except RuntimeError as exc:
+            raise RuntimeError(f"saved {type(tensor).__name__} {tuple(tensor.shape)} {tensor.grad_fn}: {exc}") from None
+        if key in self.param_storages or nbytes == 0:
+            return holder
+        copy = _is_parameter_copy(tensor) or (tensor._base is not None and _is_parameter_copy(tensor._base))
+        if copy:
+            self._copies += nbytes
+            self.copies_peak = max(self.copies_peak, self._copies)
+        else:
+            entry = self.live.setdefault(key, [0, nbytes])
+            if entry[0] == 0:
+                self.current += nbytes
+            entry[0] += 1
+            self.peak = max(self.peak, self.current)
+        weakref.finalize(holder, self._release, key, copy, nbytes)
+        return holder
+
+    @staticmethod
+    def unpack(holder: object) -> torch.Tensor:
+        return holder.tensor  # type: ignore[attr-defined]
+
+    @contextmanager
+    def tracking(self) -> Iterator[SavedTensorTracker]:
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+            yield self
+
+
+class _Saved:
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor

@@ -1,0 +1,139 @@
+"""Apply the plan to a model: tensor parallel, activation checkpointing, then ZeRO/FSDP or
+DDP, offload and prefetching, and build the optimizer that steps where its states live.
+
+Order and APIs follow torchtitan (parallelize_llama): `parallelize_module` on the tp mesh,
+`checkpoint_wrapper` per block, `fully_shard` per block then on the root.
+
+ZeRO stage -> torch:
+- 0: DistributedDataParallel (gradient_as_bucket_view), autocast for mixed precision;
+- 1: the same with torch's ZeroRedundancyOptimizer (optimizer states sharded by parameter);
+- 2: fully_shard(reshard_after_forward=False): parameters stay gathered from forward to backward;
+- 3: fully_shard(reshard_after_forward=True).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel
+
+from .dist import Runtime
+
+COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """The decisions this rank applies (all taken by the planner beforehand)."""
+
+    zero_stage: int
+    precision: str
+    optimizer: str
+    lr: float
+    recompute: str
+    resident_layers: int  # layers (in order) whose parameters stay on the device
+    offload_params: bool
+    prefetch_layers: int
+    pin_memory: bool
+
+
+def apply_tensor_parallel(model: nn.Module, runtime: Runtime) -> None:
+    """Megatron-LM's split (Shoeybi et al. 2019): q/k/v and MLP up/gate column-parallel,
+    attention output and MLP down row-parallel, the embedding and head vocabulary-parallel;
+    the head's logits stay sharded over the vocabulary for `loss_parallel`."""
+    tp_mesh = runtime.mesh["tp"]
+    block_plan = {
+        "attn.q_proj": ColwiseParallel(),
+        "attn.k_proj": ColwiseParallel(),
+        "attn.v_proj": ColwiseParallel(),
+        "attn.o_proj": RowwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    for block in model.layers.values():
+        plan = dict(block_plan)
+        if block.mlp.gated:
+            plan["mlp.gate_proj"] = ColwiseParallel()
+        parallelize_module(block, tp_mesh, plan)
+    root_plan = {}
+    if model.embed is not None:
+        root_plan["embed"] = RowwiseParallel(input_layouts=Replicate())
+    if model.lm_head is not None:
+        root_plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    if root_plan:
+        parallelize_module(model, tp_mesh, root_plan)
+
+
+def apply_checkpointing(model: nn.Module, recompute: str) -> None:
+    """full: recompute each block in backward; selective: only the attention core."""
+    if recompute == "none":
+        return
+    for name, block in list(model.layers.items()):
+        if recompute == "full":
+            model.layers[name] = checkpoint_wrapper(block)
+        else:
+            block.attn.core = checkpoint_wrapper(block.attn.core)
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    return list(model.layers.values())
+
+
+def apply_fsdp(model: nn.Module, runtime: Runtime, plan: ParallelPlan) -> None:
+    """fully_shard each block, then the root; blocks past the resident count are offloaded."""
+    dp_mesh = runtime.mesh["dp"]
+    compute = COMPUTE_DTYPES.get(plan.precision)
+    mp_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else MixedPrecisionPolicy()
+    # pin_memory only where an accelerator exists (TORCH-NOTES: pinning raises on CPU).
+    offload = CPUOffloadPolicy(pin_memory=plan.pin_memory and runtime.on_gpu)
+    reshard = plan.zero_stage == 3
+    blocks = _blocks(model)
+    for index, block in enumerate(blocks):
+        offloaded = plan.offload_params and index >= plan.resident_layers
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
+                    offload_policy=offload if offloaded else OffloadPolicy())
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+    ahead = plan.prefetch_layers
+    for index, block in enumerate(blocks):
+        following = blocks[index + 1:index + 1 + ahead]
+        preceding = blocks[max(0, index - ahead):index][::-1]
+        if following:
+            block.set_modules_to_forward_prefetch(following)
+        if preceding:
+            block.set_modules_to_backward_prefetch(preceding)
+
+
+def apply_ddp(model: nn.Module, runtime: Runtime) -> nn.Module:
+    device_ids = [runtime.device.index] if runtime.on_gpu else None
+    return DistributedDataParallel(model, process_group=runtime.group("dp"), device_ids=device_ids,
+                                   gradient_as_bucket_view=True)
+
+
+def build_optimizer(params: list[nn.Parameter], runtime: Runtime, plan: ParallelPlan) -> torch.optim.Optimizer:
+    kind = torch.optim.AdamW if plan.optimizer == "adamw" else torch.optim.SGD
+    if plan.zero_stage == 1 and runtime.layout.degrees.dp > 1:
+        return ZeroRedundancyOptimizer(params, optimizer_class=kind, process_group=runtime.group("dp"), lr=plan.lr)
+    return kind(params, lr=plan.lr)
+
+
+def parallelize(model: nn.Module, runtime: Runtime, plan: ParallelPlan) -> nn.Module:
+    """Apply tp, checkpointing and data parallelism to `model` (a whole model or a stage)."""
+    if plan.precision == "bf16":
+        model.to(torch.bfloat16)
+    if runtime.layout.degrees.tp > 1:
+        apply_tensor_parallel(model, runtime)
+    apply_checkpointing(model, plan.recompute)
+    if plan.zero_stage >= 2:
+        apply_fsdp(model, runtime, plan)  # fully_shard moves the states to the mesh's device
+        return model
+    model.to(runtime.device)
+    if runtime.layout.degrees.dp > 1:
+        return apply_ddp(model, runtime)
+    return model

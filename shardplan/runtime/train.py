@@ -1,0 +1,228 @@
+"""`shardplan run` on one rank: build the planned model, train it, measure it, report.
+
+Every decision (layer split, schedule, resident layers under offload, shard sizes) comes from
+`shardplan.core`, the same functions `shardplan estimate` uses; this module only executes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor.parallel import loss_parallel
+
+from ..core.estimate import Coordinates, rank_estimate
+from ..core.estimate_inputs import EstimateInputs
+from ..core.memory import estimate_memory
+from ..io.job import ResolvedJob
+from ..spec.errors import RunFailure
+from . import data as data_mod
+from .dist import Runtime
+from .measure import SavedTensorTracker, state_bytes
+from .model import Transformer, init_weights, loss_fn
+from .parallel import COMPUTE_DTYPES, ParallelPlan, build_optimizer, parallelize
+from .pipeline import build_schedule, build_stages
+
+# Peak dense bf16 FLOP/s of the GPUs whose names we recognise (NVIDIA datasheets: A100
+# 312 TFLOP/s, H100 SXM 989 TFLOP/s, H100 PCIe 756 TFLOP/s, H200 989 TFLOP/s).
+PEAK_BF16_FLOPS = {"A100": 312e12, "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12}
+
+
+@dataclass
+class Measured:
+    params: dict[str, int] = field(default_factory=dict)
+    grads: dict[str, int] = field(default_factory=dict)
+    optimizer: dict[str, int] = field(default_factory=dict)
+    activations: int = 0
+    weight_copies: int = 0
+    peak_device: int | None = None
+
+
+def build_model(resolved: ResolvedJob) -> nn.Module:
+    job = resolved.job
+    try:
+        model = Transformer(resolved.shape, dropout=job.model.dropout, attention=job.train.attention)
+    except ValueError as exc:
+        raise RunFailure(str(exc)) from None
+    init_weights(model, job.train.seed)
+    return model
+
+
+def _autocast(runtime: Runtime, plan: ParallelPlan):
+    """DDP runs keep fp32 parameters and compute in 16 bits under autocast."""
+    dtype = COMPUTE_DTYPES.get(plan.precision)
+    if plan.zero_stage >= 2 or dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(runtime.device.type, dtype=dtype)
+
+
+class Trainer:
+    """Owns the model(s), optimizer, data and the per-step work of one rank."""
+
+    def __init__(self, resolved: ResolvedJob, runtime: Runtime, inputs: EstimateInputs):
+        self.resolved, self.runtime, self.inputs = resolved, runtime, inputs
+        job = resolved.job
+        par = job.parallel
+        self.coords = runtime.coords()
+        estimate = estimate_memory(inputs)
+        self.decisions = estimate.decisions
+        resident = estimate.devices[self.coords["pp"]].resident_layers
+        self.plan = ParallelPlan(
+            zero_stage=job.zero.stage, precision=job.train.precision, optimizer=job.train.optimizer,
+            lr=job.train.lr, recompute=job.train.activation_checkpointing, resident_layers=resident,
+            offload_params=estimate.assumptions["offload"]["params"], prefetch_layers=job.offload.prefetch_layers,
+            pin_memory=job.offload.pin_memory,
+        )
+        self.batching = data_mod.Batching(par.dp, par.micro_batch_size, par.num_microbatches, job.train.seq_len)
+        self.source = self._source()
+        full = build_model(resolved)
+        self.pp = par.pp
+        self.tp = par.tp
+        self.schedule_name = None
+        if self.pp > 1:
+            stages = build_stages(full, par.pp, par.virtual_stages, self.coords["pp"])
+            self.modules = [(index, parallelize(module, runtime, self.plan)) for index, module in stages]
+            self.schedule, self.schedule_name = build_schedule(
+                par.pipeline_schedule, self.modules, par.pp * par.virtual_stages, par.num_microbatches,
+                runtime.device, runtime.group("pp"), self._loss,
+            )
+            self.model = None
+        else:
+            self.model = parallelize(full, runtime, self.plan)
+            self.modules = [(0, self.model)]
+        self.params = [p for _, m in self.modules for p in m.parameters()]
+        self.optimizer = build_optimizer(self.params, runtime, self.plan)
+        self.embedding_group = self._embedding_group()
+
+    # -- data ----------------------------------------------------------------------------
+    def _source(self):
+        job = self.resolved.job
+        vocab, seq, seed = self.resolved.shape.vocab_size, job.train.seq_len, job.train.seed
+        if job.data.path:
+            return data_mod.FileTokens(job.data.path, job.data.dtype, vocab, seq, seed)
+        return data_mod.SyntheticTokens(vocab, seq, seed)
+
+    def _local_batch(self, step: int, microbatches: range) -> tuple[torch.Tensor, torch.Tensor]:
+        indices = [i for mb in microbatches for i in self.batching.indices(step, mb, self.coords["dp"])]
+        return data_mod.batch(self.source, indices, self.runtime.device)
+
+    # -- loss and tied embeddings ----------------------------------------------------------
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return loss_fn(logits, targets)
+
+    def _loss_context(self):
+        """Vocabulary-parallel cross entropy: forward and backward both run inside it."""
+        return loss_parallel() if self.tp > 1 else contextlib.nullcontext()
+
+    def _embedding_group(self):
+        """Tied embeddings over several stages: the first and last stage of each pipeline sum
+        their two copies' gradients (Megatron-LM's embedding group)."""
+        shape = self.resolved.shape
+        if self.pp == 1 or not shape.tie_embeddings:
+            return None
+        mine = None
+        for ranks in self.runtime.layout.groups("embedding"):
+            group = dist.new_group(ranks)
+            if self.runtime.rank in ranks:
+                mine = group
+        return mine
+
+    def _sync_tied_embeddings(self) -> None:
+        if self.embedding_group is None:
+            return
+        for _, module in self.modules:
+            for name in ("embed", "lm_head"):
+                part = getattr(module, name, None)
+                if part is not None and part.weight.grad is not None:
+                    grad = part.weight.grad
+                    local = grad.to_local() if hasattr(grad, "to_local") else grad
+                    dist.all_reduce(local, group=self.embedding_group)
+
+    # -- one step ----------------------------------------------------------------------------
+    def step(self, step: int, tracker: SavedTensorTracker | None) -> torch.Tensor:
+        """One optimizer step over the global batch; returns this rank's loss contribution."""
+        self.optimizer.zero_grad(set_to_none=True)
+        def tracking():
+            return tracker.tracking() if tracker else contextlib.nullcontext()
+
+        m = self.batching.microbatches
+        if self.pp > 1:
+            tokens, targets = self._local_batch(step, range(m))
+            losses: list[torch.Tensor] = []
+            first = any(index == 0 for index, _ in self.modules)
+            last = any(module.has_head for _, module in self.modules)
+            with tracking(), self._loss_context():
+                if first:
+                    self.schedule.step(tokens, target=targets if last else None, losses=losses)
+                else:
+                    self.schedule.step(target=targets if last else None, losses=losses)
+            total = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros(())
+        else:
+            total = torch.zeros((), device=self.runtime.device)
+            for mb in range(m):
+                tokens, targets = self._local_batch(step, range(mb, mb + 1))
+                sync = self.model.no_sync() if hasattr(self.model, "no_sync") and mb < m - 1 else contextlib.nullcontext()
+                with sync, tracking(), self._loss_context():
+                    with _autocast(self.runtime, self.plan):
+                        logits = self.model(tokens)
+                    loss = self._loss(logits, targets) / m
+                    loss.backward()
+                total = total + loss.detach().float()
+        self._sync_tied_embeddings()
+        self.optimizer.step()
+        return total.to(self.runtime.device)
+
+    def measure_states(self) -> dict[str, dict[str, int]]:
+        return state_bytes(self.params, self.optimizer)
+
+    def is_last_stage(self) -> bool:
+        return any(getattr(module, "has_head", False) for _, module in self.modules) if self.pp > 1 else True
+
+
+def global_loss(local: torch.Tensor, trainer: Trainer) -> float:
+    """The step's loss over the whole global batch: last-stage ranks contribute, the others 0."""
+    d = trainer.runtime.layout.degrees
+    if hasattr(local, "full_tensor"):  # a DTensor loss under loss_parallel
+        local = local.full_tensor()
+    value = local.detach().float().reshape(()).clone() if trainer.is_last_stage() else torch.zeros((), device=local.device)
+    dist.all_reduce(value)
+    return float(value) / (d.dp * d.tp * d.cp)
+
+
+def rank_estimates(inputs: EstimateInputs, runtime: Runtime) -> dict[str, int]:
+    """The estimate for this rank's own coordinates (devices GPU + CPU together)."""
+    c = runtime.coords()
+    at = Coordinates(pp_rank=c["pp"], tp_rank=c["tp"], shard_index=c["dp"] * runtime.layout.degrees.cp + c["cp"])
+    device = rank_estimate(inputs, at, [runtime.rank])
+    return {
+        "params": device.gpu["params"] + device.cpu["params"],
+        "grads": device.gpu["grads"] + device.cpu["grads"],
+        "optimizer": device.gpu["optimizer"] + device.cpu["optimizer"],
+        "activations": device.saved_activations,
+    }
+
+
+def mfu(tokens_per_second: float, resolved: ResolvedJob, runtime: Runtime) -> float | None:
+    """Model FLOPs utilisation on CUDA: (6N + 12Lhs) FLOPs per token (PaLM, Chowdhery et al.
+    2022, appendix B) against the GPU's peak dense bf16 FLOP/s."""
+    if not runtime.on_gpu:
+        return None
+    from ..core.params import count_params
+
+    name = torch.cuda.get_device_name(runtime.device)
+    peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+    if peak is None:
+        return None
+    shape = resolved.shape
+    per_token = 6 * count_params(shape).active + 12 * shape.num_layers * shape.hidden_size * resolved.job.train.seq_len
+    return tokens_per_second * per_token / (peak * runtime.world)
+
+
+def timed(fn):
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start

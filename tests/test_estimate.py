@@ -1,0 +1,151 @@
+"""`shardplan estimate` against closed forms nobody here wrote, and its monotonicity."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import run_cli
+from shardplan.core.activations import ActivationShape, stored_layer_terms
+from shardplan.core.degrees import Degrees
+from shardplan.core.estimate_inputs import EstimateInputs
+from shardplan.core.memory import estimate_memory
+from shardplan.spec.model import resolve_shape
+
+GPT = dict(family="gpt2", num_layers=4, hidden_size=1024, num_heads=16, vocab_size=1000, max_seq_len=4096)
+
+
+def gpt_shape(**changes):
+    shape, problems = resolve_shape({**GPT, **changes})
+    assert not problems
+    return shape
+
+
+# Korthikanti et al. 2022, section 4 (Table 2): activation bytes per layer with 16-bit
+# activations, 1-byte dropout masks, eager attention.
+def korthikanti(s, b, h, a, t, sp, recompute):
+    if recompute == "full":
+        return 2 * s * b * h
+    if recompute == "selective":
+        return 34 * s * b * h // t if sp else s * b * h * (10 + 24 // t) if 24 % t == 0 else None
+    if sp:
+        return s * b * h * (34 + 5 * a * s // h) // t
+    return s * b * h * 10 + (24 * s * b * h + 5 * a * s * s * b) // t
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("s, b", [(2048, 1), (4096, 2)])
+def test_per_layer_activations_equal_korthikanti(t, sp, recompute, s, b):
+    if sp and t == 1:
+        pytest.skip("sequence parallel needs tp > 1")
+    if recompute == "full" and sp:
+        pytest.skip("the paper gives full recomputation without sequence parallel")
+    h, a = 1024, 16
+    act = ActivationShape(gpt_shape(), micro_batch=b, seq_len=s, tp=t, sequence_parallel=sp,
+                          recompute=recompute, attention="eager", dropout=True, act_bytes=2)
+    expected = korthikanti(s, b, h, a, t, sp, recompute)
+    assert sum(term.bytes for term in stored_layer_terms(act)) == expected
+
+
+def test_flash_and_no_dropout_drop_their_terms():
+    base = dict(micro_batch=1, seq_len=2048, attention="eager", dropout=True, act_bytes=2)
+    eager = sum(t.bytes for t in stored_layer_terms(ActivationShape(gpt_shape(), **base)))
+    s, b, h, a = 2048, 1, 1024, 16
+    no_dropout = sum(t.bytes for t in stored_layer_terms(ActivationShape(gpt_shape(), **{**base, "dropout": False})))
+    # Without dropout: no masks (2sbh + as^2b) and no separate dropout output (2as^2b).
+    assert eager - no_dropout == 2 * s * b * h + 3 * a * s * s * b
+    flash = sum(t.bytes for t in stored_layer_terms(ActivationShape(gpt_shape(), **{**base, "attention": "flash"})))
+    # Flash keeps no score matrix (5as^2b) but an fp32 log-sum-exp per head and token.
+    assert eager - flash == 5 * a * s * s * b - 4 * a * s * b
+
+
+def test_cli_layer_term_is_korthikanti(write):
+    job = write("gpt.toml", """
+[model]
+family = "gpt2"
+num_layers = 4
+hidden_size = 1024
+num_heads = 16
+vocab_size = 1000
+max_seq_len = 4096
+dropout = 0.1
+[parallel]
+tp = 4
+[train]
+seq_len = 2048
+attention = "eager"
+""")
+    result = run_cli("estimate", job, "--explain", "--json")
+    assert result.code == 0, result.err
+    terms = result.json["devices"][0]["terms"]["gpu.activations"]
+    layers = next(t for t in terms if t["label"] == "layers of stage 0")
+    s, b, h, a, t = 2048, 1, 1024, 16, 4
+    assert layers["bytes"] == 4 * korthikanti(s, b, h, a, t, False, "none")
+
+
+def _inputs(**changes):
+    base = dict(shape=gpt_shape(num_layers=8), params=None, degrees=Degrees(dp=2), seq_len=1024,
+                micro_batch=2, zero_stage=3, gpus_per_node=8)
+    base.update(changes)
+    return EstimateInputs(**base)
+
+
+def _peak(inputs):
+    device = estimate_memory(inputs).devices[0]
+    return {**device.gpu, "activations": device.saved_activations}
+
+
+@settings(max_examples=60, deadline=None)
+@given(stage=st.integers(1, 3), framework=st.sampled_from(["fsdp2", "deepspeed"]),
+       dp=st.sampled_from([1, 2, 3, 4, 8, 16]), precision=st.sampled_from(["bf16-mixed", "fp32"]))
+def test_model_states_never_grow_with_dp(stage, framework, dp, precision):
+    small = _peak(_inputs(degrees=Degrees(dp=dp), zero_stage=stage, framework=framework, precision=precision))
+    large = _peak(_inputs(degrees=Degrees(dp=2 * dp), zero_stage=stage, framework=framework, precision=precision))
+    for kind in ("params", "grads", "optimizer"):
+        assert large[kind] <= small[kind]
+
+
+@settings(max_examples=40, deadline=None)
+@given(tp=st.sampled_from([1, 2, 4]), stage=st.integers(0, 3), sp=st.booleans(),
+       recompute=st.sampled_from(["none", "selective", "full"]))
+def test_memory_never_grows_with_tp(tp, stage, sp, recompute):
+    one = _peak(_inputs(degrees=Degrees(dp=2, tp=tp), zero_stage=stage, sequence_parallel=sp, recompute=recompute))
+    two = _peak(_inputs(degrees=Degrees(dp=2, tp=2 * tp), zero_stage=stage, sequence_parallel=sp, recompute=recompute))
+    for kind in ("params", "grads", "optimizer", "activations"):
+        assert two[kind] <= one[kind], kind
+
+
+@settings(max_examples=40, deadline=None)
+@given(tp=st.sampled_from([1, 2, 4]), attention=st.sampled_from(["flash", "eager"]), dropout=st.booleans(),
+       pp=st.sampled_from([1, 2, 4]))
+def test_recomputation_never_adds_memory(tp, attention, dropout, pp):
+    peaks = [
+        _peak(_inputs(degrees=Degrees(dp=2, tp=tp, pp=pp), recompute=r, attention=attention, dropout=dropout,
+                      num_microbatches=8))["activations"]
+        for r in ("none", "selective", "full")
+    ]
+    assert peaks[0] >= peaks[1] >= peaks[2]
+
+
+def test_exit_1_when_it_does_not_fit(write):
+    job = write("big.toml", '[model]\npreset = "llama-3-70b"\n[cluster]\npreset = "a100-40gb"\nnodes = 1\n'
+                            '[parallel]\ndp = 8\n[offload]\nstrategy = "conservative"\n')
+    result = run_cli("estimate", job, "--json")
+    assert result.code == 1, result.err
+    assert result.json["fits"] is False
+    assert "does not fit" not in result.err and "more than its" in result.err
+
+
+def test_unknown_limits_give_null_fit():
+    result = run_cli("estimate", "--set", "model.preset=gpt2", "--json")
+    assert result.code == 0 and result.json["fits"] is None
+
+
+def test_params_only_has_no_activations():
+    result = run_cli("estimate", "--params", "7.5B", "--dp", "4", "--zero", "1", "--framework", "deepspeed", "--json")
+    device = result.json["devices"][0]
+    assert device["gpu"]["activations"] == 0
+    assert device["gpu"]["params"] + device["gpu"]["grads"] + device["gpu"]["optimizer"] == 4 * 7_500_000_000 + 12 * 7_500_000_000 // 4

@@ -1,0 +1,104 @@
+"""`shardplan run` on CPU/gloo: each plan against a single-process run on the same global
+batch (fp32 losses within 1e-5 relative), and measured bytes against the estimate
+(parameters, gradients and optimizer states to the byte, saved activations within 5%)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.slow
+
+# Every plan trains on the same global batch: 8 sequences of 64 tokens per step.
+COMMON = """
+[parallel]
+micro_batch_size = {mbs}
+num_microbatches = {m}
+[train]
+seq_len = 64
+precision = "fp32"
+steps = 3
+lr = 1e-3
+seed = 7
+[cluster]
+gpus_per_node = 4
+gpu_memory = "4GiB"
+cpu_memory_per_node = "16GiB"
+"""
+LOSS_TOLERANCE = 1e-5
+ACTIVATION_TOLERANCE = 0.05
+
+
+def run(model: str, mbs: int, m: int, *flags: str, tmp_path, name: str) -> dict:
+    job = tmp_path / f"{name}.toml"
+    job.write_text(f'[model]\npreset = "{model}"\n' + COMMON.format(mbs=mbs, m=m), encoding="utf-8")
+    report = tmp_path / f"{name}.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardplan", "run", str(job), "--report", str(report), *flags],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(report.read_text())
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reference")
+    return {
+        "tiny-gpt2": run("tiny-gpt2", 8, 1, tmp_path=tmp, name="gpt2"),
+        "tiny-llama": run("tiny-llama", 8, 1, tmp_path=tmp, name="llama"),
+    }
+
+
+PLANS = [
+    # (id, model, micro batch, microbatches, flags)
+    ("dp2-zero0", "tiny-gpt2", 4, 1, ["--dp", "2", "--zero", "0"]),
+    ("dp2-zero1", "tiny-gpt2", 4, 1, ["--dp", "2", "--zero", "1"]),
+    ("dp2-zero2", "tiny-gpt2", 4, 1, ["--dp", "2", "--zero", "2"]),
+    ("dp2-zero3", "tiny-gpt2", 4, 1, ["--dp", "2", "--zero", "3"]),
+    ("dp2-zero3-offload", "tiny-gpt2", 4, 1, ["--dp", "2", "--zero", "3", "--set", "offload.params=true",
+                                              "--set", "offload.gpu_param_budget=120000"]),
+    ("tp2", "tiny-llama", 8, 1, ["--tp", "2", "--zero", "3"]),
+    ("pp2-gpipe", "tiny-llama", 2, 4, ["--pp", "2", "--set", "parallel.pipeline_schedule=gpipe"]),
+    ("pp2-1f1b", "tiny-llama", 2, 4, ["--pp", "2", "--set", "parallel.pipeline_schedule=1f1b"]),
+    ("pp2-interleaved", "tiny-llama", 2, 4, ["--pp", "2", "--set", "parallel.pipeline_schedule=interleaved-1f1b",
+                                             "--set", "parallel.virtual_stages=2"]),
+    ("dp2-tp2", "tiny-llama", 4, 1, ["--dp", "2", "--tp", "2", "--zero", "3"]),
+]
+
+
+@pytest.mark.parametrize("name, model, mbs, m, flags", PLANS, ids=[p[0] for p in PLANS])
+def test_plan_matches_reference_and_estimate(name, model, mbs, m, flags, references, tmp_path):
+    report = run(model, mbs, m, *flags, tmp_path=tmp_path, name=name)
+    reference = [s["loss"] for s in references[model]["steps"]]
+    losses = [s["loss"] for s in report["steps"]]
+    for got, want in zip(losses, reference):
+        assert abs(got - want) <= LOSS_TOLERANCE * abs(want), (losses, reference)
+    for entry in report["ranks"]:
+        measured, estimated = entry["measured"], entry["estimated"]
+        for kind in ("params", "grads", "optimizer"):
+            assert measured[kind] == estimated[kind], (entry["rank"], kind, measured, estimated)
+        error = abs(measured["activations"] - estimated["activations"]) / measured["activations"]
+        assert error <= ACTIVATION_TOLERANCE, (entry["rank"], measured["activations"], estimated["activations"])
+
+
+def test_loss_falls(references):
+    losses = [s["loss"] for s in references["tiny-gpt2"]["steps"]]
+    assert losses[-1] < losses[0]
+
+
+def test_report_document(references):
+    report = references["tiny-llama"]
+    assert report["schema_version"] == 1 and report["world_size"] == 1 and report["device"] in ("cpu", "cuda")
+    assert report["tokens_per_second"] > 0
+    rank = report["ranks"][0]
+    assert set(rank["measured"]) == {"params", "grads", "optimizer", "activations", "peak_device"}
+    assert set(rank["estimated"]) == {"params", "grads", "optimizer", "activations"}
