@@ -69,9 +69,16 @@ def _debugging() -> bool:
     return _state["debug"] or os.environ.get("SHARDPLAN_DEBUG", "") not in ("", "0")
 
 
+def _optional_values(argv: list[str]) -> list[str]:
+    """`--resume` alone means the latest checkpoint; `--resume=PATH` names one (click has no
+    options with an optional value)."""
+    return ["--resume=latest" if arg == "--resume" else arg for arg in argv]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI and return its exit code (the console script exits with it)."""
-    _state["debug"] = "--debug" in (argv if argv is not None else sys.argv[1:])
+    argv = _optional_values(list(argv if argv is not None else sys.argv[1:]))
+    _state["debug"] = "--debug" in argv
     try:
         command = typer.main.get_command(app)
         result = command.main(args=argv, prog_name="shardplan", standalone_mode=False)

@@ -9,7 +9,7 @@ import typer
 from ..core.estimate_inputs import inputs_from_job
 from ..core.memory import estimate_memory
 from ..io.job import ResolvedJob
-from ..render.estimate import estimate_document, explain_lines, render_estimate
+from ..render.estimate import estimate_document, print_estimate
 from ..render.output import emit_diagnostics, emit_json, stdout_console
 from ..spec.errors import EXIT_INFEASIBLE, InputError, Problem
 from .options import JsonFlag, PlanFlags, plan_flags
@@ -49,10 +49,7 @@ def estimate(
         emit_json(estimate_document(result, gpu_memory, explain))
     else:
         title = f"{resolved.model_name or 'model'}: memory per device"
-        console = stdout_console()
-        console.print(render_estimate(result, gpu_memory, cpu_memory, title))
-        for line in explain_lines(result) if explain else []:
-            console.print(line, soft_wrap=True)
+        print_estimate(stdout_console(), result, gpu_memory, cpu_memory, title, explain)
     emit_diagnostics(f"warning: {w}" for w in result.warnings)
     if result.fits is False:
         raise typer.Exit(EXIT_INFEASIBLE)

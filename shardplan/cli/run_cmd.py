@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from ..spec.errors import EXIT_BAD_INPUT, EXIT_RUNTIME, InputError, Problem
+from ..render.output import emit_diagnostics
+from ..spec.errors import EXIT_BAD_INPUT, EXIT_RUNTIME, InputError, Problem, ShardplanError
 from .estimate_cmd import limits_known
 from .options import JsonFlag, PlanFlags, plan_flags
 
+# A worker's failure line (runtime/worker.py `describe_failure`).
+_FAILURE = re.compile(r"^rank (\d+): (.*)$")
 
-def _under_torchrun() -> bool:
+
+def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
@@ -27,14 +35,93 @@ def _require_torch() -> None:
                                      "'shardplan[run]'")) from None
 
 
-def _spawn(nproc: int, argv: list[str]) -> int:
-    """Start torchrun on this node with `nproc` workers running the same command."""
+def _worker_args(file: str, flags: PlanFlags, options: dict) -> list[str]:
+    """The command line each torchrun worker runs: the same job, flags and outputs."""
+    args = [file]
+    for name, value in flags.shortcuts.items():
+        args += [f"--{name.replace('_', '-')}", str(value)]
+    for expression in flags.sets:
+        args += ["--set", expression]
+    for name, value in options.items():
+        if value is True:
+            args.append(f"--{name}")
+        elif value not in (None, False):
+            args.append(f"--{name}={value}")
+    return args
+
+
+def _spawn(nproc: int, max_restarts: int, argv: list[str], verbose: bool) -> int:
+    """torchrun on this node, returning the workers' exit code (torchrun's own is 1 for any
+    failure). Workers' stderr goes to files and their failure lines come back as one summary
+    instead of every rank's traceback and torchrun's report; `--verbose` shows everything."""
     torchrun = shutil.which("torchrun")
     command = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
-    command += ["--standalone", f"--nproc_per_node={nproc}", "-m", "shardplan", "run", *argv]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.run(command, env=env).returncode
+    with tempfile.TemporaryDirectory(prefix="shardplan-logs-") as logs:
+        command += ["--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}"]
+        if not verbose:
+            command += ["--redirects=2", f"--log-dir={logs}"]
+        command += ["-m", "shardplan", "run", *argv]
+        proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+        captured = []
+        for line in proc.stderr:
+            captured.append(line)
+            if verbose:
+                sys.stderr.write(line)
+        proc.wait()
+        if proc.returncode == 0:
+            return 0
+        text = "".join(captured)
+        if not verbose:
+            emit_diagnostics(_signal_lines(text) + _failure_lines(Path(logs)) or _tail(text))
+        return _worker_exit_code(text)
+
+
+def _worker_exit_code(torchrun_stderr: str) -> int:
+    """The most telling worker exit code torchrun reported: bad input (2), then infeasible
+    (1), else a runtime failure (3)."""
+    codes = {int(code) for code in re.findall(r"exitcode: (-?\d+)", torchrun_stderr)}
+    for code in (EXIT_BAD_INPUT, 1):
+        if code in codes:
+            return code
+    return EXIT_RUNTIME
+
+
+def _signal_lines(torchrun_stderr: str) -> list[str]:
+    """Workers killed by a signal print nothing themselves; torchrun names them."""
+    lines = []
+    for code, local_rank in re.findall(r"failed \(exitcode: (-\d+)\) local_rank: (\d+)", torchrun_stderr):
+        number = -int(code)
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = f"signal {number}"
+        lines.append(f"local rank {local_rank}: killed by {name}")
+    return lines
+
+
+def _failure_lines(logs: Path) -> list[str]:
+    """The workers' failure lines, identical messages merged: `ranks 0-3: ...`."""
+    by_message: dict[str, list[int]] = {}
+    for path in sorted(logs.rglob("stderr.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            match = _FAILURE.match(line.strip())
+            if match:
+                by_message.setdefault(match.group(2), []).append(int(match.group(1)))
+    lines = []
+    for message, ranks in by_message.items():
+        ranks = sorted(set(ranks))
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
+        lines.append(f"{who}: {message}")
+    return lines
+
+
+def _tail(text: str | None) -> list[str]:
+    """Without a worker's own line (e.g. a worker killed by a signal): torchrun's reason."""
+    lines = [l for l in (text or "").splitlines() if l.strip()]
+    reasons = [l.strip() for l in lines if "exitcode" in l or "Signal" in l or "error" in l.lower()]
+    return [f"torchrun: {r}" for r in reasons[-3:]] or ["torchrun: a worker failed (rerun with --verbose)"]
 
 
 @plan_flags
@@ -42,6 +129,11 @@ def run(
     file: Annotated[str, typer.Argument(help="job file (TOML/JSON) or job preset name")],
     nproc: Annotated[Optional[int], typer.Option("--nproc", min=1, help="start torchrun with this many workers")] = None,
     report: Annotated[Optional[str], typer.Option("--report", help="write the run's JSON report here (rank 0)")] = None,
+    resume: Annotated[Optional[str], typer.Option(
+        "--resume", help="continue from the latest complete checkpoint (`--resume`) or one (`--resume=PATH`)")] = None,
+    max_restarts: Annotated[int, typer.Option(
+        "--max-restarts", min=0, help="let torchrun restart failed workers from the last checkpoint")] = 0,
+    force: Annotated[bool, typer.Option("--force", help="run even when the estimate says it does not fit")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", help="let every rank log, not only rank 0")] = False,
     json_out: JsonFlag = False,
     *,
@@ -57,46 +149,32 @@ def run(
 
     require_supported(resolved)
     _require_torch()
-    if not _under_torchrun():
+    if not under_torchrun():
         world = resolved.world
         if nproc is not None and nproc != world:
             raise InputError(Problem("--nproc", f"{nproc} workers, but {resolved.degrees.arithmetic()}"))
-        code = _spawn(nproc or world, _worker_args(file, flags, report, verbose, json_out))
+        options = {"report": report, "resume": resume, "force": force, "verbose": verbose, "json": json_out}
+        code = _spawn(nproc or world, max_restarts, _worker_args(file, flags, options), verbose)
         if code:
-            raise typer.Exit(EXIT_RUNTIME if code != EXIT_BAD_INPUT else EXIT_BAD_INPUT)
+            raise typer.Exit(code)
         return
-    from ..runtime.worker import fail, run_worker
+    from ..runtime.worker import RunOptions, describe_failure, fail, run_worker
 
     rank = int(os.environ.get("RANK", "0"))
+    options = RunOptions(report, verbose, table=not json_out, resume=resume, force=force)
     try:
-        result = run_worker(resolved, limits_known(resolved), report, verbose, table=not json_out)
+        result = run_worker(resolved, limits_known(resolved), options)
     except Exception as exc:  # one readable line per failing rank; the exit code says the rest
         if os.environ.get("SHARDPLAN_DEBUG"):
             raise
-        fail(rank, exc)
-        raise typer.Exit(EXIT_RUNTIME) from None
+        fail(describe_failure(rank, exc, resolved.job.parallel.communication_timeout))
+        code = exc.exit_code if isinstance(exc, ShardplanError) else EXIT_RUNTIME
+        raise typer.Exit(code) from None
     if json_out and result is not None:
         from ..render.output import emit_json
 
         emit_json(result)
 
 
-def _worker_args(file: str, flags: PlanFlags, report: str | None, verbose: bool, json_out: bool) -> list[str]:
-    """The command line each torchrun worker runs: the same job, flags and outputs."""
-    args = [file]
-    for name, value in flags.shortcuts.items():
-        args += [f"--{name.replace('_', '-')}", str(value)]
-    for expression in flags.sets:
-        args += ["--set", expression]
-    if report:
-        args += ["--report", report]
-    if verbose:
-        args.append("--verbose")
-    if json_out:
-        args.append("--json")
-    return args
-
-
 def register(app: typer.Typer) -> None:
     app.command("run")(run)
-

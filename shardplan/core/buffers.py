@@ -78,6 +78,36 @@ def fsdp2_buffers(
     return Phases(terms, [])
 
 
+# DeepSpeed ZeRO defaults (deepspeed/runtime/zero/config.py): elements per gradient reduce
+# bucket, parameters fetched ahead (stage 3), parameters kept gathered at most (stage 3).
+DS_REDUCE_BUCKET = 500_000_000
+DS_PREFETCH_BUCKET = 50_000_000
+DS_MAX_LIVE_PARAMETERS = 1_000_000_000
+
+
+def deepspeed_buffers(rp: RankParams, eb: ElementBytes, stage: int) -> list[Term]:
+    """DeepSpeed's own buffers at its default configuration.
+
+    Stage 1/2 (stage_1_and_2.py `setup_buckets`, contiguous_gradients on): one reduce bucket
+    of `reduce_bucket_size` elements in the gradient dtype, allocated whole. Stage 3
+    (stage3.py): the same reduce bucket, the parameters it fetches ahead
+    (`stage3_prefetch_bucket_size`), and gathered parameters kept until released, at most
+    `stage3_max_live_parameters` (partitioned_param_coordinator.py).
+    """
+    if stage == 0:
+        return []
+    g, c = eb.grads, eb.compute
+    terms = [Term("reduce bucket (reduce_bucket_size)", DS_REDUCE_BUCKET * g,
+                  lambda: f"{DS_REDUCE_BUCKET:,} elements * {g} B")]
+    if stage == 3:
+        live = min(DS_MAX_LIVE_PARAMETERS, rp.numel)
+        terms.append(Term("prefetched parameters (stage3_prefetch_bucket_size)", DS_PREFETCH_BUCKET * c,
+                          lambda: f"{DS_PREFETCH_BUCKET:,} elements * {c} B"))
+        terms.append(Term("gathered parameters (up to stage3_max_live_parameters)", live * c,
+                          lambda: f"min({DS_MAX_LIVE_PARAMETERS:,}, {rp.numel:,}) elements * {c} B"))
+    return terms
+
+
 def step_buffers(optimizer_elements: int, eb: ElementBytes, optimizer: str) -> list[Term]:
     """The optimizer step's temporaries on the GPU.
 

@@ -189,6 +189,11 @@ def sharding_problems(job: JobSpec, nodes: int) -> list[Problem]:
             f"{format_bytes(off.cpu_memory_budget)} exceeds cluster.cpu_memory_per_node "
             f"({format_bytes(cluster.cpu_memory_per_node)})",
         ))
+    if zero.framework == "fsdp2" and (off.grads or off.optimizer) and not off.params:
+        problems.append(warning(
+            "offload.params", "under fsdp2 a layer's gradients and optimizer states move to the CPU with its "
+            "parameters: offload.grads / offload.optimizer alone change nothing",
+        ))
     if off.cpu_compression != "none" and not off.params:
         problems.append(warning(
             "offload.cpu_compression", "has no effect unless offload.params is true"

@@ -23,7 +23,7 @@ from .activations import (
     recompute_working_terms,
     stored_layer_terms,
 )
-from .buffers import allowance_terms, fsdp2_buffers, step_buffers
+from .buffers import allowance_terms, deepspeed_buffers, fsdp2_buffers, step_buffers
 from .estimate_inputs import EstimateInputs
 from .params import ParamInfo, count_params
 from .precision import MIXED, ElementBytes, element_bytes
@@ -205,6 +205,8 @@ def rank_estimate(inputs: EstimateInputs, at: Coordinates, ranks: list[int]) -> 
     phases = fsdp2_buffers(rp, eb, inputs.zero_stage, degree, inputs.prefetch_layers, mixed) \
         if inputs.framework == "fsdp2" and inputs.shape is not None else None
     forward_backward = list(phases.forward_backward) if phases else []
+    if inputs.framework == "deepspeed":
+        forward_backward += deepspeed_buffers(rp, eb, inputs.zero_stage)
     if rp.has_head and inputs.shape is not None:
         forward_backward += loss_backward_terms(_activation_shape(inputs, eb))
     gpu_optimizer_elements = sum(t.bytes for t in states.gpu["optimizer"]) // max(eb.optimizer, 1)

@@ -47,63 +47,87 @@ def _peak(devices: list[DeviceEstimate]) -> int:
     return max(d.gpu["total"] for d in devices)
 
 
+def cpu_limit(inputs: EstimateInputs) -> int:
+    """CPU bytes a node may use: its RAM when known, and the job's cpu_memory_budget."""
+    return min(inputs.cpu_memory_per_node or inputs.cpu_memory_budget, inputs.cpu_memory_budget)
+
+
 def _strategy(inputs: EstimateInputs, layout: Layout,
               devices: list[DeviceEstimate]) -> tuple[EstimateInputs, list[str]]:
-    """Offload more until the peak is under the strategy's share of the GPU memory;
-    `devices` are the figures without further offload."""
+    """Offload more until the peak is under the strategy's share of the GPU memory, never
+    past the node's CPU limit; `devices` are the figures without further offload."""
     if inputs.gpu_memory is None:
         return inputs, []
     threshold = PRESSURE[inputs.strategy]
     target = int(threshold * inputs.gpu_memory)
+    limit = cpu_limit(inputs)
     peak = _peak(devices)
+    share = lambda value: f"{format_bytes(value)} ({value / inputs.gpu_memory:.0%})"
     head = f"strategy {inputs.strategy} (peak at most {threshold:.0%} of {format_bytes(inputs.gpu_memory)})"
     if peak <= target:
-        return inputs, [f"{head}: peak {format_bytes(peak)} ({peak / inputs.gpu_memory:.0%}); no further offload"]
-    decisions = [f"{head}: peak {format_bytes(peak)} ({peak / inputs.gpu_memory:.0%}) is over"]
-    steps: list[str] = []
-    if inputs.framework == "deepspeed":
-        steps = ["offload_optimizer", "offload_grads"]
+        return inputs, [f"{head}: peak {share(peak)}; no further offload"]
+    decisions = [f"{head}: peak {share(peak)} is over"]
+    steps = ["offload_optimizer", "offload_grads"] if inputs.framework == "deepspeed" else []
     for flag in steps:
         if getattr(inputs, flag):
             continue
-        inputs = inputs.with_(**{flag: True})
-        peak = _peak(_devices(inputs, layout))
+        trial = inputs.with_(**{flag: True})
+        trial_devices = _devices(trial, layout)
         what = flag.removeprefix("offload_").replace("optimizer", "optimizer states").replace("grads", "gradients")
-        decisions.append(f"offload {what}: peak {format_bytes(peak)} ({peak / inputs.gpu_memory:.0%})")
+        cpu = _cpu_per_node(trial_devices, layout)
+        if cpu > limit:
+            decisions.append(f"not offloading {what}: a node would need {format_bytes(cpu)} of CPU memory, "
+                             f"over its {format_bytes(limit)} (cpu_memory_budget / cpu_memory_per_node)")
+            return inputs, decisions
+        inputs, peak = trial, _peak(trial_devices)
+        decisions.append(f"offload {what}: peak {share(peak)}")
         if peak <= target:
             return inputs, decisions
     if inputs.zero_stage != 3:
         decisions.append(f"parameters can only be offloaded with zero.stage = 3 (got {inputs.zero_stage}); stopping")
         return inputs, decisions
-    inputs, resident, peak = _fewest_offloaded_layers(inputs, layout, target)
-    layers = max(d.num_layers for d in _devices(inputs, layout))
+    chosen, resident, peak, cpu_bound = _fewest_offloaded_layers(inputs, layout, target, limit)
+    layers = max(d.num_layers for d in _devices(chosen, layout))
+    if resident == layers:
+        decisions.append(f"offloading layers would take more CPU memory than the {format_bytes(limit)} limit")
+        return inputs, decisions
     along = " with their gradients and optimizer states" if inputs.framework == "fsdp2" else ""
-    decisions.append(
-        f"offload the parameters of {layers - resident} of {layers} layers{along}: "
-        f"peak {format_bytes(peak)} ({peak / inputs.gpu_memory:.0%})"
-    )
-    if peak > target:
+    decisions.append(f"offload the parameters of {layers - resident} of {layers} layers{along}: peak {share(peak)}")
+    if cpu_bound:
+        decisions.append(f"stopped by the CPU limit ({format_bytes(limit)} per node)")
+    elif peak > target:
         decisions.append("still over the threshold with every layer offloaded")
-    return inputs, decisions
+    return chosen, decisions
 
 
-def _fewest_offloaded_layers(inputs: EstimateInputs, layout: Layout, target: int) -> tuple[EstimateInputs, int, int]:
-    """Binary search for the most resident layers whose peak meets `target`."""
-    layers = max(d.num_layers for d in _devices(inputs, layout))
-    current = inputs.with_(offload_params=True)
-    upper = min(layers, max(d.resident_layers for d in _devices(current, layout))) \
-        if inputs.offload_params else layers
-    low, high = 0, upper
-    best = current.with_(resident_layers=0)
+def _search(low: int, high: int, good) -> int | None:
+    """The largest value in [low, high] for which the monotone `good` holds (None if none)."""
+    best = None
     while low <= high:
         middle = (low + high) // 2
-        trial = current.with_(resident_layers=middle)
-        if _peak(_devices(trial, layout)) <= target:
-            best, low = trial, middle + 1
+        if good(middle):
+            best, low = middle, middle + 1
         else:
             high = middle - 1
-    resident = best.resident_layers or 0
-    return best, resident, _peak(_devices(best, layout))
+    return best
+
+
+def _fewest_offloaded_layers(inputs: EstimateInputs, layout: Layout, target: int,
+                             limit: int) -> tuple[EstimateInputs, int, int, bool]:
+    """Most resident layers whose GPU peak meets `target`; fewer resident layers cost CPU
+    memory, so never below the fewest the CPU `limit` allows. Returns (inputs, resident,
+    peak, whether the CPU limit decided)."""
+    current = inputs.with_(offload_params=True)
+    layers = max(d.num_layers for d in _devices(inputs, layout))
+    upper = min(layers, max(d.resident_layers for d in _devices(current, layout))) if inputs.offload_params else layers
+    at = lambda resident: _devices(current.with_(resident_layers=resident), layout)
+    by_gpu = _search(0, upper, lambda r: _peak(at(r)) <= target)
+    # CPU use falls as more layers stay resident: the fewest resident the CPU allows.
+    by_cpu = _search(0, upper, lambda r: _cpu_per_node(at(upper - r), layout) <= limit)
+    fewest = upper - by_cpu if by_cpu is not None else upper
+    resident = max(by_gpu if by_gpu is not None else 0, fewest)
+    chosen = current.with_(resident_layers=resident)
+    return chosen, resident, _peak(_devices(chosen, layout)), resident == fewest and resident != by_gpu
 
 
 def assumptions(inputs: EstimateInputs) -> dict[str, object]:
@@ -146,12 +170,13 @@ def estimate_memory(inputs: EstimateInputs) -> Estimate:
         fits = peak <= inputs.gpu_memory
         if not fits:
             warnings.append(f"the peak device needs {format_bytes(peak)}, more than its {format_bytes(inputs.gpu_memory)}")
-        cpu_limit = min(inputs.cpu_memory_per_node or cpu_node, inputs.cpu_memory_budget)
-        if cpu_node > cpu_limit:
+        limit = cpu_limit(inputs)
+        if cpu_node > limit:
             fits = False
-            warnings.append(f"a node needs {format_bytes(cpu_node)} of CPU memory, over its limit {format_bytes(cpu_limit)}")
+            warnings.append(f"a node needs {format_bytes(cpu_node)} of CPU memory, over its limit {format_bytes(limit)}")
     if inputs.shape is None:
-        warnings.append("no architecture: model states only (activations and communication buffers not estimated)")
+        warnings.append("no architecture: model states only (activations and the buffers that depend on the "
+                        "layers are not estimated)")
     result = Estimate(param_counts(inputs), devices, peak, cpu_node, fits, assumptions(inputs), warnings, decisions)
     result.assumptions["offload"] = {
         "params": inputs.offload_params, "grads": inputs.offload_grads, "optimizer": inputs.offload_optimizer,

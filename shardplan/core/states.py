@@ -12,7 +12,7 @@ Sharding (`degree` ranks in the ZeRO/FSDP group, this rank at `index`):
 - deepspeed stage 1/2: one flat buffer of all parameters padded to a multiple of 2*degree
   elements (DeepSpeed stage_1_and_2.py, `flatten_dense_tensors_aligned` with alignment
   nccl_start_alignment_factor=2 times the data-parallel size), each rank owning 1/degree;
-  stage 3: each parameter padded to a multiple of degree (stage3.py `_partition_param`).
+  stage 3: each parameter padded to a multiple of degree (partition_parameters.py `_padding_size`).
 
 Parameters with fewer than `min_num_params` elements stay whole on every rank.
 """
@@ -177,14 +177,15 @@ def _elements(rp: RankParams, sharding: Sharding) -> tuple[TensorStates, TensorS
 def _on_cpu(kind: str, group_offloaded: bool, framework: str, offload: Offload) -> bool:
     """Where a kind of state of a group of tensors lives.
 
-    An offloaded layer keeps its parameters on the CPU; under fsdp2 its gradients and
-    optimizer states go with them (`CPUOffloadPolicy` moves gradients to the CPU and the
-    optimizer steps where the parameters are). The grads/optimizer flags move all of them.
+    fsdp2 offloads layer by layer: an offloaded layer's parameters, gradients and optimizer
+    states all live on the CPU (`CPUOffloadPolicy` moves gradients to the CPU and the
+    optimizer steps where the parameters are); the grads/optimizer flags add nothing.
+    deepspeed moves each kind by its own flag (ZeRO-Offload: gradients, optimizer states;
+    ZeRO-Infinity: parameters layer by layer).
     """
-    if kind == "params":
+    if kind == "params" or framework == "fsdp2":
         return group_offloaded
-    follows = group_offloaded and framework == "fsdp2"
-    return follows or (offload.grads if kind == "grads" else offload.optimizer)
+    return offload.grads if kind == "grads" else offload.optimizer
 
 
 def _term(kind: str, label: str, count: int, elements: int, unit: float, steps: int, eb: ElementBytes) -> Term:
@@ -210,10 +211,11 @@ def rank_states(
     resident = rp.num_layers
     if offload.params and offload.resident_layers is not None:
         resident = min(rp.num_layers, offload.resident_layers)
+    flat_count = len(rp.root) == 1 and rp.root[0].info.name == "params"
     groups = (
         ("layers", layer, resident, False),
         ("offloaded layers", layer, rp.num_layers - resident, True),
-        ("embedding/head", root, 1, False),
+        ("all" if flat_count else "embedding/head", root, 1, False),
     )
     flat = sharding.framework == "deepspeed" and sharding.stage in (1, 2)
     states = States()

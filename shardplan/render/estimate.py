@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
@@ -91,8 +90,13 @@ def explain_lines(result: Estimate) -> list[Text]:
     return lines
 
 
-def render_estimate(result: Estimate, gpu_memory: int | None, cpu_memory: int | None, title: str) -> Group:
-    return Group(estimate_table(result, gpu_memory, title), *summary_lines(result, gpu_memory, cpu_memory))
+def print_estimate(console, result: Estimate, gpu_memory: int | None, cpu_memory: int | None,
+                   title: str, explain: bool) -> None:
+    """The table, then one unwrapped line per summary item (and formula with `--explain`)."""
+    console.print(estimate_table(result, gpu_memory, title))
+    lines = summary_lines(result, gpu_memory, cpu_memory) + (explain_lines(result) if explain else [])
+    for line in lines:
+        console.print(line, soft_wrap=True)
 
 
 def estimate_document(result: Estimate, gpu_memory: int | None, explain: bool) -> dict:

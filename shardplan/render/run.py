@@ -17,13 +17,13 @@ KINDS = ("params", "grads", "optimizer", "activations")
 class StepProgress:
     """A rich progress bar on stderr: step, loss, tokens per second."""
 
-    def __init__(self, total: int):
+    def __init__(self, total: int, completed: int = 0):
         self.progress = Progress(
             TextColumn("training"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[speed]} tokens/s"),
             TimeElapsedColumn(), console=Console(file=sys.stderr), transient=False,
         )
-        self.task = self.progress.add_task("train", total=total, loss="-", speed="-")
+        self.task = self.progress.add_task("train", total=total, completed=completed, loss="-", speed="-")
 
     def __enter__(self) -> StepProgress:
         self.progress.__enter__()
@@ -37,8 +37,8 @@ class StepProgress:
         self.progress.update(self.task, completed=step, loss=f"{loss:.4f}", speed=f"{tokens_per_second:,.0f}")
 
 
-def progress_bar(total: int) -> StepProgress:
-    return StepProgress(total)
+def progress_bar(total: int, completed: int = 0) -> StepProgress:
+    return StepProgress(total, completed)
 
 
 def difference(estimated: int, measured: int) -> str:
@@ -67,7 +67,7 @@ def run_table(report: dict, model: str) -> Group:
         if report["device"] == "cuda":
             table.add_row("", "", "peak allocated", "", format_bytes(entry["measured"]["peak_device"] or 0), "",
                           end_section=True)
-    steps = report["steps"]
+    steps = report["steps"] or [{"loss": float("nan")}]
     lines = [
         Text(f"loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f} over {len(steps)} steps; "
              f"{report['step_seconds']:.3f} s/step, {report['tokens_per_second']:,.0f} tokens/s"
@@ -75,4 +75,8 @@ def run_table(report: dict, model: str) -> Group:
     ]
     if report.get("pipeline_schedule"):
         lines.append(Text(f"pipeline schedule: torch {report['pipeline_schedule']}"))
+    resumed = report.get("resumed_from")
+    if resumed:
+        note = f", {resumed['resharded']}" if resumed.get("resharded") else ""
+        lines.append(Text(f"resumed from {resumed['path']} after step {resumed['step']}{note}"))
     return Group(table, *lines)

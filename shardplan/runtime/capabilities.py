@@ -42,6 +42,9 @@ def unsupported(resolved: ResolvedJob) -> list[Problem]:
                       "torch 2.13's zero-bubble schedule (ScheduleInterleavedZeroBubble) diverges under FSDP2 and "
                       "keeps every microbatch's activations until the step ends on the last stage; `run` refuses it: "
                       "use 1f1b (the estimate still models ZB-H1)"))
+    if job.checkpoint.dir and zero.stage == 1 and par.dp > 1:
+        found.append(("checkpoint.dir", "checkpoints of ZeroRedundancyOptimizer (zero.stage 1) states are not "
+                                        "written by `run`: use zero.stage 0, 2 or 3"))
     if job.train.precision == "fp16-mixed":
         found.append(("train.precision", "fp16-mixed needs loss scaling, which `run` does not implement: use bf16-mixed"))
     return [Problem(path, message) for path, message in found]

@@ -54,6 +54,24 @@ def pick_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def _attempt_store(timeout: timedelta) -> dist.Store:
+    """torchrun's store, with a prefix per restart attempt.
+
+    torch 2.13's torchrun keeps one store across `--max-restarts` restarts, so a restarted
+    worker would read the previous attempt's (dead) peer addresses and fail to connect; the
+    prefix keeps each attempt's keys apart. The store itself is created as torchrun's own
+    env:// rendezvous does (torch/distributed/rendezvous.py, `_create_c10d_store`).
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    else:
+        store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout, multi_tenant=True)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"shardplan/attempt-{attempt}", store)
+
+
 def start(degrees: Degrees, order: str, gpus_per_node: int, timeout_s: float) -> Runtime:
     """Join the process group and build the DeviceMesh in the planner's order."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -61,7 +79,9 @@ def start(degrees: Degrees, order: str, gpus_per_node: int, timeout_s: float) ->
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+        timeout = timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, timeout=timeout, store=_attempt_store(timeout), **kwargs,
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = Layout(degrees, order, gpus_per_node)
     names, shape = mesh_dims(order, degrees)
@@ -83,10 +103,13 @@ def check_mesh(runtime: Runtime) -> None:
             )
 
 
-def stop() -> None:
-    """Leave together: a rank tearing down while a peer still sends aborts the peer (gloo)."""
-    if dist.is_initialized():
-        try:
+def stop(together: bool = True) -> None:
+    """Leave the process group; `together` waits for every rank first (a rank tearing down
+    while a peer still sends aborts the peer under gloo)."""
+    if not dist.is_initialized():
+        return
+    try:
+        if together:
             dist.barrier()
-        finally:
-            dist.destroy_process_group()
+    finally:
+        dist.destroy_process_group()

@@ -99,7 +99,9 @@ def apply_fsdp(model: nn.Module, runtime: Runtime, plan: ParallelPlan) -> None:
         offloaded = plan.offload_params and index >= plan.resident_layers
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
                     offload_policy=offload if offloaded else OffloadPolicy())
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+    # The root (embedding, final norm, head) is needed again as soon as backward starts:
+    # torch's default (None) keeps it gathered from forward to backward.
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=None if reshard else False, mp_policy=mp_policy)
     ahead = plan.prefetch_layers
     for index, block in enumerate(blocks):
         following = blocks[index + 1:index + 1 + ahead]

@@ -1,27 +1,46 @@
-"""The body of one torchrun worker: start, train, measure, gather, report."""
+"""The body of one torchrun worker: start, check, resume, train, checkpoint, measure, report."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from ..core.estimate import Coordinates, rank_estimate
 from ..core.estimate_inputs import inputs_from_job
+from ..core.params import count_params
 from ..io.job import ResolvedJob
 from ..render.output import emit_diagnostics, stdout_console
 from ..render.run import progress_bar, run_table
-from ..spec.errors import RunFailure
-from .dist import start, stop
+from ..spec.errors import RunFailure, ShardplanError
+from . import checkpoint, faults, preflight
+from .dist import Runtime, start, stop
 from .measure import SavedTensorTracker
 from .train import Trainer, global_loss, mfu, rank_estimates
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    report_path: str | None = None
+    verbose: bool = False
+    table: bool = True
+    resume: str | None = None  # "latest" or a checkpoint path
+    force: bool = False
+
+
+class Phase:
+    """What this rank is doing, so a failure can say where it happened."""
+
+    current = "starting"
 
 
 def _sync(device: torch.device) -> None:
@@ -29,53 +48,147 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_worker(resolved: ResolvedJob, limits_known: bool,
-               report_path: str | None, verbose: bool, table: bool = True) -> dict | None:
+def plan_record(resolved: ResolvedJob, runtime: Runtime) -> dict:
+    """What a checkpoint records about the plan that wrote it."""
+    job, degrees = resolved.job, resolved.degrees
+    return {
+        "model": resolved.shape.to_table(),
+        "params": count_params(resolved.shape).total,
+        "degrees": {"dp": degrees.dp, "tp": degrees.tp, "pp": degrees.pp, "cp": degrees.cp},
+        "zero_stage": job.zero.stage,
+        "order": job.parallel.order,
+        "world_size": runtime.world,
+        "job": job.model_dump(mode="json", exclude_none=True),
+    }
+
+
+def run_worker(resolved: ResolvedJob, limits_known: bool, options: RunOptions) -> dict | None:
     """Train the job on this rank; rank 0 returns (and prints) the report."""
     job = resolved.job
+    if os.environ.get("RANK", "0") != "0" and not options.verbose:
+        warnings.simplefilter("ignore")
     runtime = start(resolved.degrees, job.parallel.order, job.cluster.gpus_per_node,
                     job.parallel.communication_timeout)
     try:
-        return _train(resolved, runtime, limits_known, report_path, verbose, table)
-    finally:
-        stop()
+        report = _train(resolved, runtime, limits_known, options)
+    except BaseException:
+        stop(together=False)  # the others may be gone: no barrier
+        raise
+    stop()
+    return report
 
 
-def _train(resolved, runtime, limits_known, report_path, verbose, table) -> dict | None:
+def _resume_point(resolved: ResolvedJob, options: RunOptions, plan: dict):
+    """(checkpoint path, meta, resharding note) to resume from, or None to start afresh.
+
+    `--resume` asks for it; a worker restarted by torchrun (--max-restarts) resumes from the
+    latest complete checkpoint by itself."""
+    folder = resolved.job.checkpoint.dir
+    requested = options.resume
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if requested is None and restarted and folder and checkpoint.complete_checkpoints(Path(folder)):
+        requested = "latest"
+    if requested is None:
+        return None
+    if requested == "latest" and not folder:
+        raise RunFailure("--resume: the job has no [checkpoint] dir to resume from")
+    path = checkpoint.find(Path(folder or "."), requested)
+    meta = checkpoint.read_meta(path)
+    return path, meta, checkpoint.check_compatible(meta, plan, path)
+
+
+def _train(resolved: ResolvedJob, runtime: Runtime, limits_known: bool, options: RunOptions) -> dict | None:
     job = resolved.job
+    rank0 = runtime.rank == 0
     inputs = replace(inputs_from_job(job, resolved.shape, limits_known), on_gpu=runtime.on_gpu)
+    c = runtime.coords()
+    mine = rank_estimate(inputs, Coordinates(c["pp"], c["tp"], c["dp"] * resolved.degrees.cp + c["cp"]), [runtime.rank])
+    Phase.current = "preflight"
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    preflight.check(mine, runtime.on_gpu, runtime.device.index, local_world, options.force)
+    plan = plan_record(resolved, runtime)
+    Phase.current = "reading the checkpoint"
+    resume = _resume_point(resolved, options, plan)
     if runtime.on_gpu:
         torch.cuda.reset_peak_memory_stats(runtime.device)
+    Phase.current = "building the model"
     trainer = Trainer(resolved, runtime, inputs)
-    rank0 = runtime.rank == 0
-    if rank0 and trainer.decisions and verbose:
+    first_step, resumed = 0, None
+    if resume is not None:
+        path, meta, resharded = resume
+        Phase.current = f"loading {path}"
+        checkpoint.load(path, [m for _, m in trainer.modules], trainer.optimizer, same_layout=resharded is None)
+        first_step = meta["step"]
+        resumed = {"step": first_step, "path": str(path), "resharded": resharded}
+        if rank0:
+            emit_diagnostics([f"resuming from {path} after step {first_step}" + (f", {resharded}" if resharded else "")])
+    if rank0 and trainer.decisions and options.verbose:
         emit_diagnostics(f"offload: {d}" for d in trainer.decisions)
+    report = _loop(resolved, runtime, trainer, first_step, plan, options)
+    report["resumed_from"] = resumed
+    report["ranks"] = _gather(runtime, trainer, report.pop("_tracker"), report.pop("_states"), inputs)
+    if not rank0:
+        return None
+    if options.table:
+        stdout_console().print(run_table(report, resolved.model_name))
+    if options.report_path:
+        Path(options.report_path).write_text(json.dumps({"schema_version": 1, **report}, indent=2) + "\n",
+                                             encoding="utf-8")
+    return report
+
+
+def _loop(resolved, runtime, trainer, first_step, plan, options) -> dict:
+    job = resolved.job
+    rank0 = runtime.rank == 0
     tracker = SavedTensorTracker(trainer.params)
     steps, states = [], None
-    # Saved activations are measured in the second step when there is one: the first step
-    # of a pipeline also runs torch's shape inference, whose graph stays alive meanwhile.
-    measured_step = 1 if job.train.steps > 1 else 0
+    # Saved activations are measured in the run's second step when there is one: the first
+    # step of a pipeline also runs torch's shape inference, whose graph stays alive meanwhile.
+    measured = first_step + (1 if job.train.steps - first_step > 1 else 0)
     tokens_per_step = trainer.batching.global_batch * job.train.seq_len
-    bar = progress_bar(job.train.steps) if rank0 else None
+    folder = Path(job.checkpoint.dir) if job.checkpoint.dir else None
+    bar = progress_bar(job.train.steps, first_step) if rank0 else None
     with bar if bar else _Null():
-        for step in range(job.train.steps):
+        for step in range(first_step, job.train.steps):
+            faults.maybe("step", step + 1, runtime.rank)
             _sync(runtime.device)
             start_time = time.perf_counter()
-            local = trainer.step(step, tracker if step == measured_step else None)
+            Phase.current = f"step {step + 1} (forward, backward, optimizer)"
+            local = trainer.step(step, tracker if step == measured else None)
+            Phase.current = f"step {step + 1} (loss all-reduce)"
             loss = global_loss(local, trainer)
             _sync(runtime.device)
             seconds = time.perf_counter() - start_time
-            if step == 0:
+            if states is None:
                 states = trainer.measure_states()
             steps.append({"step": step + 1, "loss": loss, "seconds": seconds})
             if bar:
                 bar.advance(step + 1, loss, tokens_per_step / seconds)
+            done = step + 1
+            if folder and (done % job.checkpoint.every == 0 or done == job.train.steps):
+                Phase.current = f"checkpoint of step {done}"
+                checkpoint.save(folder, done, [m for _, m in trainer.modules], trainer.optimizer, plan,
+                                job.checkpoint.keep)
     timed_steps = steps[1:] or steps
-    step_time = sum(s["seconds"] for s in timed_steps) / len(timed_steps)
-    tokens_per_second = tokens_per_step / step_time
-    measured = {
-        kind: sum(states[kind].values()) for kind in ("params", "grads", "optimizer")
+    step_time = sum(s["seconds"] for s in timed_steps) / max(1, len(timed_steps))
+    tokens_per_second = tokens_per_step / step_time if step_time else 0.0
+    return {
+        "world_size": runtime.world,
+        "device": runtime.device.type,
+        "torch_version": torch.__version__,
+        "pipeline_schedule": trainer.schedule_name,
+        "steps": steps,
+        "step_seconds": step_time,
+        "tokens_per_second": tokens_per_second,
+        "mfu": mfu(tokens_per_second, resolved, runtime),
+        "offload_decisions": trainer.decisions,
+        "_tracker": tracker,
+        "_states": states or trainer.measure_states(),
     }
+
+
+def _gather(runtime, trainer, tracker, states, inputs) -> list[dict]:
+    measured = {kind: sum(states[kind].values()) for kind in ("params", "grads", "optimizer")}
     measured["activations"] = tracker.peak
     measured["peak_device"] = torch.cuda.max_memory_allocated(runtime.device) if runtime.on_gpu else None
     entry = {
@@ -87,26 +200,9 @@ def _train(resolved, runtime, limits_known, report_path, verbose, table) -> dict
         "estimated": rank_estimates(inputs, runtime),
     }
     entries = [None] * runtime.world
+    Phase.current = "gathering the measurements"
     dist.all_gather_object(entries, entry)
-    if not rank0:
-        return None
-    report = {
-        "world_size": runtime.world,
-        "device": runtime.device.type,
-        "torch_version": torch.__version__,
-        "pipeline_schedule": trainer.schedule_name,
-        "steps": steps,
-        "step_seconds": step_time,
-        "tokens_per_second": tokens_per_second,
-        "mfu": mfu(tokens_per_second, resolved, runtime),
-        "offload_decisions": trainer.decisions,
-        "ranks": entries,
-    }
-    if table:
-        stdout_console().print(run_table(report, resolved.model_name))
-    if report_path:
-        Path(report_path).write_text(json.dumps({"schema_version": 1, **report}, indent=2) + "\n", encoding="utf-8")
-    return report
+    return entries
 
 
 class _Null:
@@ -117,7 +213,18 @@ class _Null:
         return False
 
 
-def fail(rank: int, exc: BaseException) -> None:
-    """One line for the user: which rank, what failed."""
-    message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    sys.stderr.write(f"rank {rank}: {type(exc).__name__ if not isinstance(exc, RunFailure) else 'error'}: {message}\n")
+def describe_failure(rank: int, exc: BaseException, timeout: float) -> str:
+    """One line for the user: which rank, doing what, what failed."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, ShardplanError):
+        return f"rank {rank}: {text}"
+    lowered = str(exc).lower()
+    if "timed out" in lowered or "timeout" in lowered:
+        return (f"rank {rank}: a collective did not complete within communication_timeout "
+                f"({timeout:g} s) during {Phase.current}: {text}")
+    return f"rank {rank}: {type(exc).__name__} during {Phase.current}: {text}"
+
+
+def fail(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

@@ -1,0 +1,166 @@
+"""Long-job safety of `shardplan run`: checkpoints, resume, restart, preflight, timeouts.
+
+Faults are injected with SHARDPLAN_INJECT_FAULT (runtime/faults.py): a rank is SIGKILLed at
+a step or while writing a checkpoint, or stops answering."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.slow
+
+JOB = """
+[model]
+preset = "{model}"
+[parallel]
+dp = 2
+micro_batch_size = 4
+[zero]
+stage = 3
+[train]
+seq_len = 64
+precision = "fp32"
+steps = 6
+lr = 1e-3
+seed = 3
+[checkpoint]
+dir = "{folder}"
+every = 2
+keep = 2
+"""
+
+
+def shardplan_run(job: Path, *args: str, fault: str | None = None, timeout: int = 300):
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK",
+                                                             "SHARDPLAN_INJECT_FAULT")}
+    if fault:
+        env["SHARDPLAN_INJECT_FAULT"] = fault
+    return subprocess.run([sys.executable, "-m", "shardplan", "run", str(job), *args],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+
+
+def write_job(tmp_path: Path, name: str, model: str = "tiny-gpt2") -> tuple[Path, Path]:
+    folder = tmp_path / f"{name}-checkpoints"
+    job = tmp_path / f"{name}.toml"
+    job.write_text(JOB.format(model=model, folder=folder), encoding="utf-8")
+    return job, folder
+
+
+def losses(report: Path) -> dict[int, float]:
+    return {s["step"]: s["loss"] for s in json.loads(report.read_text())["steps"]}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    job, _ = write_job(tmp, "full")
+    proc = shardplan_run(job, "--report", str(tmp / "full.json"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return losses(tmp / "full.json")
+
+
+def test_killed_rank_then_resume_continues_exactly(uninterrupted, tmp_path):
+    job, folder = write_job(tmp_path, "killed")
+    crashed = shardplan_run(job, fault="kill:step=5:rank=1")
+    assert crashed.returncode == 3
+    assert "killed by SIGKILL" in crashed.stderr and "Traceback" not in crashed.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["step-00000002", "step-00000004"]
+    resumed = shardplan_run(job, "--resume", "--report", str(tmp_path / "resumed.json"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = losses(tmp_path / "resumed.json")
+    assert sorted(after) == [5, 6]
+    for step, loss in after.items():
+        assert loss == uninterrupted[step]  # bit-exact on CPU in fp32
+
+
+def test_crash_while_checkpointing_keeps_the_previous_one(uninterrupted, tmp_path):
+    job, folder = write_job(tmp_path, "midsave")
+    crashed = shardplan_run(job, fault="kill:checkpoint=4:rank=0")
+    assert crashed.returncode == 3
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == ["step-00000002", "step-00000004.partial"], names
+    resumed = shardplan_run(job, "--resume", "--report", str(tmp_path / "resumed.json"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = losses(tmp_path / "resumed.json")
+    assert sorted(after) == [3, 4, 5, 6]
+    assert all(after[s] == uninterrupted[s] for s in after)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-00000004", "step-00000006"]
+
+
+def test_torchrun_restarts_from_the_last_checkpoint(uninterrupted, tmp_path):
+    job, _ = write_job(tmp_path, "restart")
+    proc = shardplan_run(job, "--max-restarts", "1", "--report", str(tmp_path / "r.json"), fault="kill:step=5:rank=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["resumed_from"]["step"] == 4
+    assert all(loss == uninterrupted[step] for step, loss in losses(tmp_path / "r.json").items())
+
+
+def test_resume_into_another_layout(uninterrupted, tmp_path):
+    job, folder = write_job(tmp_path, "reshard")
+    first = shardplan_run(job, "--set", "train.steps=4")
+    assert first.returncode == 0, first.stderr[-3000:]
+    # Written by dp2 (ZeRO-3); read by one rank with the whole batch (DCP reshards).
+    proc = shardplan_run(job, f"--resume={folder / 'step-00000004'}", "--dp", "1",
+                         "--set", "parallel.micro_batch_size=8", "--set", f"checkpoint.dir={tmp_path / 'other'}",
+                         "--report", str(tmp_path / "r.json"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["resumed_from"]["resharded"] == "resharding from dp2 (ZeRO 3) to 1 rank (ZeRO 3)"
+    for step, loss in losses(tmp_path / "r.json").items():
+        assert abs(loss - uninterrupted[step]) <= 1e-5 * abs(uninterrupted[step])
+
+
+def _snapshot(folder: Path) -> dict[str, float]:
+    return {str(p): p.stat().st_mtime for p in folder.rglob("*") if p.is_file()}
+
+
+def test_unusable_checkpoints_are_refused(tmp_path):
+    job, folder = write_job(tmp_path, "refuse")
+    assert shardplan_run(job, "--set", "train.steps=2").returncode == 0
+    before = _snapshot(folder)
+    # Another model.
+    other, _ = write_job(tmp_path, "other", model="tiny-llama")
+    proc = shardplan_run(other, f"--set", f"checkpoint.dir={folder}", "--resume")
+    assert proc.returncode == 3 and "was written for another model" in proc.stderr
+    # Corrupt: a shard file cut short.
+    shard = next(folder.glob("step-*/*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    before = _snapshot(folder)
+    proc = shardplan_run(job, "--resume")
+    assert proc.returncode == 3 and "cannot load" in proc.stderr and "Traceback" not in proc.stderr
+    assert _snapshot(folder) == before  # nothing overwritten
+    # Missing.
+    proc = shardplan_run(job, "--set", f"checkpoint.dir={tmp_path / 'empty'}", "--resume")
+    assert proc.returncode == 3 and "no complete checkpoint" in proc.stderr
+    proc = shardplan_run(job, f"--resume={tmp_path / 'nowhere'}")
+    assert proc.returncode == 3 and "is not a checkpoint folder" in proc.stderr
+
+
+def test_preflight_refuses_a_plan_that_does_not_fit(tmp_path):
+    job, _ = write_job(tmp_path, "big", model="llama-3-70b")
+    started = time.monotonic()
+    proc = shardplan_run(job, "--set", "train.seq_len=128")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "preflight: the plan does not fit" in proc.stderr
+    assert time.monotonic() - started < 120  # refused before building 70B parameters
+
+
+def test_a_hung_collective_fails_within_the_timeout(tmp_path):
+    job, _ = write_job(tmp_path, "hang")
+    started = time.monotonic()
+    proc = shardplan_run(job, "--set", "parallel.communication_timeout=5", fault="hang:step=2:rank=1", timeout=120)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 3
+    assert "rank 0: a collective did not complete within communication_timeout (5 s) during step 2" in proc.stderr
+    assert elapsed < 60
