@@ -72,6 +72,12 @@ PLANS = [
     ("pp2-interleaved", "tiny-llama", 2, 4, ["--pp", "2", "--set", "parallel.pipeline_schedule=interleaved-1f1b",
                                              "--set", "parallel.virtual_stages=2"]),
     ("dp2-tp2", "tiny-llama", 4, 1, ["--dp", "2", "--tp", "2", "--zero", "3"]),
+    # GPT-2 ties its head to the embedding: the last stage keeps a copy, gradients summed.
+    ("pp2-tied", "tiny-gpt2", 2, 4, ["--pp", "2"]),
+    ("dp2-selective", "tiny-gpt2", 4, 1, ["--dp", "2", "--zero", "3", "--set", "train.activation_checkpointing=selective",
+                                          "--set", "train.attention=eager"]),
+    ("dp2-full-recompute", "tiny-llama", 4, 1, ["--dp", "2", "--zero", "3",
+                                                "--set", "train.activation_checkpointing=full"]),
 ]
 
 
@@ -101,4 +107,22 @@ def test_report_document(references):
     assert report["tokens_per_second"] > 0
     rank = report["ranks"][0]
     assert set(rank["measured"]) == {"params", "grads", "optimizer", "activations", "peak_device"}
-    assert set(rank["estimated"]) == {"params", "grads", "optimizer", "activations"}
+    assert set(rank["estimated"]) == {"params", "grads", "optimizer", "activations", "peak_device"}
+
+
+def test_token_file(tmp_path):
+    import struct
+
+    tokens = tmp_path / "tokens.bin"
+    tokens.write_bytes(struct.pack("<4096H", *[(7 * i) % 512 for i in range(4096)]))
+    job = tmp_path / "data.toml"
+    job.write_text('[model]\npreset = "tiny-gpt2"\n' + COMMON.format(mbs=8, m=1)
+                   + f'[data]\npath = "{tokens}"\ndtype = "uint16"\n', encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    ok = subprocess.run([sys.executable, "-m", "shardplan", "run", str(job)], capture_output=True, text=True,
+                        cwd=ROOT, env=env, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    tokens.write_bytes(struct.pack("<4096H", *[1000] * 4096))  # outside the 512-token vocabulary
+    bad = subprocess.run([sys.executable, "-m", "shardplan", "run", str(job)], capture_output=True, text=True,
+                         cwd=ROOT, env=env, timeout=300)
+    assert bad.returncode == 3 and "outside the vocabulary (512)" in bad.stderr, bad.stderr[-2000:]

@@ -187,7 +187,6 @@ def activation_terms(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, p
                 lambda count=count, layers=layers: f"{count} microbatches held * {layers} layers * {per_layer:,} B per layer",
             ))
         terms += [t.scaled(count, f"{count} microbatches held") for t in edges(stage)]
-    terms += recompute_working_terms(act)
     return terms
 
 
@@ -207,6 +206,9 @@ def rank_estimate(inputs: EstimateInputs, at: Coordinates, ranks: list[int]) -> 
     forward_backward = list(phases.forward_backward) if phases else []
     if inputs.framework == "deepspeed":
         forward_backward += deepspeed_buffers(rp, eb, inputs.zero_stage)
+    if inputs.shape is not None:
+        # Recomputation rebuilds one layer's activations at a time during backward: transient.
+        forward_backward += recompute_working_terms(_activation_shape(inputs, eb))
     if rp.has_head and inputs.shape is not None:
         forward_backward += loss_backward_terms(_activation_shape(inputs, eb))
     gpu_optimizer_elements = sum(t.bytes for t in states.gpu["optimizer"]) // max(eb.optimizer, 1)

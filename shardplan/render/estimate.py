@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from rich.table import Table
 from rich.text import Text
 
 from ..core.memory import Estimate
@@ -10,13 +9,12 @@ from ..spec.units import format_bytes, format_count
 
 GPU_KINDS = ("params", "grads", "optimizer", "activations", "buffers")
 COLOURS = {"params": "blue", "grads": "magenta", "optimizer": "yellow", "activations": "green", "buffers": "cyan"}
-BAR_WIDTH = 28
+BAR_WIDTH = 12
+SHORT = {"optimizer": "optim", "activations": "activ"}
 
 
 def _ranks(ranks: list[int]) -> str:
-    if len(ranks) <= 4:
-        return ",".join(map(str, ranks))
-    return f"{ranks[0]},{ranks[1]},...,{ranks[-1]} ({len(ranks)})"
+    return ",".join(map(str, ranks)) if len(ranks) <= 2 else str(len(ranks))
 
 
 def _bar(gpu: dict[str, int], scale: int) -> Text:
@@ -31,26 +29,49 @@ def _bar(gpu: dict[str, int], scale: int) -> Text:
     return bar
 
 
-def estimate_table(result: Estimate, gpu_memory: int | None, title: str) -> Table:
-    table = Table(title=title, title_justify="left")
-    table.add_column("stage", justify="right")
-    table.add_column("ranks")
-    for kind in GPU_KINDS:
-        table.add_column(kind, justify="right", style=COLOURS[kind])
-    table.add_column("GPU total", justify="right", style="bold")
-    table.add_column("of GPU" if gpu_memory else "of peak")
-    table.add_column("CPU", justify="right")
-    table.add_column("peak in")
-    scale = gpu_memory or result.peak_gpu_bytes
+def _unit(largest: int) -> tuple[str, int]:
+    """One unit for the whole table, so columns stay narrow and comparable."""
+    for name, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if largest >= size:
+            return name, size
+    return "B", 1
+
+
+def estimate_table(result: Estimate, gpu_memory: int | None, title: str) -> list[Text]:
+    """One line per pipeline stage, all figures in one unit, and a bar against the GPU."""
+    largest = max([result.peak_gpu_bytes] + [d.cpu["total"] for d in result.devices])
+    unit, size = _unit(largest)
+    cell = (lambda value: f"{value / size:.2f}") if size > 1 else str
+    headers = ["stage", "ranks", *(SHORT.get(k, k) for k in GPU_KINDS), "GPU", "CPU"]
+    rows = []
     for device in result.devices:
         gpu = device.gpu
-        table.add_row(
-            str(device.stage), _ranks(device.ranks),
-            *(format_bytes(gpu[k]) for k in GPU_KINDS),
-            format_bytes(gpu["total"]), _bar(gpu, scale), format_bytes(device.cpu["total"]),
-            "step" if device.phase == "optimizer step" else "fwd/bwd",
-        )
-    return table
+        star = "*" if device.phase == "optimizer step" else ""
+        rows.append([str(device.stage), _ranks(device.ranks), *(cell(gpu[k]) for k in GPU_KINDS),
+                     cell(gpu["total"]) + star, cell(device.cpu["total"])])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    scale = gpu_memory or result.peak_gpu_bytes
+
+    def line(cells: list[str], styles: list[str]) -> Text:
+        text = Text()
+        for i, value in enumerate(cells):
+            text.append(" " * (widths[i] - len(value) + (0 if i == 0 else 2)))
+            text.append(value, style=styles[i])
+        return text
+
+    styles = ["", "", *(COLOURS[k] for k in GPU_KINDS), "bold", ""]
+    lines = [Text(f"{title} ({unit})", style="bold")]
+    header = line(headers, [""] * len(headers))
+    header.append("  " + ("of GPU" if gpu_memory else "of peak"))
+    lines.append(header)
+    for device, row in zip(result.devices, rows):
+        text = line(row, styles)
+        text.append("  ")
+        text.append_text(_bar(device.gpu, scale))
+        lines.append(text)
+    if any(d.phase == "optimizer step" for d in result.devices):
+        lines.append(Text("* peak during the optimizer step (activations freed)", style="dim"))
+    return lines
 
 
 def summary_lines(result: Estimate, gpu_memory: int | None, cpu_memory: int | None) -> list[Text]:
@@ -93,8 +114,8 @@ def explain_lines(result: Estimate) -> list[Text]:
 def print_estimate(console, result: Estimate, gpu_memory: int | None, cpu_memory: int | None,
                    title: str, explain: bool) -> None:
     """The table, then one unwrapped line per summary item (and formula with `--explain`)."""
-    console.print(estimate_table(result, gpu_memory, title))
-    lines = summary_lines(result, gpu_memory, cpu_memory) + (explain_lines(result) if explain else [])
+    lines = estimate_table(result, gpu_memory, title) + summary_lines(result, gpu_memory, cpu_memory)
+    lines += explain_lines(result) if explain else []
     for line in lines:
         console.print(line, soft_wrap=True)
 

@@ -65,7 +65,8 @@ def run_table(report: dict, model: str) -> Group:
                           format_bytes(est), format_bytes(meas), difference(est, meas),
                           end_section=index == len(KINDS) - 1)
         if report["device"] == "cuda":
-            table.add_row("", "", "peak allocated", "", format_bytes(entry["measured"]["peak_device"] or 0), "",
+            est, meas = entry["estimated"]["peak_device"], entry["measured"]["peak_device"] or 0
+            table.add_row("", "", "peak allocated", format_bytes(est), format_bytes(meas), difference(est, meas),
                           end_section=True)
     steps = report["steps"] or [{"loss": float("nan")}]
     lines = [

@@ -194,15 +194,19 @@ def global_loss(local: torch.Tensor, trainer: Trainer) -> float:
 
 
 def rank_estimates(inputs: EstimateInputs, runtime: Runtime) -> dict[str, int]:
-    """The estimate for this rank's own coordinates (devices GPU + CPU together)."""
+    """The estimate for this rank's own coordinates (devices GPU + CPU together), and the
+    device peak to compare with torch.cuda.max_memory_allocated: the GPU total less the
+    allowances for the CUDA context and fragmentation, which the allocator does not count."""
     c = runtime.coords()
     at = Coordinates(pp_rank=c["pp"], tp_rank=c["tp"], shard_index=c["dp"] * runtime.layout.degrees.cp + c["cp"])
     device = rank_estimate(inputs, at, [runtime.rank])
+    allowances = sum(t.bytes for t in device.terms["gpu.buffers"] if "(allowance)" in t.label)
     return {
         "params": device.gpu["params"] + device.cpu["params"],
         "grads": device.gpu["grads"] + device.cpu["grads"],
         "optimizer": device.gpu["optimizer"] + device.cpu["optimizer"],
         "activations": device.saved_activations,
+        "peak_device": device.gpu["total"] - allowances,
     }
 
 

@@ -1,0 +1,56 @@
+"""The model `shardplan run` builds has exactly the parameters the planner counts."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from shardplan.core.params import count_params, model_params  # noqa: E402
+from shardplan.runtime.model import Transformer  # noqa: E402
+from shardplan.spec.model import resolve_shape  # noqa: E402
+
+TINY = dict(num_layers=2, hidden_size=48, num_heads=6, num_kv_heads=2, ffn_hidden_size=40, vocab_size=101,
+            max_seq_len=32)
+FAMILIES = {
+    "gpt2": dict(family="gpt2", num_kv_heads=6, ffn_hidden_size=None),
+    "llama": dict(family="llama"),
+    "llama-tied-biased": dict(family="llama", tie_embeddings=True, qkv_bias=True, out_bias=True, mlp_bias=True),
+    "mistral": dict(family="mistral"),
+    "qwen2": dict(family="qwen2"),
+    "gemma": dict(family="gemma", head_dim=16),
+    "phi3": dict(family="phi3"),
+}
+
+
+def build(changes: dict):
+    table = {**TINY, **{k: v for k, v in changes.items() if v is not None}}
+    if changes.get("ffn_hidden_size", 1) is None:
+        table.pop("ffn_hidden_size")
+    shape, problems = resolve_shape(table)
+    assert not problems
+    return shape, Transformer(shape)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_names_shapes_and_count_match_the_planner(name):
+    shape, model = build(FAMILIES[name])
+    built = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    planned = {p.name: p.shape for p in model_params(shape)}
+    assert built == planned
+    assert sum(p.numel() for p in model.parameters()) == count_params(shape).total
+
+
+@pytest.mark.parametrize("changes, words", [
+    (dict(family="mixtral", num_experts=4), "mixture-of-experts"),
+    (dict(family="falcon", num_kv_heads=1, ffn_hidden_size=None), "Falcon"),
+])
+def test_unbuilt_structures_are_refused(changes, words):
+    with pytest.raises(ValueError, match=words):
+        build(changes)
+
+
+def test_forward_gives_logits():
+    shape, model = build(FAMILIES["llama"])
+    tokens = torch.randint(0, shape.vocab_size, (2, 16))
+    assert model(tokens).shape == (2, 16, shape.vocab_size)
