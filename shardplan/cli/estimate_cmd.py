@@ -9,7 +9,6 @@ import typer
 from ..core.estimate_inputs import inputs_from_job
 from ..core.memory import estimate_memory
 from ..io.job import ResolvedJob
-from ..render.estimate import estimate_document, print_estimate
 from ..render.output import emit_diagnostics, emit_json, stdout_console
 from ..spec.errors import EXIT_INFEASIBLE, InputError, Problem
 from .options import JsonFlag, PlanFlags, plan_flags
@@ -34,6 +33,8 @@ def estimate(
     Parameters, gradients, optimizer states, activations and buffers per pipeline stage,
     headroom against the cluster, and `--explain` for every formula with its numbers.
     """
+    from ..render.estimate import estimate_document, print_estimate
+
     resolved = flags.load(file, world=world)
     if resolved.shape is None and resolved.params_only is None:
         raise InputError(Problem("model", "no model: set model.preset, model.hf_config, an inline shape, or --params",

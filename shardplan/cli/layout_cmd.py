@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Annotated, Optional
 
 import typer
-from pydantic import ValidationError
 
 from ..core.degrees import Degrees
 from ..core.layout import Layout, layout_warnings
-from ..io.job import _expand_cluster_preset, load_job, open_job_source
-from ..io.overrides import Override, apply_overrides
+from ..io.job import load_job
+from ..io.overrides import Override
 from ..render.layout import layout_document, layout_picture, rank_document, rank_text, write_document
 from ..render.output import emit_diagnostics, stdout_console
-from ..spec.errors import InputError, Problem
+from ..spec.errors import Problem
 from ..spec.job import JobSpec
 from .options import JsonFlag, PlanFlags, plan_flags
 
@@ -36,22 +34,11 @@ def _moves_ranks(problem: Problem) -> bool:
 def load_placement(
     file: str | None, overrides: list[Override], labels: dict[str, str], world: int | None
 ) -> tuple[JobSpec, list[Problem]]:
-    """The job's tables and the problems to show as warnings; raises on errors that matter
-    for placement (every problem of the file is then listed, as `validate` would)."""
-    try:
-        resolved = load_job(file, overrides, world=world, flag_labels=labels)
-        return resolved.job, resolved.warnings
-    except InputError as exc:
-        if any(_moves_ranks(p) for p in exc.problems if p.severity == "error"):
-            raise
-        data = apply_overrides(open_job_source(file).data, overrides)
-        if _expand_cluster_preset(data):
-            raise
-        try:
-            job = JobSpec.model_validate(data)
-        except ValidationError:  # a malformed table: the original message says where
-            raise exc from None
-        return job, [replace(p, severity="warning") for p in exc.problems]
+    """The job's tables and the problems to show as warnings; errors that matter for
+    placement stop it (every problem of the file is then listed, as `validate` would)."""
+    resolved = load_job(file, overrides, world=world, flag_labels=labels,
+                        warn_only=lambda problem: not _moves_ranks(problem))
+    return resolved.job, resolved.warnings
 
 
 @plan_flags

@@ -11,7 +11,6 @@ from ..io.files import read_document
 from ..io.job import load_job
 from ..io.presets import find_preset, list_presets
 from ..render.output import emit_json, stdout_console
-from ..render.presets import preset_detail, preset_table
 from .options import JsonFlag
 
 
@@ -30,6 +29,7 @@ def presets(
     json_out: JsonFlag = False,
 ) -> None:
     """List the shipped models, cluster node types and example jobs, or show one of them."""
+    from ..render.presets import preset_detail, preset_table  # rich.syntax loads only here
     if name is None:
         rows = [
             {"name": p.name, "kind": p.kind.rstrip("s"), "description": p.description, "params": _params(p)}

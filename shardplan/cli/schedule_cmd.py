@@ -16,7 +16,6 @@ from ..core.schedule import ScheduleInputError, default_costs, plan_schedule
 from ..core.schedule_sim import Costs
 from ..io.job import load_job
 from ..render.output import emit_diagnostics, emit_json, stdout_console
-from ..render.schedule import print_schedule, schedule_document, schedule_svg
 from ..spec.errors import InputError, Problem
 from .options import JsonFlag
 
@@ -90,6 +89,7 @@ def schedule(
     json_out: JsonFlag = False,
 ) -> None:
     """Build a pipeline schedule and simulate it: per-rank timeline, bubble, microbatches in flight."""
+    from ..render.schedule import print_schedule, schedule_document, schedule_svg
     flags = {"pp": pp, "microbatches": microbatches, "schedule": schedule_name, "virtual": virtual,
              "cost_f": cost_f, "cost_b": cost_b, "cost_w": cost_w}
     values, from_file = _resolve(job, flags)

@@ -9,9 +9,9 @@ and dotted path.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from pydantic import ValidationError
 
@@ -153,12 +153,14 @@ def load_job(
     env: Mapping[str, str] | None = None,
     flag_labels: dict[str, str] | None = None,
     check_paths: bool = False,
+    warn_only: Callable[[Problem], bool] | None = None,
 ) -> ResolvedJob:
     """Read, override, validate and resolve a job; raise `InputError` with every problem.
 
     `flag_labels` maps a dotted path set on the command line to the flag that set it, so a
     problem there names the flag instead of the file. With `check_paths`, files the job
-    names for `run` (data.path) must exist.
+    names for `run` (data.path) must exist. Cross-field problems for which `warn_only` holds
+    are reported as warnings (a command that does not depend on them still runs).
     """
     env = os.environ if env is None else env
     doc = open_job_source(source)
@@ -194,6 +196,8 @@ def load_job(
                 severity="error" if check_paths else "warning",
             ))
     problems = _locate(problems, doc, flagged)
+    if warn_only is not None:
+        problems = [replace(p, severity="warning") if warn_only(p) else p for p in problems]
     errors = [p for p in problems if p.severity == "error"]
     if errors:
         raise InputError(problems)

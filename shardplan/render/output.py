@@ -6,13 +6,15 @@ import json
 import sys
 from typing import Iterable
 
-from rich.console import Console
 
 SCHEMA_VERSION = 1
 
 
-def stdout_console() -> Console:
-    # Resolved per call so redirected stdout (tests, pipes) is honoured.
+def stdout_console():
+    """A rich console on the current stdout (resolved per call so redirected stdout is
+    honoured; rich is imported only by commands that print tables)."""
+    from rich.console import Console
+
     return Console(file=sys.stdout, highlight=False, soft_wrap=False)
 
 
