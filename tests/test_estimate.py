@@ -74,6 +74,8 @@ max_seq_len = 4096
 dropout = 0.1
 [parallel]
 tp = 4
+[zero]
+stage = 3  # FSDP2 mixed precision: 16-bit activations throughout, as the paper assumes
 [train]
 seq_len = 2048
 attention = "eager"

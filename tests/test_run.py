@@ -81,6 +81,26 @@ PLANS = [
 ]
 
 
+# Mixed precision: bytes against the estimate only (the fp32 reference does not apply).
+MIXED_PLANS = [
+    ("dp2-zero0-bf16", "tiny-gpt2", 4, 1, ["--dp", "2", "--zero", "0", "--set", "train.precision=bf16-mixed"]),
+    ("dp2-zero3-bf16", "tiny-llama", 4, 1, ["--dp", "2", "--zero", "3", "--set", "train.precision=bf16-mixed"]),
+]
+
+
+@pytest.mark.parametrize("name, model, mbs, m, flags", MIXED_PLANS, ids=[p[0] for p in MIXED_PLANS])
+def test_mixed_precision_matches_estimate(name, model, mbs, m, flags, tmp_path):
+    report = run(model, mbs, m, *flags, tmp_path=tmp_path, name=name)
+    losses = [s["loss"] for s in report["steps"]]
+    assert losses[-1] < losses[0]
+    for entry in report["ranks"]:
+        measured, estimated = entry["measured"], entry["estimated"]
+        for kind in ("params", "grads", "optimizer"):
+            assert measured[kind] == estimated[kind], (entry["rank"], kind)
+        error = abs(measured["activations"] - estimated["activations"]) / measured["activations"]
+        assert error <= ACTIVATION_TOLERANCE, (entry["rank"], measured["activations"], estimated["activations"])
+
+
 @pytest.mark.parametrize("name, model, mbs, m, flags", PLANS, ids=[p[0] for p in PLANS])
 def test_plan_matches_reference_and_estimate(name, model, mbs, m, flags, references, tmp_path):
     report = run(model, mbs, m, *flags, tmp_path=tmp_path, name=name)

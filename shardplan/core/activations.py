@@ -49,6 +49,14 @@ class ActivationShape:
     attention: str = "flash"  # flash | eager
     dropout: bool = False
     act_bytes: int = 2  # 2 for 16-bit activations, 4 for fp32
+    # Mixed precision by autocast (DDP, fp32 parameters): the residual stream stays fp32, so
+    # the norms keep fp32 inputs (and the full-recompute checkpoints are fp32), and every
+    # linear layer keeps its own 16-bit cast of its input (autocast caches weight casts only).
+    autocast: bool = False
+
+    @property
+    def residual_bytes(self) -> int:
+        return 4 if self.autocast else self.act_bytes
 
     @property
     def tokens(self) -> int:
@@ -85,8 +93,11 @@ def layer_terms(act: ActivationShape) -> list[Term]:
 
     parallel_block = shape.family == "falcon"
     sp = f"/{rep}" if rep > 1 else ""
-    add("norm inputs", (1 if parallel_block else 2) * sb * h // rep, e, f"{1 if parallel_block else 2} * sbh{sp}")
-    add("QKV input (norm output)", sb * h // rep, e, f"sbh{sp}")
+    add("norm inputs", (1 if parallel_block else 2) * sb * h // rep, act.residual_bytes,
+        f"{1 if parallel_block else 2} * sbh{sp}")
+    # Under autocast q, k and v each keep their own cast of the norm output.
+    qkv_copies = 3 if act.autocast else 1
+    add("QKV input (norm output)", qkv_copies * sb * h // rep, e, f"{qkv_copies} * sbh{sp}" if act.autocast else f"sbh{sp}")
     add("Q, K", sb * (q_width + kv_width), e, "sb(h_q + h_kv)/t")
     add("V", sb * kv_width, e, "sb*h_kv/t")
     if act.attention == "eager" and act.recompute == "none":
@@ -100,8 +111,9 @@ def layer_terms(act: ActivationShape) -> list[Term]:
     add("attention projection input", sb * q_width, e, "sb*h_q/t")
     if masks:
         add("attention dropout mask (residual)", sb * h // rep, MASK_BYTES, f"sbh{sp}")
+    mlp_copies = 2 if act.autocast and shape.gated else 1  # gate and up each cast it
     if not parallel_block:
-        add("MLP input (norm output)", sb * h // rep, e, f"sbh{sp}")
+        add("MLP input (norm output)", mlp_copies * sb * h // rep, e, f"{mlp_copies} * sbh{sp}")
     elif shape.shared_layer_norm is False:
         add("MLP input (second norm output)", sb * h // rep, e, f"sbh{sp}")
     terms += _mlp_terms(act, sb, rep)
@@ -147,8 +159,8 @@ def stored_layer_terms(act: ActivationShape) -> list[Term]:
         rep = act.replicated_div
         elements = act.tokens * act.shape.hidden_size // rep
         sp = f"/{rep}" if rep > 1 else ""
-        return [Term("layer input (full recomputation)", elements * act.act_bytes,
-                     lambda: f"sbh{sp} = {elements:,} * {act.act_bytes} B")]
+        return [Term("layer input (full recomputation)", elements * act.residual_bytes,
+                     lambda: f"sbh{sp} = {elements:,} * {act.residual_bytes} B")]
     return layer_terms(act)
 
 
@@ -168,7 +180,8 @@ def head_terms(act: ActivationShape) -> list[Term]:
     rep = act.replicated_div
     vocab_local = -(-act.shape.vocab_size // act.tp)
     return [
-        Term("final norm input", sb * h // rep * e, lambda: f"sbh = {sb * h // rep:,} * {e} B"),
+        Term("final norm input", sb * h // rep * act.residual_bytes,
+             lambda: f"sbh = {sb * h // rep:,} * {act.residual_bytes} B"),
         Term("output head input", sb * h // rep * e, lambda: f"sbh = {sb * h // rep:,} * {e} B"),
         Term("log-probabilities (loss)", sb * vocab_local * LOSS_BYTES,
              lambda: f"sb*V/t fp32 = {sb * vocab_local:,} * {LOSS_BYTES} B"),

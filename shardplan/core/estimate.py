@@ -122,6 +122,7 @@ def _activation_shape(inputs: EstimateInputs, eb: ElementBytes) -> ActivationSha
         shape=inputs.shape, micro_batch=inputs.micro_batch, seq_len=inputs.seq_len, tp=d.tp, cp=d.cp,
         sequence_parallel=inputs.sequence_parallel and d.tp > 1, recompute=inputs.recompute,
         attention=inputs.attention, dropout=inputs.dropout, act_bytes=eb.compute,
+        autocast=inputs.framework == "fsdp2" and inputs.zero_stage < 2 and inputs.precision in MIXED,
     )
 
 

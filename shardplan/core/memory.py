@@ -125,9 +125,10 @@ def _fewest_offloaded_layers(inputs: EstimateInputs, layout: Layout, target: int
     # CPU use falls as more layers stay resident: the fewest resident the CPU allows.
     by_cpu = _search(0, upper, lambda r: _cpu_per_node(at(upper - r), layout) <= limit)
     fewest = upper - by_cpu if by_cpu is not None else upper
-    resident = max(by_gpu if by_gpu is not None else 0, fewest)
+    wanted = by_gpu if by_gpu is not None else 0  # every layer offloaded when none meets the target
+    resident = max(wanted, fewest)
     chosen = current.with_(resident_layers=resident)
-    return chosen, resident, _peak(_devices(chosen, layout)), resident == fewest and resident != by_gpu
+    return chosen, resident, _peak(_devices(chosen, layout)), fewest > wanted
 
 
 def assumptions(inputs: EstimateInputs) -> dict[str, object]:
