@@ -131,7 +131,7 @@ def test_unusable_checkpoints_are_refused(tmp_path):
     before = _snapshot(folder)
     # Another model.
     other, _ = write_job(tmp_path, "other", model="tiny-llama")
-    proc = shardplan_run(other, f"--set", f"checkpoint.dir={folder}", "--resume")
+    proc = shardplan_run(other, "--set", f"checkpoint.dir={folder}", "--resume")
     assert proc.returncode == 3 and "was written for another model" in proc.stderr
     # Corrupt: a shard file cut short.
     shard = next(folder.glob("step-*/*.distcp"))

@@ -7,8 +7,6 @@ Every decision (layer split, schedule, resident layers under offload, shard size
 from __future__ import annotations
 
 import contextlib
-import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -30,16 +28,6 @@ from .pipeline import build_schedule, build_stages
 # Peak dense bf16 FLOP/s of the GPUs whose names we recognise (NVIDIA datasheets: A100
 # 312 TFLOP/s, H100 SXM 989 TFLOP/s, H100 PCIe 756 TFLOP/s, H200 989 TFLOP/s).
 PEAK_BF16_FLOPS = {"A100": 312e12, "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12}
-
-
-@dataclass
-class Measured:
-    params: dict[str, int] = field(default_factory=dict)
-    grads: dict[str, int] = field(default_factory=dict)
-    optimizer: dict[str, int] = field(default_factory=dict)
-    activations: int = 0
-    weight_copies: int = 0
-    peak_device: int | None = None
 
 
 def build_model(resolved: ResolvedJob) -> nn.Module:
@@ -224,9 +212,3 @@ def mfu(tokens_per_second: float, resolved: ResolvedJob, runtime: Runtime) -> fl
     shape = resolved.shape
     per_token = 6 * count_params(shape).active + 12 * shape.num_layers * shape.hidden_size * resolved.job.train.seq_len
     return tokens_per_second * per_token / (peak * runtime.world)
-
-
-def timed(fn):
-    start = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - start

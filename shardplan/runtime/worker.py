@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -148,7 +149,7 @@ def _loop(resolved, runtime, trainer, first_step, plan, options) -> dict:
     tokens_per_step = trainer.batching.global_batch * job.train.seq_len
     folder = Path(job.checkpoint.dir) if job.checkpoint.dir else None
     bar = progress_bar(job.train.steps, first_step) if rank0 else None
-    with bar if bar else _Null():
+    with bar if bar else contextlib.nullcontext():
         for step in range(first_step, job.train.steps):
             faults.maybe("step", step + 1, runtime.rank)
             _sync(runtime.device)
@@ -203,14 +204,6 @@ def _gather(runtime, trainer, tracker, states, inputs) -> list[dict]:
     Phase.current = "gathering the measurements"
     dist.all_gather_object(entries, entry)
     return entries
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def describe_failure(rank: int, exc: BaseException, timeout: float) -> str:
