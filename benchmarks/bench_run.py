@@ -12,13 +12,18 @@ is warm-up in both; step 2 of `shardplan run` is instrumented with saved-tensor 
 activation measurement), so it is left out of both and reported on its own. Losses of the two
 are compared too: they must agree, or the two did not train the same thing.
 
+With one rank per core, any other process on the machine shows in step times. Each launch
+records how many cores other processes kept busy meanwhile (/proc/stat less this run's own
+children); rounds above NOISY_FOREIGN_CORES are flagged, and the ratio over the quiet rounds
+alone is printed beside the one over all rounds.
+
 The default job is an inline GPT-2-style model (written to a temporary file) sized for
 ~0.1-0.5 s per step with 2 CPU ranks; `--job` takes any job file or preset that
 fsdp2_minimal.py mirrors (dp only, ZeRO 2/3, synthetic data). CPU/gloo or CUDA/NCCL, as
 `shardplan run` picks; on CUDA the inline job uses min(2, GPUs) ranks.
 
-usage: python benchmarks/bench_run.py [--job JOB] [--rounds 3] [--steps 12] [--skip 2]
-                                      [--dp N] [--set section.key=value ...] [--out summary.json]
+usage: python benchmarks/bench_run.py [--job JOB] [--rounds 3] [--steps 12] [--skip 2] [--dp N]
+           [--set section.key=value ...] [--out summary.json] [--logs DIR]
 Prints medians and the ratio run / minimal measured in this run (target <= 1.05); no
 thresholds are asserted, the exit status is 0 whenever both ran.
 """
@@ -126,6 +131,7 @@ def launch(kind: str, job: str, sets: list[str], world: int, out: Path, log: Pat
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # what `shardplan run` gives its workers
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    out.unlink(missing_ok=True)  # a report left by an earlier run in --logs must not count
     busy, ours = busy_cpu_seconds(), children_cpu_seconds()
     start = time.perf_counter()
     with log.open("w") as handle:
@@ -133,9 +139,10 @@ def launch(kind: str, job: str, sets: list[str], world: int, out: Path, log: Pat
     wall = time.perf_counter() - start
     if code and not out.exists():
         sys.exit(f"{kind} failed with exit status {code}; its output:\n{log.read_text()[-4000:]}")
-    if code:  # the report was complete: the failure came in teardown, after the timed steps
-        last = next((line for line in reversed(log.read_text().splitlines()) if "terminate" in line or "rror" in line), "")
-        print(f"  note: {kind} exited with status {code} after writing its report ({last.strip()[:100]})",
+    if code:  # the report is written after the last step: the failure came in teardown
+        lines = log.read_text().splitlines()
+        cause = next((line for line in lines if "terminate called" in line or "Error" in line), "see --logs")
+        print(f"  note: {kind} exited with status {code} after writing its report ({cause.strip()[:100]})",
               file=sys.stderr)
     after = busy_cpu_seconds()
     if busy is None or after is None:
