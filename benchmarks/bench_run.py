@@ -119,7 +119,8 @@ def children_cpu_seconds() -> float:
     return times.children_user + times.children_system
 
 
-def launch(kind: str, job: str, sets: list[str], world: int, out: Path, log: Path) -> tuple[float, float | None]:
+def launch(kind: str, job: str, sets: list[str], world: int, out: Path, log: Path,
+           minimal_args: list[str]) -> tuple[float, float | None]:
     """Run one launch to completion; returns its wall-clock seconds and the CPU cores that
     other processes kept busy meanwhile (None where /proc/stat is missing)."""
     set_args = [arg for s in sets for arg in ("--set", s)]
@@ -127,7 +128,7 @@ def launch(kind: str, job: str, sets: list[str], world: int, out: Path, log: Pat
         command = [sys.executable, "-m", "shardplan", "run", job, *set_args, "--report", str(out)]
     else:
         command = [*torchrun(), "--standalone", f"--nproc_per_node={world}", str(MINIMAL), job,
-                   *set_args, "--out", str(out)]
+                   *set_args, "--out", str(out), *minimal_args]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # what `shardplan run` gives its workers
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -151,9 +152,10 @@ def launch(kind: str, job: str, sets: list[str], world: int, out: Path, log: Pat
     return wall, max(0.0, foreign / wall)
 
 
-def steps_of(path: Path) -> tuple[list[float], list[float], str]:
+def steps_of(path: Path) -> tuple[list[float], list[float], str, str]:
     report = json.loads(path.read_text())
-    return [s["seconds"] for s in report["steps"]], [s["loss"] for s in report["steps"]], report["device"]
+    return ([s["seconds"] for s in report["steps"]], [s["loss"] for s in report["steps"]], report["device"],
+            report["torch_version"])
 
 
 def main() -> None:
@@ -166,6 +168,9 @@ def main() -> None:
     parser.add_argument("--set", dest="sets", action="append", default=[], help="more job overrides")
     parser.add_argument("--out", help="write the summary and every step time as JSON here")
     parser.add_argument("--logs", help="keep every launch's output and report in this folder")
+    parser.add_argument("--minimal-prefetch", type=int, default=0,
+                        help="diagnosis: give the minimal loop explicit prefetch of N blocks, as "
+                             "`shardplan run` sets from offload.prefetch_layers (default 0: FSDP2's own)")
     args = parser.parse_args()
     if args.steps <= args.skip:
         parser.error(f"--steps {args.steps} leaves no step after --skip {args.skip}")
@@ -187,8 +192,9 @@ def main() -> None:
             order = ("run", "minimal") if round_index % 2 == 0 else ("minimal", "run")
             for kind in order:
                 out = tmpdir / f"{kind}-{round_index}.json"
-                wall, foreign = launch(kind, job, sets, world, out, tmpdir / f"{kind}-{round_index}.log")
-                seconds, loss, device = steps_of(out)
+                wall, foreign = launch(kind, job, sets, world, out, tmpdir / f"{kind}-{round_index}.log",
+                                       [f"--prefetch={args.minimal_prefetch}"] if args.minimal_prefetch else [])
+                seconds, loss, device, torch_version = steps_of(out)
                 launches[kind].append({"seconds": seconds, "loss": loss, "wall": wall, "foreign_cores": foreign,
                                        "device": device})
                 busy = "" if foreign is None else f", other processes busy {foreign:.2f} cores"
@@ -197,7 +203,8 @@ def main() -> None:
 
     summary = summarize(launches, args.skip)
     summary.update(job=name, world=world, device=launches["run"][0]["device"], rounds=args.rounds,
-                   steps=args.steps, skip=args.skip, launches=launches)
+                   steps=args.steps, skip=args.skip, minimal_prefetch=args.minimal_prefetch,
+                   machine=f"{os.cpu_count()} CPU cores, torch {torch_version}", launches=launches)
     report(summary)
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
@@ -243,8 +250,10 @@ def summarize(launches: dict[str, list[dict]], skip: int) -> dict:
 def report(s: dict) -> None:
     med, q = s["median_seconds"], s["quartiles_seconds"]
     n = s["rounds"] * (s["steps"] - s["skip"])
-    print(f"{s['job']} on {s['world']} {s['device']} ranks: {s['rounds']} launches each, steps {s['skip'] + 1}-"
-          f"{s['steps']} of each ({n} steps per side)")
+    print(f"{s['job']} on {s['world']} {s['device']} ranks ({s['machine']}): {s['rounds']} launches each, "
+          f"steps {s['skip'] + 1}-{s['steps']} of each ({n} steps per side)")
+    if s["minimal_prefetch"]:
+        print(f"  (minimal loop with explicit prefetch of {s['minimal_prefetch']} blocks)")
     for kind, label in (("run", "shardplan run"), ("minimal", "fsdp2_minimal.py")):
         print(f"  {label:17s} median {med[kind]:.4f} s/step  (quartiles {q[kind][0]:.4f} .. {q[kind][2]:.4f})")
     met = "meets" if s["ratio"] <= TARGET_RATIO else "above"

@@ -94,9 +94,12 @@ def main() -> None:
         stacked = (stacked / world).tolist()
         dist.barrier()
     finally:
-        # After train() returned, so the sharded model is freed first: gloo torn down under
-        # live FSDP state aborted the interpreter at exit ("terminate called ...").
         dist.destroy_process_group()
+        # Let gloo's worker threads drop the last collectives before the interpreter exits:
+        # seen here 1 launch in ~15, a pt_gloo_runloop thread still freeing the barrier's
+        # work needed the GIL during Py_FinalizeEx and the process aborted with "terminate
+        # called without an active exception" (gdb backtrace; pytorch/pytorch#179291).
+        time.sleep(0.1)
     if rank == 0:
         report = {"world_size": world, "device": device.type, "torch_version": torch.__version__,
                   "steps": [{"step": i + 1, "seconds": s, "loss": l} for i, (s, l) in enumerate(zip(seconds, stacked))]}

@@ -72,6 +72,9 @@ PLANS = [
     ("pp2-interleaved", "tiny-llama", 2, 4, ["--pp", "2", "--set", "parallel.pipeline_schedule=interleaved-1f1b",
                                              "--set", "parallel.virtual_stages=2"]),
     ("dp2-tp2", "tiny-llama", 4, 1, ["--dp", "2", "--tp", "2", "--zero", "3"]),
+    # Hybrid sharding: 2 "nodes" of 2 ranks, sharded inside a node, replicated across.
+    ("dp4-hybrid", "tiny-gpt2", 2, 1, ["--dp", "4", "--zero", "3", "--set", "zero.hybrid=true",
+                                       "--set", "cluster.gpus_per_node=2", "--set", "cluster.nodes=2"]),
     # GPT-2 ties its head to the embedding: the last stage keeps a copy, gradients summed.
     ("pp2-tied", "tiny-gpt2", 2, 4, ["--pp", "2"]),
     ("dp2-selective", "tiny-gpt2", 4, 1, ["--dp", "2", "--zero", "3", "--set", "train.activation_checkpointing=selective",

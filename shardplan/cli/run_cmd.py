@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -28,11 +29,10 @@ def under_torchrun() -> bool:
 
 
 def _require_torch() -> None:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
+    # find_spec, not import: the parent that starts torchrun never needs torch itself (1 s).
+    if importlib.util.find_spec("torch") is None:
         raise InputError(Problem("", "`shardplan run` needs torch: pip install torch==2.13.0 && pip install "
-                                     "'shardplan[run]'")) from None
+                                     "'shardplan[run]'"))
 
 
 def _worker_args(file: str, flags: PlanFlags, options: dict) -> list[str]:

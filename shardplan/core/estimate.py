@@ -62,6 +62,7 @@ class Estimate:
     assumptions: dict[str, object] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     decisions: list[str] = field(default_factory=list)
+    cpu_pinned: bool = False  # offloaded states in page-locked memory (pin_memory, on a GPU node)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,20 @@ def shard_degree(inputs: EstimateInputs) -> int:
         shard_groups, _ = hybrid_shard_groups(Layout(d, inputs.order, inputs.gpus_per_node), group="dp_cp")
         return len(shard_groups[0])
     return d.dp * d.cp
+
+
+def rank_coordinates(inputs: EstimateInputs, rank: int) -> Coordinates:
+    """Where `rank` sits for the estimate: its pipeline stage, tensor-parallel rank, and its
+    position in the group that shards its model states (dp x cp; hybrid: the node's part)."""
+    from .layout import Layout, hybrid_shard_groups
+
+    layout = Layout(inputs.degrees, inputs.order, inputs.gpus_per_node)
+    coords = layout.coords(rank)
+    if inputs.hybrid:
+        group = next(g for g in hybrid_shard_groups(layout, group="dp_cp")[0] if rank in g)
+    else:
+        group = layout.group_of("dp_cp", rank)
+    return Coordinates(pp_rank=coords["pp"], tp_rank=coords["tp"], shard_index=sorted(group).index(rank))
 
 
 def _rank_params(inputs: EstimateInputs, at: Coordinates) -> RankParams:

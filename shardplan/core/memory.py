@@ -179,6 +179,7 @@ def estimate_memory(inputs: EstimateInputs) -> Estimate:
         warnings.append("no architecture: model states only (activations and the buffers that depend on the "
                         "layers are not estimated)")
     result = Estimate(param_counts(inputs), devices, peak, cpu_node, fits, assumptions(inputs), warnings, decisions)
+    result.cpu_pinned = inputs.pin_memory and inputs.on_gpu and cpu_node > 0
     result.assumptions["offload"] = {
         "params": inputs.offload_params, "grads": inputs.offload_grads, "optimizer": inputs.offload_optimizer,
         "resident_layers": [d.resident_layers for d in devices],

@@ -92,6 +92,8 @@ def summary_lines(result: Estimate, gpu_memory: int | None, cpu_memory: int | No
     cpu = f"CPU per node {format_bytes(result.cpu_bytes_per_node)}"
     if cpu_memory:
         cpu += f" of {format_bytes(cpu_memory)}"
+    if result.cpu_pinned:
+        cpu += " (pinned)"
     lines.append(Text(cpu))
     for decision in result.decisions:
         lines.append(Text(f"offload: {decision}", style="yellow"))
@@ -146,6 +148,7 @@ def estimate_document(result: Estimate, gpu_memory: int | None, explain: bool) -
         "devices": devices,
         "peak_gpu_bytes": result.peak_gpu_bytes,
         "cpu_bytes_per_node": result.cpu_bytes_per_node,
+        "cpu_pinned": result.cpu_pinned,
         "gpu_memory": gpu_memory,
         "headroom_bytes": None if gpu_memory is None else gpu_memory - result.peak_gpu_bytes,
         "fits": result.fits,

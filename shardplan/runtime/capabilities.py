@@ -19,8 +19,6 @@ def unsupported(resolved: ResolvedJob) -> list[Problem]:
         found.append(("parallel.cp", "context parallelism is not executed by `run`"))
     if par.sequence_parallel:
         found.append(("parallel.sequence_parallel", "sequence parallelism is not executed by `run`"))
-    if zero.hybrid:
-        found.append(("zero.hybrid", "hybrid sharding is not executed by `run`"))
     if zero.min_num_params:
         found.append(("zero.min_num_params", "FSDP2 shards every parameter; `run` cannot keep small ones whole"))
     if zero.framework != "fsdp2":

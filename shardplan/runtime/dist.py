@@ -4,6 +4,7 @@ against the groups `shardplan layout` computes."""
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -12,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..core.degrees import Degrees
-from ..core.layout import Layout, mesh_dims
+from ..core.layout import Layout, hybrid_shard_groups, mesh_dims
 from ..spec.errors import RunFailure
 
 MESH_AXES = ("dp", "tp", "pp", "cp")
@@ -28,6 +29,7 @@ class Runtime:
     device: torch.device
     mesh: DeviceMesh
     layout: Layout
+    hybrid: bool = False
 
     @property
     def on_gpu(self) -> bool:
@@ -72,8 +74,10 @@ def _attempt_store(timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"shardplan/attempt-{attempt}", store)
 
 
-def start(degrees: Degrees, order: str, gpus_per_node: int, timeout_s: float) -> Runtime:
-    """Join the process group and build the DeviceMesh in the planner's order."""
+def start(degrees: Degrees, order: str, gpus_per_node: int, timeout_s: float, hybrid: bool = False) -> Runtime:
+    """Join the process group and build the DeviceMesh in the planner's order; with hybrid
+    sharding the dp dimension is split into (dp_replicate, dp_shard), dp_shard the dp ranks
+    of one node, and flattened back into "dp" for the groups that span all of it."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -84,18 +88,32 @@ def start(degrees: Degrees, order: str, gpus_per_node: int, timeout_s: float) ->
                                 rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = Layout(degrees, order, gpus_per_node)
-    names, shape = mesh_dims(order, degrees)
+    dp_shard = len(hybrid_shard_groups(layout)[0][0]) if hybrid else None
+    names, shape = mesh_dims(order, degrees, dp_shard=dp_shard)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
-    runtime = Runtime(rank, world, local_rank, device, mesh, layout)
+    if hybrid:
+        mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+    runtime = Runtime(rank, world, local_rank, device, mesh, layout, hybrid)
     check_mesh(runtime)
     return runtime
 
 
+def _planned_hybrid(layout: Layout, rank: int) -> dict[str, list[int]]:
+    shard_groups, replicate_groups = hybrid_shard_groups(layout)
+    return {
+        "dp_shard": next(g for g in shard_groups if rank in g),
+        "dp_replicate": next(g for g in replicate_groups if rank in g),
+    }
+
+
 def check_mesh(runtime: Runtime) -> None:
     """Each rank's mesh groups must be the groups the planner computed."""
-    for axis in MESH_AXES:
+    planned_groups = {axis: runtime.layout.group_of(axis, runtime.rank) for axis in MESH_AXES}
+    if runtime.hybrid:
+        planned_groups.update(_planned_hybrid(runtime.layout, runtime.rank))
+    for axis, planned in planned_groups.items():
         mesh_group = sorted(dist.get_process_group_ranks(runtime.mesh.get_group(axis)))
-        planned = sorted(runtime.layout.group_of(axis, runtime.rank))
+        planned = sorted(planned)
         if mesh_group != planned:
             raise RunFailure(
                 f"rank {runtime.rank}: the DeviceMesh {axis} group {mesh_group} differs from the "
@@ -113,3 +131,6 @@ def stop(together: bool = True) -> None:
             dist.barrier()
     finally:
         dist.destroy_process_group()
+        # Gloo's worker threads may still be releasing the last collective's tensors; if the
+        # interpreter finalises meanwhile the process aborts (pytorch/pytorch PR #179291).
+        time.sleep(0.1)

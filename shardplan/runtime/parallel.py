@@ -88,7 +88,8 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 
 def apply_fsdp(model: nn.Module, runtime: Runtime, plan: ParallelPlan) -> None:
     """fully_shard each block, then the root; blocks past the resident count are offloaded."""
-    dp_mesh = runtime.mesh["dp"]
+    # Hybrid sharding (HSDP): a 2-D (replicate, shard) mesh, sharded inside a node.
+    dp_mesh = runtime.mesh[("dp_replicate", "dp_shard")] if runtime.hybrid else runtime.mesh["dp"]
     compute = COMPUTE_DTYPES.get(plan.precision)
     mp_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else MixedPrecisionPolicy()
     # pin_memory only where an accelerator exists (TORCH-NOTES: pinning raises on CPU).

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor.parallel import loss_parallel
 
-from ..core.estimate import Coordinates, rank_estimate
+from ..core.estimate import rank_coordinates, rank_estimate
 from ..core.estimate_inputs import EstimateInputs
 from ..core.memory import estimate_memory
 from ..io.job import ResolvedJob
@@ -185,9 +185,7 @@ def rank_estimates(inputs: EstimateInputs, runtime: Runtime) -> dict[str, int]:
     """The estimate for this rank's own coordinates (devices GPU + CPU together), and the
     device peak to compare with torch.cuda.max_memory_allocated: the GPU total less the
     allowances for the CUDA context and fragmentation, which the allocator does not count."""
-    c = runtime.coords()
-    at = Coordinates(pp_rank=c["pp"], tp_rank=c["tp"], shard_index=c["dp"] * runtime.layout.degrees.cp + c["cp"])
-    device = rank_estimate(inputs, at, [runtime.rank])
+    device = rank_estimate(inputs, rank_coordinates(inputs, runtime.rank), [runtime.rank])
     allowances = sum(t.bytes for t in device.terms["gpu.buffers"] if "(allowance)" in t.label)
     return {
         "params": device.gpu["params"] + device.cpu["params"],

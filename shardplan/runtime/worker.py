@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..core.estimate import Coordinates, rank_estimate
+from ..core.estimate import rank_coordinates, rank_estimate
 from ..core.estimate_inputs import inputs_from_job
 from ..core.params import count_params
 from ..io.job import ResolvedJob
@@ -69,7 +69,7 @@ def run_worker(resolved: ResolvedJob, limits_known: bool, options: RunOptions) -
     if os.environ.get("RANK", "0") != "0" and not options.verbose:
         warnings.simplefilter("ignore")
     runtime = start(resolved.degrees, job.parallel.order, job.cluster.gpus_per_node,
-                    job.parallel.communication_timeout)
+                    job.parallel.communication_timeout, hybrid=job.zero.hybrid)
     try:
         report = _train(resolved, runtime, limits_known, options)
     except BaseException:
@@ -102,8 +102,7 @@ def _train(resolved: ResolvedJob, runtime: Runtime, limits_known: bool, options:
     job = resolved.job
     rank0 = runtime.rank == 0
     inputs = replace(inputs_from_job(job, resolved.shape, limits_known), on_gpu=runtime.on_gpu)
-    c = runtime.coords()
-    mine = rank_estimate(inputs, Coordinates(c["pp"], c["tp"], c["dp"] * resolved.degrees.cp + c["cp"]), [runtime.rank])
+    mine = rank_estimate(inputs, rank_coordinates(inputs, runtime.rank), [runtime.rank])
     Phase.current = "preflight"
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     preflight.check(mine, runtime.on_gpu, runtime.device.index, local_world, options.force)
