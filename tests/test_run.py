@@ -67,6 +67,8 @@ PLANS = [
     ("dp2-zero3-offload", "tiny-gpt2", 4, 1, ["--dp", "2", "--zero", "3", "--set", "offload.params=true",
                                               "--set", "offload.gpu_param_budget=120000"]),
     ("tp2", "tiny-llama", 8, 1, ["--tp", "2", "--zero", "3"]),
+    ("tp2-sequence-parallel", "tiny-llama", 8, 1, ["--tp", "2", "--zero", "3",
+                                                   "--set", "parallel.sequence_parallel=true"]),
     ("pp2-gpipe", "tiny-llama", 2, 4, ["--pp", "2", "--set", "parallel.pipeline_schedule=gpipe"]),
     ("pp2-1f1b", "tiny-llama", 2, 4, ["--pp", "2", "--set", "parallel.pipeline_schedule=1f1b"]),
     ("pp2-interleaved", "tiny-llama", 2, 4, ["--pp", "2", "--set", "parallel.pipeline_schedule=interleaved-1f1b",

@@ -53,6 +53,11 @@ class ActivationShape:
     # the norms keep fp32 inputs (and the full-recompute checkpoints are fp32), and every
     # linear layer keeps its own 16-bit cast of its input (autocast caches weight casts only).
     autocast: bool = False
+    # torch's sequence parallel (DTensor, torchtitan's plan) all-gathers the norm output
+    # before attention, the MLP and the head, and those linears keep the gathered (full)
+    # tensor; Megatron-LM keeps the sequence-sharded one and gathers again in backward
+    # (Korthikanti et al. 2022, section 4.2.2).
+    keeps_gathered: bool = False
 
     @property
     def residual_bytes(self) -> int:
@@ -67,6 +72,11 @@ class ActivationShape:
     def replicated_div(self) -> int:
         """Divisor of the terms tensor parallel replicates: t with sequence parallel, else 1."""
         return self.tp if self.sequence_parallel else 1
+
+    @property
+    def gathered_div(self) -> int:
+        """Divisor of the linear layers' inputs (norm outputs): 1 when the gathered tensor is kept."""
+        return 1 if self.keeps_gathered else self.replicated_div
 
 
 def _kv_width(act: ActivationShape) -> int:
@@ -97,7 +107,10 @@ def layer_terms(act: ActivationShape) -> list[Term]:
         f"{1 if parallel_block else 2} * sbh{sp}")
     # Under autocast q, k and v each keep their own cast of the norm output.
     qkv_copies = 3 if act.autocast else 1
-    add("QKV input (norm output)", qkv_copies * sb * h // rep, e, f"{qkv_copies} * sbh{sp}" if act.autocast else f"sbh{sp}")
+    gdiv = act.gathered_div
+    gsp = f"/{gdiv}" if gdiv > 1 else ""
+    add("QKV input (norm output)", qkv_copies * sb * h // gdiv, e,
+        f"{qkv_copies} * sbh{gsp}" if act.autocast else f"sbh{gsp}")
     add("Q, K", sb * (q_width + kv_width), e, "sb(h_q + h_kv)/t")
     add("V", sb * kv_width, e, "sb*h_kv/t")
     if act.attention == "eager" and act.recompute == "none":
@@ -113,9 +126,9 @@ def layer_terms(act: ActivationShape) -> list[Term]:
         add("attention dropout mask (residual)", sb * h // rep, MASK_BYTES, f"sbh{sp}")
     mlp_copies = 2 if act.autocast and shape.gated else 1  # gate and up each cast it
     if not parallel_block:
-        add("MLP input (norm output)", mlp_copies * sb * h // rep, e, f"{mlp_copies} * sbh{sp}")
+        add("MLP input (norm output)", mlp_copies * sb * h // gdiv, e, f"{mlp_copies} * sbh{gsp}")
     elif shape.shared_layer_norm is False:
-        add("MLP input (second norm output)", sb * h // rep, e, f"sbh{sp}")
+        add("MLP input (second norm output)", sb * h // gdiv, e, f"sbh{gsp}")
     terms += _mlp_terms(act, sb, rep)
     if masks:
         add("MLP dropout mask (residual)", sb * h // rep, MASK_BYTES, f"sbh{sp}")
@@ -182,7 +195,8 @@ def head_terms(act: ActivationShape) -> list[Term]:
     return [
         Term("final norm input", sb * h // rep * act.residual_bytes,
              lambda: f"sbh = {sb * h // rep:,} * {act.residual_bytes} B"),
-        Term("output head input", sb * h // rep * e, lambda: f"sbh = {sb * h // rep:,} * {e} B"),
+        Term("output head input", sb * h // act.gathered_div * e,
+             lambda: f"sbh = {sb * h // act.gathered_div:,} * {e} B"),
         Term("log-probabilities (loss)", sb * vocab_local * LOSS_BYTES,
              lambda: f"sb*V/t fp32 = {sb * vocab_local:,} * {LOSS_BYTES} B"),
         Term("targets", sb * INDEX_BYTES, lambda: f"sb = {sb:,} * {INDEX_BYTES} B"),

@@ -138,6 +138,7 @@ def _activation_shape(inputs: EstimateInputs, eb: ElementBytes) -> ActivationSha
         sequence_parallel=inputs.sequence_parallel and d.tp > 1, recompute=inputs.recompute,
         attention=inputs.attention, dropout=inputs.dropout, act_bytes=eb.compute,
         autocast=inputs.framework == "fsdp2" and inputs.zero_stage < 2 and inputs.precision in MIXED,
+        keeps_gathered=inputs.framework == "fsdp2",
     )
 
 

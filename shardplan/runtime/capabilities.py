@@ -17,8 +17,9 @@ def unsupported(resolved: ResolvedJob) -> list[Problem]:
         found.append(("model", f"`run` builds GPT-2 and Llama-style models (not {shape.family} with this structure)"))
     if par.cp > 1:
         found.append(("parallel.cp", "context parallelism is not executed by `run`"))
-    if par.sequence_parallel:
-        found.append(("parallel.sequence_parallel", "sequence parallelism is not executed by `run`"))
+    if par.sequence_parallel and par.tp > 1 and shape is not None and shape.position_embedding == "learned":
+        found.append(("parallel.sequence_parallel", "sequence parallel with learned position embeddings "
+                                                    "(GPT-2) is not executed by `run`"))
     if zero.min_num_params:
         found.append(("zero.min_num_params", "FSDP2 shards every parameter; `run` cannot keep small ones whole"))
     if zero.framework != "fsdp2":

@@ -14,6 +14,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial
 
 from ..spec.model import ModelShape
 
@@ -140,6 +141,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, DTensor):
+            # Sequence parallel: normalise the local tokens; the replicated weight's gradient
+            # is a partial sum over the tp ranks' tokens, which DTensor then reduces.
+            weight = self.weight
+            if isinstance(weight, DTensor):
+                weight = weight.to_local(grad_placements=[Partial()] * len(weight.placements))
+            local = _RMSNormFunction.apply(x.to_local(), weight, self.eps)
+            return DTensor.from_local(local, x.device_mesh, x.placements)
         return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 

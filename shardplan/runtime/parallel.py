@@ -21,7 +21,13 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from .dist import Runtime
@@ -42,21 +48,29 @@ class ParallelPlan:
     offload_params: bool
     prefetch_layers: int
     pin_memory: bool
+    sequence_parallel: bool = False
 
 
-def apply_tensor_parallel(model: nn.Module, runtime: Runtime) -> None:
+def apply_tensor_parallel(model: nn.Module, runtime: Runtime, sequence_parallel: bool) -> None:
     """Megatron-LM's split (Shoeybi et al. 2019): q/k/v and MLP up/gate column-parallel,
     attention output and MLP down row-parallel, the embedding and head vocabulary-parallel;
-    the head's logits stay sharded over the vocabulary for `loss_parallel`."""
+    the head's logits stay sharded over the vocabulary for `loss_parallel`. With sequence
+    parallel (Korthikanti et al. 2022) the residual stream and the norms are sharded over the
+    sequence, gathered before attention and the MLP (torchtitan's plan)."""
     tp_mesh = runtime.mesh["tp"]
+    sp = sequence_parallel
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     block_plan = {
         "attn.q_proj": ColwiseParallel(),
         "attn.k_proj": ColwiseParallel(),
         "attn.v_proj": ColwiseParallel(),
-        "attn.o_proj": RowwiseParallel(),
+        "attn.o_proj": RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel(),
         "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel(),
     }
+    if sp:
+        block_plan.update({"attn_norm": SequenceParallel(), "attn": gather,
+                           "mlp_norm": SequenceParallel(), "mlp": gather})
     for block in model.layers.values():
         plan = dict(block_plan)
         if block.mlp.gated:
@@ -64,9 +78,12 @@ def apply_tensor_parallel(model: nn.Module, runtime: Runtime) -> None:
         parallelize_module(block, tp_mesh, plan)
     root_plan = {}
     if model.embed is not None:
-        root_plan["embed"] = RowwiseParallel(input_layouts=Replicate())
+        root_plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
+    if model.final_norm is not None and sp:
+        root_plan["final_norm"] = SequenceParallel()
     if model.lm_head is not None:
-        root_plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+        root_plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
+                                               output_layouts=Shard(-1), use_local_output=False)
     if root_plan:
         parallelize_module(model, tp_mesh, root_plan)
 
@@ -131,7 +148,7 @@ def parallelize(model: nn.Module, runtime: Runtime, plan: ParallelPlan) -> nn.Mo
     if plan.precision == "bf16":
         model.to(torch.bfloat16)
     if runtime.layout.degrees.tp > 1:
-        apply_tensor_parallel(model, runtime)
+        apply_tensor_parallel(model, runtime, plan.sequence_parallel)
     apply_checkpointing(model, plan.recompute)
     if plan.zero_stage >= 2:
         apply_fsdp(model, runtime, plan)  # fully_shard moves the states to the mesh's device

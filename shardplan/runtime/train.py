@@ -63,7 +63,7 @@ class Trainer:
             zero_stage=job.zero.stage, precision=job.train.precision, optimizer=job.train.optimizer,
             lr=job.train.lr, recompute=job.train.activation_checkpointing, resident_layers=resident,
             offload_params=estimate.assumptions["offload"]["params"], prefetch_layers=job.offload.prefetch_layers,
-            pin_memory=job.offload.pin_memory,
+            pin_memory=job.offload.pin_memory, sequence_parallel=par.sequence_parallel and par.tp > 1,
         )
         self.batching = data_mod.Batching(par.dp, par.micro_batch_size, par.num_microbatches, job.train.seq_len)
         self.source = self._source()
