@@ -62,8 +62,8 @@ def test_flash_and_no_dropout_drop_their_terms():
     assert eager - flash == 5 * a * s * s * b - 4 * a * s * b
 
 
-def test_cli_layer_term_is_korthikanti(write):
-    job = write("gpt.toml", """
+# A GPT model in a job file, tp 4, eager attention, 2048 tokens; `{zero}` fills [zero].
+GPT_JOB = """
 [model]
 family = "gpt2"
 num_layers = 4
@@ -74,18 +74,37 @@ max_seq_len = 4096
 dropout = 0.1
 [parallel]
 tp = 4
+sequence_parallel = {sp}
 [zero]
-stage = 3  # FSDP2 mixed precision: 16-bit activations throughout, as the paper assumes
+{zero}
 [train]
 seq_len = 2048
 attention = "eager"
-""")
+"""
+
+
+def _layer_bytes(write, sp: bool, zero: str) -> int:
+    job = write("gpt.toml", GPT_JOB.format(sp=str(sp).lower(), zero=zero))
     result = run_cli("estimate", job, "--explain", "--json")
     assert result.code == 0, result.err
     terms = result.json["devices"][0]["terms"]["gpu.activations"]
-    layers = next(t for t in terms if t["label"] == "layers of stage 0")
+    return next(t for t in terms if t["label"] == "layers of stage 0")["bytes"]
+
+
+def test_cli_layer_term_is_korthikanti(write):
+    # FSDP2 mixed precision at stage 3: 16-bit activations throughout, as the paper assumes.
     s, b, h, a, t = 2048, 1, 1024, 16, 4
-    assert layers["bytes"] == 4 * korthikanti(s, b, h, a, t, False, "none")
+    assert _layer_bytes(write, False, "stage = 3") == 4 * korthikanti(s, b, h, a, t, False, "none")
+
+
+@pytest.mark.parametrize("framework", ["deepspeed", "fsdp2"])
+def test_cli_sequence_parallel_layer_term(framework, write):
+    # deepspeed (Megatron-style sequence parallel) keeps the paper's (sbh/t)(34 + 5as/h); torch's
+    # DTensor plan (fsdp2) keeps the QKV and MLP inputs gathered: 2 * (sbh - sbh/t) * 2 B more.
+    zero = f'framework = "{framework}"\nstage = {3 if framework == "fsdp2" else 1}'
+    s, b, h, a, t = 2048, 1, 1024, 16, 4
+    gathered = 2 * (s * b * h - s * b * h // t) * 2 if framework == "fsdp2" else 0
+    assert _layer_bytes(write, True, zero) == 4 * (korthikanti(s, b, h, a, t, True, "none") + gathered)
 
 
 def _inputs(**changes):
@@ -151,3 +170,35 @@ def test_params_only_has_no_activations():
     device = result.json["devices"][0]
     assert device["gpu"]["activations"] == 0
     assert device["gpu"]["params"] + device["gpu"]["grads"] + device["gpu"]["optimizer"] == 4 * 7_500_000_000 + 12 * 7_500_000_000 // 4
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble", "interleaved-1f1b"])
+@pytest.mark.parametrize("pp", [2, 3, 4, 6, 8])
+@pytest.mark.parametrize("virtual", [1, 2, 3])
+def test_capped_walk_finds_the_same_peak(schedule, pp, virtual):
+    # The estimate walks at most pp * (virtual + 2) microbatches of a 1F1B-like order; walking
+    # every microbatch must give the same held counts at the peak.
+    from shardplan.core.estimate import held_peak, walked_microbatches
+    from shardplan.core.schedule import rank_order
+
+    if schedule != "interleaved-1f1b" and virtual > 1:
+        pytest.skip("one stage per rank")
+    for microbatches in range(pp, 6 * pp * (virtual + 2) + 1, pp):
+        walked = walked_microbatches(schedule, pp, microbatches, virtual)
+        for rank in range(pp):
+            stages = range(rank, pp * virtual, pp)
+            weights = {s: 1000 + 7 * s for s in stages}
+            release = "W" if schedule == "zero-bubble" else "B"
+            full = held_peak(tuple(rank_order(schedule, pp, microbatches, virtual, rank)), weights, release)
+            capped = held_peak(tuple(rank_order(schedule, pp, walked, virtual, rank)), weights, release)
+            assert capped == full, (microbatches, rank)
+
+
+def test_plans_beyond_the_drawing_limits_are_estimated():
+    # `schedule` refuses to draw these (too many cells); the estimate still answers.
+    result = run_cli("estimate", "--set", "model.preset=llama-3-8b", "--pp", "1",
+                     "--set", "parallel.num_microbatches=16000000", "--json")
+    assert result.code == 0, result.err
+    result = run_cli("estimate", "--set", "model.preset=llama-3.1-405b", "--pp", "126",
+                     "--set", "parallel.num_microbatches=100000", "--json")
+    assert result.code == 0, result.err

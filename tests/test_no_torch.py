@@ -55,3 +55,19 @@ def test_importing_the_cli_does_not_import_torch(blocked_env):
     code = "import sys, shardplan.cli.app; assert 'torch' not in sys.modules, 'torch imported'"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=blocked_env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("missing", ["torch", "numpy"])
+def test_run_without_its_extra_says_what_to_install(missing, monkeypatch):
+    # torch.distributed's object collectives call Tensor.numpy(); without numpy a run would
+    # fail at its first checkpoint, so the parent refuses before starting any worker.
+    import importlib.util
+
+    from conftest import run_cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
+    result = run_cli("run", "tiny-gpt2-cpu")
+    assert result.code == 2, result.err
+    assert f"`shardplan run` needs {missing}" in result.err
+    assert "pip install" in result.err and "Traceback" not in result.err

@@ -89,6 +89,8 @@ PLANS = [
 # Mixed precision: bytes against the estimate only (the fp32 reference does not apply).
 MIXED_PLANS = [
     ("dp2-zero0-bf16", "tiny-gpt2", 4, 1, ["--dp", "2", "--zero", "0", "--set", "train.precision=bf16-mixed"]),
+    ("dp2-zero1-bf16-autocast", "tiny-llama", 4, 1, ["--dp", "2", "--zero", "1",
+                                                     "--set", "train.precision=bf16-mixed"]),
     ("dp2-zero3-bf16", "tiny-llama", 4, 1, ["--dp", "2", "--zero", "3", "--set", "train.precision=bf16-mixed"]),
 ]
 
@@ -151,3 +153,4 @@ def test_token_file(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "shardplan", "run", str(job)], capture_output=True, text=True,
                          cwd=ROOT, env=env, timeout=300)
     assert bad.returncode == 3 and "outside the vocabulary (512)" in bad.stderr, bad.stderr[-2000:]
+

@@ -79,11 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI and return its exit code (the console script exits with it)."""
     argv = _optional_values(list(argv if argv is not None else sys.argv[1:]))
     _state["debug"] = "--debug" in argv
+    if _state["debug"]:
+        os.environ["SHARDPLAN_DEBUG"] = "1"  # workers started by `run` inherit it
     try:
         command = typer.main.get_command(app)
         result = command.main(args=argv, prog_name="shardplan", standalone_mode=False)
-    except NoArgsIsHelpError as exc:
-        sys.stdout.write(exc.ctx.get_help() + "\n")
+    except NoArgsIsHelpError:  # the help is already printed
         return EXIT_BAD_INPUT
     except UsageError as exc:
         command = exc.ctx.command_path if exc.ctx else "shardplan"

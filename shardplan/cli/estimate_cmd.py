@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..core.estimate_inputs import inputs_from_job
-from ..core.memory import estimate_memory
+from ..core.memory import cpu_limit, estimate_memory
 from ..io.job import ResolvedJob
 from ..render.output import emit_diagnostics, emit_json, stdout_console
 from ..spec.errors import EXIT_INFEASIBLE, InputError, Problem
@@ -15,7 +15,8 @@ from .options import JsonFlag, PlanFlags, plan_flags
 
 
 def limits_known(resolved: ResolvedJob) -> bool:
-    """The fit is checked only against a GPU memory the job states (a [cluster] table or preset)."""
+    """The fit is checked only against a GPU memory the job states (`[cluster] gpu_memory`,
+    directly or through a cluster preset)."""
     return "gpu_memory" in resolved.job.cluster.model_fields_set
 
 
@@ -45,7 +46,7 @@ def estimate(
     inputs = inputs_from_job(resolved.job, resolved.shape, known)
     result = estimate_memory(inputs)
     gpu_memory = cluster.gpu_memory if known else None
-    cpu_memory = cluster.cpu_memory_per_node if known else None
+    cpu_memory = cpu_limit(inputs) if known else None  # the limit `fits` is checked against
     if json_out:
         emit_json(estimate_document(result, gpu_memory, explain))
     else:

@@ -66,6 +66,8 @@ def layout(
     if rank is not None:
         grid.check_rank(rank)
     warnings = layout_warnings(grid)
+    # The job's placement warnings are the layout's own: say each once.
+    problems = [p for p in problems if p.message not in warnings]
     emit_diagnostics([*problems, *(f"warning: {w}" for w in warnings)])
     if rank is not None:
         document = rank_document(grid, rank, warnings)

@@ -74,9 +74,11 @@ class PlanFlags:
             if v is not None
         }
 
-    def load(self, source: str | None, world: int | None = None, check_paths: bool = False) -> ResolvedJob:
+    def load(self, source: str | None, world: int | None = None, check_paths: bool = False,
+             warn_only=None) -> ResolvedJob:
         return load_job(
-            source, self.overrides(), world=world, flag_labels=self.labels(), check_paths=check_paths
+            source, self.overrides(), world=world, flag_labels=self.labels(), check_paths=check_paths,
+            warn_only=warn_only,
         )
 
 

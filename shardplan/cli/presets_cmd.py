@@ -7,7 +7,6 @@ from typing import Annotated, Optional
 import typer
 
 from ..core.params import count_params
-from ..io.files import read_document
 from ..io.job import load_job
 from ..io.presets import find_preset, list_presets
 from ..render.output import emit_json, stdout_console
@@ -24,6 +23,11 @@ def _params(preset) -> dict | None:
     return {"total": counts.total, "embedding": counts.embedding, "active": counts.active}
 
 
+def _table(preset) -> dict:
+    """The preset's keys as validated values (sizes and counts as integers, CONTRACT units)."""
+    return load_job(str(preset.path), env={}).job.model_dump(mode="json", exclude_unset=True)
+
+
 def presets(
     name: Annotated[Optional[str], typer.Argument(help="a preset to show")] = None,
     json_out: JsonFlag = False,
@@ -38,7 +42,7 @@ def presets(
         if json_out:
             emit_json({"presets": rows})
         else:
-            stdout_console().print(preset_table(rows))
+            stdout_console().print(preset_table(rows), soft_wrap=True)
         return
     preset = find_preset(name)
     doc = {
@@ -46,13 +50,13 @@ def presets(
         "kind": preset.kind.rstrip("s"),
         "description": preset.description,
         "file": f"presets/{preset.kind}/{preset.path.name}",
-        "table": read_document(preset.path).data,
+        "table": _table(preset),
         "params": _params(preset),
     }
     if json_out:
         emit_json(doc)
     else:
-        stdout_console().print(preset_detail(doc, preset.path.read_text(encoding="utf-8")))
+        stdout_console().print(preset_detail(doc, preset.path.read_text(encoding="utf-8")), soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -30,9 +30,12 @@ def under_torchrun() -> bool:
 
 def _require_torch() -> None:
     # find_spec, not import: the parent that starts torchrun never needs torch itself (1 s).
-    if importlib.util.find_spec("torch") is None:
-        raise InputError(Problem("", "`shardplan run` needs torch: pip install torch==2.13.0 && pip install "
-                                     "'shardplan[run]'"))
+    # numpy too: torch.distributed's object collectives (checkpoint planning, gathering the
+    # measurements) call Tensor.numpy() and fail mid-run without it.
+    missing = [name for name in ("torch", "numpy") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise InputError(Problem("", f"`shardplan run` needs {' and '.join(missing)}: pip install torch==2.13.0 "
+                                     "&& pip install 'shardplan[run]'"))
 
 
 def _worker_args(file: str, flags: PlanFlags, options: dict) -> list[str]:
@@ -165,7 +168,7 @@ def run(
     try:
         result = run_worker(resolved, limits_known(resolved), options)
     except Exception as exc:  # one readable line per failing rank; the exit code says the rest
-        if os.environ.get("SHARDPLAN_DEBUG"):
+        if os.environ.get("SHARDPLAN_DEBUG", "") not in ("", "0"):
             raise
         fail(describe_failure(rank, exc, resolved.job.parallel.communication_timeout))
         code = exc.exit_code if isinstance(exc, ShardplanError) else EXIT_RUNTIME

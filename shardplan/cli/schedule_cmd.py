@@ -8,13 +8,14 @@ parallel.pp, num_microbatches, pipeline_schedule and virtual_stages; flags overr
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, List, Optional
 
 import typer
 
 from ..core.schedule import ScheduleInputError, default_costs, plan_schedule
 from ..core.schedule_sim import Costs
 from ..io.job import load_job
+from ..io.overrides import parse_set
 from ..render.output import emit_diagnostics, emit_json, stdout_console
 from ..spec.errors import InputError, Problem
 from .options import JsonFlag
@@ -42,15 +43,25 @@ def _problem(field: str | None, message: str, from_file: dict[str, str]) -> Prob
     return Problem(flag, message)
 
 
-def _resolve(job: str | None, flags: dict[str, object]) -> tuple[dict[str, object], dict[str, str]]:
-    """The inputs, file values first and flags over them; and which came from the file."""
+def _resolve(job: str | None, flags: dict[str, object], sets: list[str]) -> tuple[dict[str, object], dict[str, str]]:
+    """The inputs, file values first and flags over them; and which came from the file.
+
+    The flags are written into the job before it is read (as every command does); of the
+    job's cross-field rules only those of the pipeline keys stop it."""
     values: dict[str, object] = {"virtual": 1}
     from_file: dict[str, str] = {}
-    if job is not None:
-        par = load_job(job, env={}).job.parallel
+    if job is not None or sets:
+        overrides = [(INPUTS[field][1], value) for field, value in flags.items()
+                     if value is not None and INPUTS[field][1] is not None]
+        # The file's pipeline keys are checked here, with their lines; keys a flag set are
+        # checked by the schedule itself, which names the flag.
+        file_keys = tuple(key for _, key in INPUTS.values() if key and key not in dict(overrides))
+        par = load_job(job, overrides + [parse_set(s) for s in sets], env={},
+                       warn_only=lambda problem: not file_keys or not problem.path.startswith(file_keys)).job.parallel
         values.update(pp=par.pp, microbatches=par.num_microbatches,
                       schedule=par.pipeline_schedule, virtual=par.virtual_stages)
-        from_file = {field: job for field in ("pp", "microbatches", "schedule", "virtual")}
+        if job is not None:
+            from_file = {field: job for field in ("pp", "microbatches", "schedule", "virtual")}
     for field, value in flags.items():
         if value is not None:
             values[field] = value
@@ -86,13 +97,15 @@ def schedule(
     cost_w: Annotated[Optional[int], typer.Option(
         "--cost-w", help="time units of a weight gradient, zero-bubble only (default 1)",
         show_default=False)] = None,
+    sets: Annotated[Optional[List[str]], typer.Option(
+        "--set", help="override a job-file key: section.key=value (repeatable)", show_default=False)] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Build a pipeline schedule and simulate it: per-rank timeline, bubble, microbatches in flight."""
     from ..render.schedule import print_schedule, schedule_document, schedule_svg
     flags = {"pp": pp, "microbatches": microbatches, "schedule": schedule_name, "virtual": virtual,
              "cost_f": cost_f, "cost_b": cost_b, "cost_w": cost_w}
-    values, from_file = _resolve(job, flags)
+    values, from_file = _resolve(job, flags, sets or [])
     name = values["schedule"]
     defaults = default_costs(name)
     costs = Costs(

@@ -6,8 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..core.checks import VIRTUAL_SCHEDULES
 from ..core.layout import Layout, hybrid_shard_groups
+from ..core.schedule import CHUNKED_SCHEDULES
 from ..core.shards import ASSIGNMENTS, STYLES, assign_blocks, chunk_size, ownership, shard_ranges
 from ..core.shards_model import assign_params, model_shards, param_element_bytes, placed_params
 from ..io.job import ResolvedJob
@@ -86,7 +86,10 @@ def shards(
     if problems:
         raise InputError(problems)
 
-    resolved = flags.load(file)
+    # Cutting a flat tensor or assigning blocks needs no model and no pipeline: the job's
+    # cross-field rules only warn then.
+    standalone = numel is not None or blocks is not None
+    resolved = flags.load(file, warn_only=(lambda _: True) if standalone else None)
     emit_diagnostics(resolved.warnings)
     shard_world = world if world is not None else default_world(resolved)
 
@@ -110,7 +113,7 @@ def shards(
         ))
     job = resolved.job
     par = job.parallel
-    virtual = par.virtual_stages if par.pipeline_schedule in VIRTUAL_SCHEDULES else 1
+    virtual = par.virtual_stages if par.pipeline_schedule in CHUNKED_SCHEDULES else 1
     # tp rank 0 holds the largest tensor-parallel pieces (torch.chunk gives later ranks less).
     placed = placed_params(shape, par.pp, virtual, par.tp, tp_rank=0)
     element_bytes = param_element_bytes(job.train.precision, chosen, job.zero.framework)

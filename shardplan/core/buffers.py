@@ -11,9 +11,10 @@ fsdp2 (torch `fully_shard`, torch/distributed/fsdp/_fully_shard):
 - the root module (embedding, final norm, head) stays unsharded between forward and backward;
 - backward produces a block's unsharded gradients in the compute dtype and copies them into a
   reduce-scatter input in the reduce dtype (fp32).
-DDP (stage 0/1) under autocast keeps a 16-bit copy of every weight used in forward until its
-backward (autocast's cast cache, saved by the matmuls); its gradient buckets are the
-gradients themselves (`gradient_as_bucket_view=True`).
+Stage 0 runs `fully_shard` on a replicate-only mesh: the same buffers with one rank per
+shard group. DDP (stage 1) under autocast keeps a 16-bit copy of every weight used in forward
+until its backward (autocast's cast cache, saved by the matmuls); its gradient buckets are
+the gradients themselves (`gradient_as_bucket_view=True`).
 
 The allowances for the CUDA context and allocator fragmentation are stated constants.
 """
@@ -54,10 +55,11 @@ def padded_unsharded(params: tuple[LocalParam, ...], degree: int) -> int:
 def fsdp2_buffers(
     rp: RankParams, eb: ElementBytes, stage: int, degree: int, prefetch: int, mixed: bool
 ) -> Phases:
-    """Transient buffers of one rank running FSDP2 (stage 2/3) or DDP (stage 0/1)."""
+    """Transient buffers of one rank running FSDP2 (stages 0, 2, 3) or DDP (stage 1)."""
     c = eb.compute
     terms: list[Term] = []
-    if stage >= 2:
+    if stage != 1:  # FSDP2: stage 0 replicates (one rank per shard group), 2 and 3 shard
+        degree = 1 if stage == 0 else degree
         block = padded_unsharded(rp.layer, degree)
         live = rp.num_layers if stage == 2 else min(rp.num_layers, 1 + prefetch)
         why = "all blocks (reshard_after_forward=False)" if stage == 2 else f"1 + prefetch {prefetch} blocks"

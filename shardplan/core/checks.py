@@ -7,19 +7,14 @@ a framework's own constraint.
 
 from __future__ import annotations
 
-from ..spec.errors import Problem
+from ..spec.errors import PlanError, Problem
 from ..spec.job import JobSpec
 from ..spec.model import ModelShape
 from ..spec.units import format_bytes
 from .degrees import Degrees, missing_axes
 from .layout import layout_problems
 from .pipeline import describe_split
-
-# Schedules that run one forward and one backward alternately after a warm-up of up to
-# pp - 1 forwards: they need at least pp microbatches to fill the pipeline.
-NEEDS_FULL_PIPELINE = ("1f1b", "zero-bubble", "interleaved-1f1b")
-# Schedules that place several model chunks on one rank.
-VIRTUAL_SCHEDULES = ("interleaved-1f1b", "round-robin")
+from .schedule import CHUNKED_SCHEDULES, NEEDS_FULL_PIPELINE
 
 
 def error(path: str, message: str) -> Problem:
@@ -73,7 +68,7 @@ def pipeline_problems(job: JobSpec, num_layers: int | None) -> list[Problem]:
     par = job.parallel
     pp, virtual, m, schedule = par.pp, par.virtual_stages, par.num_microbatches, par.pipeline_schedule
     problems = []
-    if virtual > 1 and schedule not in VIRTUAL_SCHEDULES:
+    if virtual > 1 and schedule not in CHUNKED_SCHEDULES:
         problems.append(error(
             "parallel.virtual_stages",
             f"{virtual} chunks per rank need pipeline_schedule interleaved-1f1b or round-robin "
@@ -96,14 +91,14 @@ def pipeline_problems(job: JobSpec, num_layers: int | None) -> list[Problem]:
         ))
     if num_layers is None:
         return problems
-    stages = pp * (virtual if schedule in VIRTUAL_SCHEDULES else 1)
+    stages = pp * (virtual if schedule in CHUNKED_SCHEDULES else 1)
     if stages > num_layers:
         what = f"pp ({pp})" if stages == pp else f"pp * virtual_stages ({pp} * {virtual} = {stages})"
         problems.append(error(
             "parallel.pp", f"{what} exceeds model.num_layers ({num_layers}): a stage needs a layer"
         ))
         return problems
-    if schedule in VIRTUAL_SCHEDULES and pp > 1 and num_layers % stages:
+    if schedule in CHUNKED_SCHEDULES and pp > 1 and num_layers % stages:
         problems.append(error(
             "parallel.virtual_stages",
             f"{schedule} needs model.num_layers ({num_layers}) divisible by pp * virtual_stages "
@@ -210,7 +205,10 @@ def job_problems(
     (`from --world`, `from cluster: 2 nodes * 8 GPUs`, `from WORLD_SIZE`).
     """
     par = job.parallel
-    degrees = Degrees(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp)
+    try:
+        degrees = Degrees(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp)
+    except PlanError as exc:  # a world beyond any cluster: nothing else can be checked
+        return [error("parallel", str(exc))]
     problems = world_problems(degrees, worlds)
     for axis in missing_axes(par.order, degrees):
         problems.append(error(

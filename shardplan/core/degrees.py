@@ -51,11 +51,6 @@ class Degrees:
             hint = f"; dp = {world // rest} would fit"
         return f"{self.arithmetic()} != world size {world} ({source}){hint}"
 
-    def require_world(self, world: int, source: str) -> None:
-        message = self.world_mismatch(world, source)
-        if message:
-            raise PlanError(message)
-
 
 def full_order(order: str) -> tuple[str, ...]:
     """All four axes, fastest first: the order's axes, then the unnamed ones (degree 1)."""

@@ -27,7 +27,7 @@ from .buffers import allowance_terms, deepspeed_buffers, fsdp2_buffers, step_buf
 from .estimate_inputs import EstimateInputs
 from .params import ParamInfo, count_params
 from .precision import MIXED, ElementBytes, element_bytes
-from .schedule import rank_orders
+from .schedule import CHUNKED_SCHEDULES, rank_order
 from .schedule_sim import Action
 from .stages import LocalParam, RankParams, chunk_size, rank_params
 from .states import Offload, Sharding, rank_states
@@ -124,7 +124,7 @@ def resident_layers(rp: RankParams, eb: ElementBytes, inputs: EstimateInputs, de
         return rp.num_layers
     if inputs.resident_layers is not None:
         return min(rp.num_layers, inputs.resident_layers)
-    layer_bytes = sum(-(-p.rows // degree) * (p.numel // p.rows) for p in rp.layer) * eb.params
+    layer_bytes = sum(-(-p.rows // degree) * (p.numel // p.rows) for p in rp.layer if p.rows) * eb.params
     if layer_bytes == 0:
         return rp.num_layers
     return min(rp.num_layers, inputs.gpu_param_budget // layer_bytes)
@@ -137,18 +137,44 @@ def _activation_shape(inputs: EstimateInputs, eb: ElementBytes) -> ActivationSha
         shape=inputs.shape, micro_batch=inputs.micro_batch, seq_len=inputs.seq_len, tp=d.tp, cp=d.cp,
         sequence_parallel=inputs.sequence_parallel and d.tp > 1, recompute=inputs.recompute,
         attention=inputs.attention, dropout=inputs.dropout, act_bytes=eb.compute,
-        autocast=inputs.framework == "fsdp2" and inputs.zero_stage < 2 and inputs.precision in MIXED,
+        autocast=inputs.framework == "fsdp2" and inputs.zero_stage == 1 and inputs.precision in MIXED,
+        # torch's sequence parallel keeps the gathered linear inputs; Megatron-LM and DeepSpeed
+        # (the paper's accounting) the sequence-sharded ones (docs/estimate.md).
         keeps_gathered=inputs.framework == "fsdp2",
     )
 
 
+def walked_microbatches(schedule: str, pp: int, microbatches: int, virtual: int) -> int:
+    """How many microbatches of a schedule's order must be walked to meet its peak.
+
+    1F1B-like schedules (1f1b, zero-bubble, interleaved-1f1b) reach their peak during the
+    warm-up, which spans fewer than pp * (virtual + 2) forwards; later steady-state steps only
+    repeat it (tested over many pp, virtual and microbatches: tests/test_estimate.py). The
+    count keeps interleaved-1f1b's multiple of pp.
+    """
+    cap = pp * (virtual + 2)
+    return microbatches if microbatches <= cap else cap
+
+
 @lru_cache(maxsize=512)
 def _rank_order(schedule: str, pp: int, microbatches: int, virtual: int, pp_rank: int) -> tuple[Action, ...]:
+    walked = walked_microbatches(schedule, pp, microbatches, virtual)
+    return tuple(rank_order(schedule, pp, walked, virtual, pp_rank))
+
+
+def held_at_peak(schedule: str, pp: int, microbatches: int, virtual: int, pp_rank: int,
+                 stage_bytes: dict[int, int]) -> dict[int, int]:
+    """Microbatches of each of this rank's stages held when its activations peak.
+
+    One stage (pp = 1) runs gradient accumulation: one microbatch at a time through every
+    chunk. gpipe and round-robin run every forward before any backward: all microbatches of
+    every stage. The 1F1B-like schedules: walk the rank's order (core/schedule.py)."""
     if pp == 1:
-        # Gradient accumulation runs each microbatch's forward and backward in turn.
-        return tuple(a for i in range(microbatches) for a in (Action("F", i, 0), Action("B", i, 0)))
-    virtual = virtual if schedule in ("interleaved-1f1b", "round-robin") else 1
-    return tuple(rank_orders(schedule, pp, microbatches, virtual)[pp_rank])
+        return dict.fromkeys(stage_bytes, 1)
+    if schedule in ("gpipe", "round-robin"):
+        return dict.fromkeys(stage_bytes, microbatches)
+    order = _rank_order(schedule, pp, microbatches, virtual if schedule in CHUNKED_SCHEDULES else 1, pp_rank)
+    return held_peak(order, stage_bytes, "W" if schedule == "zero-bubble" else "B")[1]
 
 
 def held_peak(order: tuple[Action, ...], stage_bytes: dict[int, int], release: str) -> tuple[int, dict[int, int]]:
@@ -190,9 +216,7 @@ def activation_terms(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, p
     stage_bytes = {}
     for stage, layers in zip(stages, rp.chunk_layers or (0,)):
         stage_bytes[stage] = layers * per_layer + sum(t.bytes for t in edges(stage))
-    order = _rank_order(inputs.schedule, d.pp, inputs.num_microbatches, inputs.virtual, pp_rank)
-    release = "W" if inputs.schedule == "zero-bubble" and d.pp > 1 else "B"
-    _, held = held_peak(order, stage_bytes, release)
+    held = held_at_peak(inputs.schedule, d.pp, inputs.num_microbatches, inputs.virtual, pp_rank, stage_bytes)
     terms = []
     for stage, layers in zip(stages, rp.chunk_layers or (0,)):
         count = held[stage]

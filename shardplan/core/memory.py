@@ -148,9 +148,9 @@ def assumptions(inputs: EstimateInputs) -> dict[str, object]:
         "logits_and_loss": "fp32 log-probabilities kept for backward on the last stage (sb*V/t*4 B), "
                            "their gradient at the start of backward",
         "embedding_output": "token ids (int64) and, with dropout, the embedding dropout mask",
-        "communication_buffers": "fsdp2: all-gathered blocks (1 + prefetch_layers), root kept unsharded, "
-                                 "one block's gradients before reduce-scatter; DDP: gradient buckets are "
-                                 "the gradients (gradient_as_bucket_view)",
+        "communication_buffers": "fsdp2 stages 0, 2, 3: all-gathered blocks (1 + prefetch_layers), root kept "
+                                 "unsharded, one block's gradients before reduce-scatter; stage 1 (DDP): "
+                                 "gradient buckets are the gradients (gradient_as_bucket_view)",
         "cpu_memory": "offloaded model states only (pinned when pin_memory and a GPU); "
                       "the processes' own memory is not included",
     }

@@ -7,7 +7,7 @@ Two accountings (`[zero] framework`):
   Adam's momentum and variance (K = 12 bytes). Without mixed precision Adam keeps m and v
   (8 bytes) and no master copy.
 - `fsdp2`, what `shardplan run` executes with PyTorch: parameters stay fp32 (FSDP2
-  `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` or autocast under DDP only
+  `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` or autocast under DDP (stage 1) only
   cast them for compute), gradients are fp32 like their parameters, AdamW's exp_avg and
   exp_avg_sq are `zeros_like(param)` and its `step` is a 4-byte fp32 scalar per parameter
   tensor (torch/optim/adamw.py, `_init_group`).

@@ -70,27 +70,28 @@ def default_costs(schedule: str) -> Costs:
     return Costs(forward=1, backward=2, weight=0)
 
 
-def _check_int(field: str, value: object, limit: int) -> int:
+def _check_int(field: str, value: object, limit: int | None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ScheduleInputError(field, f"must be an integer (got {value!r})")
     if value < 1:
         raise ScheduleInputError(field, f"must be >= 1 (got {value})")
-    if value > limit:
+    if limit is not None and value > limit:
         raise ScheduleInputError(field, f"must be <= {limit} (got {value})")
     return value
 
 
-def check_schedule(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> None:
-    """Raise `ScheduleInputError` when the schedule cannot run with these values."""
+def check_schedule(schedule: str, pp: int, microbatches: int, virtual: int = 1, limits: bool = True) -> None:
+    """Raise `ScheduleInputError` when the schedule cannot run with these values; `limits`
+    adds the bounds that keep a drawn schedule readable (the estimate does without them)."""
     if schedule not in SCHEDULES:
         close = difflib.get_close_matches(str(schedule), SCHEDULES, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ScheduleInputError(
             "schedule", f"unknown schedule {schedule!r} ({hint}one of: {', '.join(SCHEDULES)})"
         )
-    _check_int("pp", pp, MAX_PP)
-    _check_int("microbatches", microbatches, MAX_MICROBATCHES)
-    _check_int("virtual", virtual, MAX_VIRTUAL)
+    _check_int("pp", pp, MAX_PP if limits else None)
+    _check_int("microbatches", microbatches, MAX_MICROBATCHES if limits else None)
+    _check_int("virtual", virtual, MAX_VIRTUAL if limits else None)
     if virtual > 1 and schedule not in CHUNKED_SCHEDULES:
         raise ScheduleInputError(
             "virtual", f"{virtual} chunks per rank need interleaved-1f1b or round-robin ({schedule} "
@@ -106,7 +107,7 @@ def check_schedule(schedule: str, pp: int, microbatches: int, virtual: int = 1) 
             "microbatches", f"interleaved-1f1b needs microbatches divisible by pp ({pp}) (got {microbatches})",
         )
     items = pp * virtual * microbatches
-    if items > MAX_WORK_ITEMS:
+    if limits and items > MAX_WORK_ITEMS:
         raise ScheduleInputError(
             "microbatches", f"pp ({pp}) * virtual ({virtual}) * microbatches ({microbatches}) = {items} "
             f"(microbatch, stage) pairs exceed the {MAX_WORK_ITEMS} shardplan plans",
@@ -204,6 +205,12 @@ def rank_orders(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> 
     check_schedule(schedule, pp, microbatches, virtual)
     build = _BUILDERS[schedule]
     return [build(pp, microbatches, virtual, rank) for rank in range(pp)]
+
+
+def rank_order(schedule: str, pp: int, microbatches: int, virtual: int, rank: int) -> list[Action]:
+    """One rank's F/B/W order (the schedule's own requirements checked, not the drawing limits)."""
+    check_schedule(schedule, pp, microbatches, virtual, limits=False)
+    return _BUILDERS[schedule](pp, microbatches, virtual, rank)
 
 
 def inflight_of(orders: list[list[Action]], split_backward: bool) -> list[int]:

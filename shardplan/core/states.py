@@ -8,7 +8,8 @@ Sharding (`degree` ranks in the ZeRO/FSDP group, this rank at `index`):
   reduce-scatter have the padded shape too; AdamW's states are `zeros_like` of the unpadded
   local tensor, plus a 4-byte `step` per tensor.
 - fsdp2 stage 1: DDP with torch's ZeroRedundancyOptimizer, which gives each whole parameter
-  to one rank (see `zero_optimizer_partition`); stage 0: DDP, nothing sharded.
+  to one rank (see `zero_optimizer_partition`); stage 0: `fully_shard` on a replicate-only
+  mesh, nothing sharded.
 - deepspeed stage 1/2: one flat buffer of all parameters padded to a multiple of 2*degree
   elements (DeepSpeed stage_1_and_2.py, `flatten_dense_tensors_aligned` with alignment
   nccl_start_alignment_factor=2 times the data-parallel size), each rank owning 1/degree;
@@ -19,9 +20,11 @@ Parameters with fewer than `min_num_params` elements stay whole on every rank.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 from .precision import ElementBytes
+from .shards import NCCL_START_ALIGNMENT_FACTOR
 from .stages import LocalParam, RankParams, chunk_size
 from .terms import Term
 
@@ -91,12 +94,12 @@ def zero_optimizer_partition(numels: list[int], degree: int) -> list[int]:
     parameters sorted by size, largest first (a stable sort), each to the rank holding the
     fewest elements so far, the lowest such rank on ties
     (torch/distributed/optim/zero_redundancy_optimizer.py, `_partition_parameters`)."""
-    sizes = [0] * degree
+    loads = [(0, rank) for rank in range(degree)]  # a heap: the least loaded, lowest rank first
     owners = [0] * len(numels)
     for position in sorted(range(len(numels)), key=lambda i: -numels[i]):
-        rank = sizes.index(min(sizes))
+        size, rank = heapq.heappop(loads)
         owners[position] = rank
-        sizes[rank] += numels[position]
+        heapq.heappush(loads, (size + numels[position], rank))
     return owners
 
 
@@ -149,7 +152,7 @@ def _deepspeed_zero3(params: tuple[LocalParam, ...], sharding: Sharding) -> Tens
 
 def zero12_partition(numel: int, degree: int) -> int:
     """Elements per rank of DeepSpeed's stage 1/2 flat buffer (padded to 2*degree)."""
-    alignment = 2 * degree
+    alignment = NCCL_START_ALIGNMENT_FACTOR * degree
     return -(-numel // alignment) * alignment // degree
 
 

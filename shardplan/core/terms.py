@@ -29,6 +29,3 @@ class Term:
         return Term(self.label, self.bytes * factor,
                     lambda: f"{why} * ({inner.formula})" if inner.formula else why)
 
-
-def total(terms: list[Term]) -> int:
-    return sum(t.bytes for t in terms)

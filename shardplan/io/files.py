@@ -113,7 +113,7 @@ def parse_json(text: str, shown: str) -> Document:
     except RecursionError:
         raise InputError(Problem("", "invalid JSON: nested too deeply", file=shown)) from None
     if not isinstance(data, dict):
-        raise InputError(Problem("", "a job file must hold a JSON object at the top", file=shown))
+        raise InputError(Problem("", "expected a JSON object at the top", file=shown))
     return Document(shown, data)
 
 

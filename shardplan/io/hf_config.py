@@ -15,6 +15,25 @@ from .files import read_json
 
 SUPPORTED = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "gemma", "falcon", "phi3")
 
+# The config.json key each shape key comes from, so messages name the user's key.
+_CONFIG_KEYS = {
+    "num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim", "ffn_hidden_size": "intermediate_size",
+    "vocab_size": "vocab_size", "max_seq_len": "max_position_embeddings", "num_experts": "num_local_experts",
+    "experts_per_token": "num_experts_per_tok", "tie_embeddings": "tie_word_embeddings",
+}
+_GPT2_KEYS = {"num_layers": "n_layer", "hidden_size": "n_embd", "num_heads": "n_head",
+              "ffn_hidden_size": "n_inner", "max_seq_len": "n_positions"}
+
+
+def config_key(family: str, key: str) -> str:
+    """The config.json key of a shape key (for messages about a config.json)."""
+    if family == "gpt2" and key in _GPT2_KEYS:
+        return _GPT2_KEYS[key]
+    if family == "falcon" and key == "num_kv_heads":
+        return "num_kv_heads"
+    return _CONFIG_KEYS.get(key, key)
+
 
 class _Reader:
     """Typed access to a config dict that collects problems instead of stopping."""

@@ -21,7 +21,7 @@ from ..spec.errors import InputError, Problem
 from ..spec.job import JobSpec
 from ..spec.model import ModelShape, ModelSpec, resolve_shape
 from .files import Document, read_document
-from .hf_config import read_hf_config
+from .hf_config import config_key, read_hf_config
 from .overrides import Override, apply_overrides
 from .presets import find_preset
 from .problems import problems_from_validation
@@ -100,8 +100,17 @@ def _resolve_model(spec: ModelSpec, base_dir: Path) -> tuple[ModelShape | None, 
             what = "is a directory" if config_path.is_dir() else "no such file"
             return None, "", [Problem("model.hf_config", f"{spec.hf_config!r}: {what}")]
         table = read_hf_config(config_path, spec.hf_config or "")
+        family = table.get("family", "")
+
+        def named(problem: Problem) -> Problem:  # messages name the config's own keys
+            return replace(problem, path=config_key(family, problem.path)).at(spec.hf_config)
+
+        try:  # the same bounds as a shape written in the job file
+            ModelSpec.model_validate(table)
+        except ValidationError as exc:
+            return None, "", [named(p) for p in problems_from_validation(ModelSpec, exc)]
         shape, problems = resolve_shape(table, where="")
-        return shape, table.get("name", config_path.name), [p.at(spec.hf_config) for p in problems]
+        return shape, table.get("name", config_path.name), [named(p) for p in problems]
     if spec.source == "shape":
         shape, problems = resolve_shape(spec.shape_table())
         return shape, spec.name or (f"{shape.family} (inline)" if shape else ""), problems

@@ -91,7 +91,7 @@ def summary_lines(result: Estimate, gpu_memory: int | None, cpu_memory: int | No
         lines.append(Text(f"peak GPU {format_bytes(peak)} (no GPU memory given: set [cluster] to check the fit)"))
     cpu = f"CPU per node {format_bytes(result.cpu_bytes_per_node)}"
     if cpu_memory:
-        cpu += f" of {format_bytes(cpu_memory)}"
+        cpu += f" of {format_bytes(cpu_memory)} (the node's RAM and cpu_memory_budget, the lower)"
     if result.cpu_pinned:
         cpu += " (pinned)"
     lines.append(Text(cpu))

@@ -12,7 +12,8 @@ def unsupported(resolved: ResolvedJob) -> list[Problem]:
     par, zero, off = job.parallel, job.zero, job.offload
     found: list[tuple[str, str]] = []
     if shape is None:
-        found.append(("model", "`run` needs an architecture (a preset, hf_config or inline shape), not a bare count"))
+        what = "not a bare parameter count" if job.model.params is not None else "and the job names no model"
+        found.append(("model", f"`run` needs an architecture (a preset, hf_config or inline shape), {what}"))
     elif shape.moe or shape.family == "falcon" or shape.position_embedding == "alibi":
         found.append(("model", f"`run` builds GPT-2 and Llama-style models (not {shape.family} with this structure)"))
     if par.cp > 1:
@@ -29,9 +30,9 @@ def unsupported(resolved: ResolvedJob) -> list[Problem]:
     if (off.grads or off.optimizer) and not off.params:
         found.append(("offload.params", "FSDP2 offloads gradients and optimizer states together with the "
                                         "parameters: set offload.params = true"))
-    if par.tp > 1 and zero.stage < 2:
-        found.append(("zero.stage", "stages 0 and 1 run under DDP, which cannot wrap tensor-parallel (DTensor) "
-                                    "parameters: use stage 2 or 3 with tp > 1"))
+    if par.tp > 1 and zero.stage == 1:
+        found.append(("zero.stage", "stage 1 runs under DDP, which cannot wrap tensor-parallel (DTensor) "
+                                    "parameters: use stage 0, 2 or 3 with tp > 1"))
     if shape is not None and par.tp > 1 and shape.tie_embeddings:
         found.append(("model.tie_embeddings", "tied embeddings with tensor parallel are not executed by `run`"))
     if shape is not None and par.tp > shape.num_kv_heads:

@@ -29,7 +29,7 @@ class Runtime:
     device: torch.device
     mesh: DeviceMesh
     layout: Layout
-    hybrid: bool = False
+    dp_split: str | None = None  # "hybrid" | "replicate": a 2-D (dp_replicate, dp_shard) mesh
 
     @property
     def on_gpu(self) -> bool:
@@ -40,11 +40,6 @@ class Runtime:
 
     def group(self, axis: str) -> dist.ProcessGroup:
         return self.mesh.get_group(axis)
-
-
-def under_torchrun(env=os.environ) -> bool:
-    """torchrun (torch.distributed.elastic) sets these for every worker it starts."""
-    return "TORCHELASTIC_RUN_ID" in env or ("LOCAL_RANK" in env and "WORLD_SIZE" in env)
 
 
 def pick_device(local_rank: int) -> torch.device:
@@ -74,10 +69,13 @@ def _attempt_store(timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"shardplan/attempt-{attempt}", store)
 
 
-def start(degrees: Degrees, order: str, gpus_per_node: int, timeout_s: float, hybrid: bool = False) -> Runtime:
-    """Join the process group and build the DeviceMesh in the planner's order; with hybrid
-    sharding the dp dimension is split into (dp_replicate, dp_shard), dp_shard the dp ranks
-    of one node, and flattened back into "dp" for the groups that span all of it."""
+def start(degrees: Degrees, order: str, gpus_per_node: int, timeout_s: float, dp_split: str | None = None) -> Runtime:
+    """Join the process group and build the DeviceMesh in the planner's order.
+
+    `dp_split` gives FSDP2 a 2-D data-parallel mesh (dp_replicate, dp_shard), flattened back
+    into "dp" for the groups that span all of it: "hybrid" shards over the dp ranks of one node
+    (HSDP), "replicate" shards over none (dp_shard = 1: ZeRO stage 0, every rank whole).
+    """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -88,17 +86,20 @@ def start(degrees: Degrees, order: str, gpus_per_node: int, timeout_s: float, hy
                                 rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = Layout(degrees, order, gpus_per_node)
-    dp_shard = len(hybrid_shard_groups(layout)[0][0]) if hybrid else None
+    dp_shard = {"hybrid": lambda: len(hybrid_shard_groups(layout)[0][0]), "replicate": lambda: 1}.get(
+        dp_split, lambda: None)()
     names, shape = mesh_dims(order, degrees, dp_shard=dp_shard)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
-    if hybrid:
+    if dp_shard is not None:
         mesh[("dp_replicate", "dp_shard")]._flatten("dp")
-    runtime = Runtime(rank, world, local_rank, device, mesh, layout, hybrid)
+    runtime = Runtime(rank, world, local_rank, device, mesh, layout, dp_split)
     check_mesh(runtime)
     return runtime
 
 
-def _planned_hybrid(layout: Layout, rank: int) -> dict[str, list[int]]:
+def _planned_split(layout: Layout, rank: int, dp_split: str) -> dict[str, list[int]]:
+    if dp_split == "replicate":
+        return {"dp_shard": [rank], "dp_replicate": layout.group_of("dp", rank)}
     shard_groups, replicate_groups = hybrid_shard_groups(layout)
     return {
         "dp_shard": next(g for g in shard_groups if rank in g),
@@ -109,8 +110,8 @@ def _planned_hybrid(layout: Layout, rank: int) -> dict[str, list[int]]:
 def check_mesh(runtime: Runtime) -> None:
     """Each rank's mesh groups must be the groups the planner computed."""
     planned_groups = {axis: runtime.layout.group_of(axis, runtime.rank) for axis in MESH_AXES}
-    if runtime.hybrid:
-        planned_groups.update(_planned_hybrid(runtime.layout, runtime.rank))
+    if runtime.dp_split:
+        planned_groups.update(_planned_split(runtime.layout, runtime.rank, runtime.dp_split))
     for axis, planned in planned_groups.items():
         mesh_group = sorted(dist.get_process_group_ranks(runtime.mesh.get_group(axis)))
         planned = sorted(planned)

@@ -5,8 +5,11 @@ Order and APIs follow torchtitan (parallelize_llama): `parallelize_module` on th
 `checkpoint_wrapper` per block, `fully_shard` per block then on the root.
 
 ZeRO stage -> torch:
-- 0: DistributedDataParallel (gradient_as_bucket_view), autocast for mixed precision;
-- 1: the same with torch's ZeroRedundancyOptimizer (optimizer states sharded by parameter);
+- 0: fully_shard on a (dp_replicate = dp, dp_shard = 1) mesh: every rank holds whole fp32
+  states, gradients are all-reduced, and MixedPrecisionPolicy computes in 16 bits, as stages
+  2 and 3 do (DDP under autocast would keep the residual stream in fp32);
+- 1: DistributedDataParallel (gradient_as_bucket_view) with torch's ZeroRedundancyOptimizer
+  (optimizer states sharded by parameter), autocast for mixed precision;
 - 2: fully_shard(reshard_after_forward=False): parameters stay gathered from forward to backward;
 - 3: fully_shard(reshard_after_forward=True).
 """
@@ -105,13 +108,13 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 
 def apply_fsdp(model: nn.Module, runtime: Runtime, plan: ParallelPlan) -> None:
     """fully_shard each block, then the root; blocks past the resident count are offloaded."""
-    # Hybrid sharding (HSDP): a 2-D (replicate, shard) mesh, sharded inside a node.
-    dp_mesh = runtime.mesh[("dp_replicate", "dp_shard")] if runtime.hybrid else runtime.mesh["dp"]
+    # Hybrid sharding (HSDP) and stage 0: a 2-D (replicate, shard) mesh.
+    dp_mesh = runtime.mesh[("dp_replicate", "dp_shard")] if runtime.dp_split else runtime.mesh["dp"]
     compute = COMPUTE_DTYPES.get(plan.precision)
     mp_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else MixedPrecisionPolicy()
     # pin_memory only where an accelerator exists (TORCH-NOTES: pinning raises on CPU).
     offload = CPUOffloadPolicy(pin_memory=plan.pin_memory and runtime.on_gpu)
-    reshard = plan.zero_stage == 3
+    reshard = plan.zero_stage in (0, 3)  # stage 0: frees the 16-bit copies after forward
     blocks = _blocks(model)
     for index, block in enumerate(blocks):
         offloaded = plan.offload_params and index >= plan.resident_layers
@@ -150,7 +153,7 @@ def parallelize(model: nn.Module, runtime: Runtime, plan: ParallelPlan) -> nn.Mo
     if runtime.layout.degrees.tp > 1:
         apply_tensor_parallel(model, runtime, plan.sequence_parallel)
     apply_checkpointing(model, plan.recompute)
-    if plan.zero_stage >= 2:
+    if plan.zero_stage != 1:
         apply_fsdp(model, runtime, plan)  # fully_shard moves the states to the mesh's device
         return model
     model.to(runtime.device)

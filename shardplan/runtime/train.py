@@ -41,9 +41,9 @@ def build_model(resolved: ResolvedJob) -> nn.Module:
 
 
 def _autocast(runtime: Runtime, plan: ParallelPlan):
-    """DDP runs keep fp32 parameters and compute in 16 bits under autocast."""
+    """DDP runs (ZeRO stage 1) keep fp32 parameters and compute in 16 bits under autocast."""
     dtype = COMPUTE_DTYPES.get(plan.precision)
-    if plan.zero_stage >= 2 or dtype is None:
+    if plan.zero_stage != 1 or dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(runtime.device.type, dtype=dtype)
 

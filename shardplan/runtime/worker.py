@@ -63,13 +63,20 @@ def plan_record(resolved: ResolvedJob, runtime: Runtime) -> dict:
     }
 
 
+def dp_split(job) -> str | None:
+    """The 2-D data-parallel mesh FSDP2 needs: hybrid sharding, or stage 0's replication."""
+    if job.zero.hybrid:
+        return "hybrid"
+    return "replicate" if job.zero.stage == 0 else None
+
+
 def run_worker(resolved: ResolvedJob, limits_known: bool, options: RunOptions) -> dict | None:
     """Train the job on this rank; rank 0 returns (and prints) the report."""
     job = resolved.job
     if os.environ.get("RANK", "0") != "0" and not options.verbose:
         warnings.simplefilter("ignore")
     runtime = start(resolved.degrees, job.parallel.order, job.cluster.gpus_per_node,
-                    job.parallel.communication_timeout, hybrid=job.zero.hybrid)
+                    job.parallel.communication_timeout, dp_split=dp_split(job))
     try:
         report = _train(resolved, runtime, limits_known, options)
     except BaseException:

@@ -115,6 +115,8 @@ class ZeroSpec(Table):
         if isinstance(data, dict) and isinstance(data.get("stage"), str):
             known = FSDP_STAGE_NAMES.get(data["stage"].strip().lower())
             if known and known[1]:
+                if data.get("hybrid") is False:
+                    raise ValueError(f"stage {data['stage']!r} is hybrid sharding, but hybrid = false")
                 data = {**data, "hybrid": True}
         return data
 
@@ -184,8 +186,8 @@ class ClusterSpec(Table):
         "(default: as many as dp*tp*pp*cp needs)"
     )
     gpus_per_node: Degree = Field(8, description="GPUs (ranks) per node")
-    gpu_memory: Size = Field(80 * 2**30, description="memory of one GPU")
-    cpu_memory_per_node: Size = Field(2**40, description="CPU RAM of one node")
+    gpu_memory: Size = Field(80 * 2**30, gt=0, description="memory of one GPU")
+    cpu_memory_per_node: Size = Field(2**40, gt=0, description="CPU RAM of one node")
 
 
 class JobSpec(Table):

@@ -50,6 +50,11 @@ FAMILY_DEFAULTS: dict[str, dict[str, object]] = {
 # defaults to 4 * n_embd; modeling_falcon.py: dense_h_to_4h).
 FFN_MULTIPLIER_DEFAULT = {"gpt2": 4, "falcon": 4}
 
+# Far beyond any published model (the deepest has ~200 layers; the widest MoE 256 experts per
+# layer), low enough that planning stays interactive.
+MAX_LAYERS = 100_000
+MAX_EXPERTS = 4096
+
 SHAPE_KEYS = (
     "family", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
     "ffn_hidden_size", "vocab_size", "max_seq_len", "tie_embeddings", "norm", "activation",
@@ -71,7 +76,7 @@ class ModelSpec(Table):
     )
     name: Optional[str] = Field(None, description="display name of an inline model")
     family: Optional[Family] = Field(None, description="architecture family of an inline shape")
-    num_layers: Optional[Dim] = Field(None, description="number of transformer layers")
+    num_layers: Optional[Dim] = Field(None, le=MAX_LAYERS, description="number of transformer layers")
     hidden_size: Optional[Dim] = Field(None, description="model width h")
     num_heads: Optional[Dim] = Field(None, description="attention (query) heads a")
     num_kv_heads: Optional[Dim] = Field(
@@ -99,7 +104,7 @@ class ModelSpec(Table):
     shared_layer_norm: Optional[bool] = Field(
         None, description="attention and MLP read one shared norm per layer (Falcon-7B)"
     )
-    num_experts: Optional[Dim] = Field(None, description="MoE experts per layer; 1 is a dense MLP")
+    num_experts: Optional[Dim] = Field(None, le=MAX_EXPERTS, description="MoE experts per layer; 1 is a dense MLP")
     experts_per_token: Optional[Dim] = Field(None, description="MoE top-k: experts each token uses")
     dropout: float = Field(
         0.0, ge=0.0, lt=1.0, description="dropout probability; > 0 keeps masks for backward"

@@ -43,6 +43,9 @@ def _to_int(number: str, scale: int, what: str, text: str, limit: int) -> int:
         raise ValueError(f"not a {what}: {text!r}") from None
     if not value.is_finite() or value > limit:
         raise ValueError(f"{what} {text!r} is absurdly large (limit {limit:.3g})")
+    if value != value.to_integral_value():
+        unit = "bytes" if what == "size" else "elements"
+        raise ValueError(f"{what} {text!r} is not a whole number of {unit} ({value.normalize():f})")
     return int(value)
 
 
