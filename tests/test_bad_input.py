@@ -62,6 +62,14 @@ FILE_CASES = [
     ("framework_flag_bad", "", ["--framework", "megatron"], "zero.framework: must be one of"),
     ("params_flag_bad", "", ["--params", "7.5Q"], "model.params"),
     ("unknown_flag", "", ["--dpp", "2"], "No such option"),
+    ("world_too_big", "[parallel]\ndp = 1048576\ntp = 2\n", [], "exceeds the largest supported world (1048576)"),
+    ("zero_gpu_memory", "[cluster]\ngpu_memory = 0\n", [], "cluster.gpu_memory: must be > 0"),
+    ("fractional_size", '[cluster]\ngpu_memory = "1.5B"\n', [], "is not a whole number of bytes"),
+    ("fractional_count", '[model]\nparams = "1.5"\n', [], "is not a whole number of elements"),
+    ("hybrid_contradiction", '[zero]\nstage = "hybrid_shard"\nhybrid = false\n', [],
+     "stage 'hybrid_shard' is hybrid sharding, but hybrid = false"),
+    ("too_many_layers", '[model]\nfamily = "gpt2"\nnum_layers = 200000\nhidden_size = 64\nnum_heads = 4\n'
+     'vocab_size = 100\nmax_seq_len = 64\n', [], "model.num_layers: must be <= 100000"),
 ]
 
 JSON_CASES = [
@@ -78,6 +86,11 @@ HF_CASES = [
      '"num_attention_heads": 2, "intermediate_size": 8, "vocab_size": 10}', "hidden_size: expected a positive integer"),
     ("hf_missing", '{"model_type": "llama"}', "num_hidden_layers: required"),
     ("hf_not_json", "model_type = 'llama'", "invalid JSON"),
+    # Bounds of a shape written in the job file apply to a config.json too, named by its keys.
+    ("hf_zero_layers", '{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 0, '
+     '"num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100}', "num_hidden_layers: expected a positive"),
+    ("hf_too_deep", '{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 200000, '
+     '"num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100}', "num_hidden_layers: must be <= 100000"),
 ]
 
 # Commands that read a job file and the plan flags.

@@ -81,3 +81,16 @@ def test_presets_command_lists_and_shows():
     assert shown["table"]["model"]["num_experts"] == 8
     text = run_cli("presets", "llama-3-8b")
     assert "8,030,261,248" in text.out and "num_kv_heads = 8" in text.out
+
+
+def test_preset_table_has_validated_values():
+    # Sizes are integers in bytes (CONTRACT units), not the file's strings like "4GiB".
+    shown = run_cli("presets", "tiny-gpt2-cpu", "--json").json
+    assert shown["table"]["cluster"]["gpu_memory"] == 4 * 2**30
+    assert isinstance(shown["table"]["offload"]["cpu_memory_budget"], int)
+
+
+def test_bare_command_prints_help_once():
+    result = run_cli()
+    assert result.code == 2
+    assert (result.out + result.err).count("Usage") == 1

@@ -411,3 +411,10 @@ def test_schedule_never_imports_torch(tmp_path):
             "assert 'torch' not in sys.modules")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_set_overrides_reach_the_schedule():
+    result = run_cli("schedule", "--pp", "2", "--set", "parallel.num_microbatches=3",
+                     "--set", "parallel.pipeline_schedule=gpipe", "--json")
+    assert result.code == 0, result.err
+    assert (result.json["schedule"], result.json["microbatches"]) == ("gpipe", 3)
