@@ -99,12 +99,19 @@ def test_cli_layer_term_is_korthikanti(write):
 
 @pytest.mark.parametrize("framework", ["deepspeed", "fsdp2"])
 def test_cli_sequence_parallel_layer_term(framework, write):
-    # deepspeed (Megatron-style sequence parallel) keeps the paper's (sbh/t)(34 + 5as/h); torch's
-    # DTensor plan (fsdp2) keeps the QKV and MLP inputs gathered: 2 * (sbh - sbh/t) * 2 B more.
+    # Both accountings give the paper's (sbh/t)(34 + 5as/h) (CONTRACT). Under fsdp2 a warning
+    # adds what torch's DTensor plan keeps beyond it: the QKV and MLP inputs gathered,
+    # 2 * (sbh - sbh/t) * 2 B per layer and microbatch.
     zero = f'framework = "{framework}"\nstage = {3 if framework == "fsdp2" else 1}'
     s, b, h, a, t = 2048, 1, 1024, 16, 4
-    gathered = 2 * (s * b * h - s * b * h // t) * 2 if framework == "fsdp2" else 0
-    assert _layer_bytes(write, True, zero) == 4 * (korthikanti(s, b, h, a, t, True, "none") + gathered)
+    assert _layer_bytes(write, True, zero) == 4 * korthikanti(s, b, h, a, t, True, "none")
+    warnings = run_cli("estimate", str(write("gpt.toml", GPT_JOB.format(sp="true", zero=zero))), "--json").json["warnings"]
+    gathered = 2 * (s * b * h - s * b * h // t) * 2
+    said = [w for w in warnings if "gathered QKV and MLP inputs" in w]
+    if framework == "fsdp2":
+        assert len(said) == 1 and f"{gathered // 2**20:.1f} MiB more per layer" in said[0], warnings
+    else:
+        assert said == []
 
 
 def _inputs(**changes):

@@ -53,10 +53,11 @@ class ActivationShape:
     # the norms keep fp32 inputs (and the full-recompute checkpoints are fp32), and every
     # linear layer keeps its own 16-bit cast of its input (autocast caches weight casts only).
     autocast: bool = False
-    # torch's sequence parallel (DTensor, torchtitan's plan) all-gathers the norm output
-    # before attention, the MLP and the head, and those linears keep the gathered (full)
-    # tensor; Megatron-LM keeps the sequence-sharded one and gathers again in backward
-    # (Korthikanti et al. 2022, section 4.2.2).
+    # Sequence parallel as torch's DTensor plan runs it (torchtitan: PrepareModuleInput gathers
+    # the norm output before attention, the MLP and the head, and those linears keep the
+    # gathered tensor). The estimate follows the paper (Megatron-LM keeps the sequence-sharded
+    # tensor and gathers again in backward, Korthikanti et al. 2022, section 4.2.2; CONTRACT);
+    # this variant quantifies what `shardplan run` keeps beyond it (docs/estimate.md).
     keeps_gathered: bool = False
 
     @property

@@ -12,7 +12,7 @@ what each rank measures.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from .activations import (
@@ -138,10 +138,19 @@ def _activation_shape(inputs: EstimateInputs, eb: ElementBytes) -> ActivationSha
         sequence_parallel=inputs.sequence_parallel and d.tp > 1, recompute=inputs.recompute,
         attention=inputs.attention, dropout=inputs.dropout, act_bytes=eb.compute,
         autocast=inputs.framework == "fsdp2" and inputs.zero_stage == 1 and inputs.precision in MIXED,
-        # torch's sequence parallel keeps the gathered linear inputs; Megatron-LM and DeepSpeed
-        # (the paper's accounting) the sequence-sharded ones (docs/estimate.md).
-        keeps_gathered=inputs.framework == "fsdp2",
     )
+
+
+def torch_sequence_parallel_extra(inputs: EstimateInputs) -> int:
+    """Bytes per layer and microbatch held that torch's DTensor sequence parallel (what
+    `shardplan run` and torchtitan execute) keeps beyond the paper's accounting, which the
+    estimate follows (CONTRACT): the gathered, not sequence-sharded, inputs of the QKV and MLP
+    linears. 0 without sequence parallel."""
+    if inputs.shape is None or not inputs.sequence_parallel or inputs.degrees.tp == 1:
+        return 0
+    paper = _activation_shape(inputs, element_bytes(inputs.framework, inputs.precision, inputs.optimizer))
+    torch_sp = replace(paper, keeps_gathered=True)
+    return sum(t.bytes for t in stored_layer_terms(torch_sp)) - sum(t.bytes for t in stored_layer_terms(paper))
 
 
 def walked_microbatches(schedule: str, pp: int, microbatches: int, virtual: int) -> int:

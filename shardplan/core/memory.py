@@ -16,7 +16,7 @@ What the job file asks for is never undone; the strategy only adds, and says so.
 
 from __future__ import annotations
 
-from .estimate import Coordinates, DeviceEstimate, Estimate, param_counts, rank_estimate
+from .estimate import Coordinates, DeviceEstimate, Estimate, param_counts, rank_estimate, torch_sequence_parallel_extra
 from .estimate_inputs import EstimateInputs
 from .layout import Layout
 from .buffers import CUDA_CONTEXT_BYTES, FRAGMENTATION
@@ -175,6 +175,11 @@ def estimate_memory(inputs: EstimateInputs) -> Estimate:
         if cpu_node > limit:
             fits = False
             warnings.append(f"a node needs {format_bytes(cpu_node)} of CPU memory, over its limit {format_bytes(limit)}")
+    gathered = torch_sequence_parallel_extra(inputs) if inputs.framework == "fsdp2" else 0
+    if gathered:
+        warnings.append(f"sequence parallel is counted as Megatron-LM keeps it (Korthikanti et al.); torch's "
+                        f"DTensor plan, which `shardplan run` uses, also keeps the gathered QKV and MLP inputs: "
+                        f"{format_bytes(gathered)} more per layer and microbatch held (docs/estimate.md)")
     if inputs.shape is None:
         warnings.append("no architecture: model states only (activations and the buffers that depend on the "
                         "layers are not estimated)")
