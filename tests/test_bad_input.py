@@ -199,6 +199,8 @@ OWN_ARGUMENT_CASES = [
     (["run", "tiny-gpt2-cpu", "--set", "parallel.cp=2", "--dp", "1"], "parallel.cp: context parallelism is not executed"),
     (["run", "tiny-gpt2-cpu", "--params", "1B"], "model: `run` needs an architecture"),
     (["run", "tiny-gpt2-cpu", "--set", "offload.cpu_compression=int8"], "offload.cpu_compression: int8 compression"),
+    (["run", "tiny-gpt2-cpu", "--set", "model.preset=mixtral-8x7b"], "model: `run` builds GPT-2 and Llama-style "
+                                                                    "models, not mixture-of-experts layers"),
     (["presets", "llama-3-9b"], "no preset named 'llama-3-9b'"),
 ]
 
@@ -206,3 +208,11 @@ OWN_ARGUMENT_CASES = [
 @pytest.mark.parametrize("argv, needle", OWN_ARGUMENT_CASES, ids=[" ".join(c[0])[:60] for c in OWN_ARGUMENT_CASES])
 def test_own_argument_corpus(argv, needle):
     _check(run_cli(*argv), needle)
+
+
+def test_run_refuses_a_shared_norm_before_starting(write):
+    # A Llama shape with Falcon's single shared norm: refused with exit 2 before any worker
+    # starts (capabilities.unbuildable, the rule runtime/model.py also applies).
+    job = write("shared.toml", '[model]\nfamily = "llama"\nnum_layers = 2\nhidden_size = 64\nnum_heads = 4\n'
+                               'vocab_size = 128\nmax_seq_len = 64\nffn_hidden_size = 128\nshared_layer_norm = true\n')
+    _check(run_cli("run", job), "not Falcon's parallel attention/MLP block")

@@ -81,6 +81,17 @@ PLANS = [
                                           "--set", "train.attention=eager"]),
     ("dp2-full-recompute", "tiny-llama", 4, 1, ["--dp", "2", "--zero", "3",
                                                 "--set", "train.activation_checkpointing=full"]),
+    # The offload strategy decides (24 MiB "GPUs"): 2 of 4 layers stay resident; the run
+    # builds, checks and reports that decision.
+    ("dp2-strategy-offload", "tiny-gpt2", 4, 1, ["--dp", "2", "--zero", "3", "--set", "cluster.gpu_memory=24MiB",
+                                                 "--set", "cluster.gpus_per_node=2"]),
+    # A budget of one layer per rank over two chunks: one block resident in all, not one per chunk.
+    ("pp2-interleaved-offload", "tiny-llama", 2, 4, ["--pp", "2", "--zero", "3",
+                                                     "--set", "parallel.pipeline_schedule=interleaved-1f1b",
+                                                     "--set", "parallel.virtual_stages=2", "--set", "offload.params=true",
+                                                     "--set", "offload.gpu_param_budget=800000"]),
+    # Pipeline stages under DDP (ZeRO-1) with tied embeddings: 4 ranks.
+    ("pp2-dp2-zero1-tied", "tiny-gpt2", 1, 4, ["--pp", "2", "--dp", "2", "--zero", "1"]),
 ]
 
 
@@ -115,7 +126,7 @@ def test_plan_matches_reference_and_estimate(name, model, mbs, m, flags, referen
         assert abs(got - want) <= LOSS_TOLERANCE * abs(want), (losses, reference)
     for entry in report["ranks"]:
         measured, estimated = entry["measured"], entry["estimated"]
-        for kind in ("params", "grads", "optimizer"):
+        for kind in ("params", "grads", "optimizer", "resident_layers"):
             assert measured[kind] == estimated[kind], (entry["rank"], kind, measured, estimated)
         error = abs(measured["activations"] - estimated["activations"]) / measured["activations"]
         assert error <= ACTIVATION_TOLERANCE, (entry["rank"], measured["activations"], estimated["activations"])
@@ -131,8 +142,8 @@ def test_report_document(references):
     assert report["schema_version"] == 1 and report["world_size"] == 1 and report["device"] in ("cpu", "cuda")
     assert report["tokens_per_second"] > 0
     rank = report["ranks"][0]
-    assert set(rank["measured"]) == {"params", "grads", "optimizer", "activations", "peak_device"}
-    assert set(rank["estimated"]) == {"params", "grads", "optimizer", "activations", "peak_device"}
+    keys = {"params", "grads", "optimizer", "activations", "peak_device", "resident_layers"}
+    assert set(rank["measured"]) == keys and set(rank["estimated"]) == keys
 
 
 def test_token_file(tmp_path):

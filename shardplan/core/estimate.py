@@ -63,6 +63,9 @@ class Estimate:
     warnings: list[str] = field(default_factory=list)
     decisions: list[str] = field(default_factory=list)
     cpu_pinned: bool = False  # offloaded states in page-locked memory (pin_memory, on a GPU node)
+    # The plan as the offload strategy decided it (what is offloaded, resident layers): what
+    # `shardplan run` executes.
+    inputs: EstimateInputs | None = None
 
 
 @dataclass(frozen=True)

@@ -185,6 +185,7 @@ def estimate_memory(inputs: EstimateInputs) -> Estimate:
                         "layers are not estimated)")
     result = Estimate(param_counts(inputs), devices, peak, cpu_node, fits, assumptions(inputs), warnings, decisions)
     result.cpu_pinned = inputs.pin_memory and inputs.on_gpu and cpu_node > 0
+    result.inputs = inputs
     result.assumptions["offload"] = {
         "params": inputs.offload_params, "grads": inputs.offload_grads, "optimizer": inputs.offload_optimizer,
         "resident_layers": [d.resident_layers for d in devices],

@@ -5,6 +5,19 @@ from __future__ import annotations
 
 from ..io.job import ResolvedJob
 from ..spec.errors import InputError, Problem
+from ..spec.model import ModelShape
+
+
+def unbuildable(shape: ModelShape) -> str | None:
+    """What of this architecture runtime/model.py does not build (None: it builds it all)."""
+    missing = []
+    if shape.moe:
+        missing.append("mixture-of-experts layers")
+    if shape.shared_layer_norm or shape.family == "falcon":
+        missing.append("Falcon's parallel attention/MLP block")
+    if shape.position_embedding == "alibi":
+        missing.append("ALiBi positions")
+    return ", ".join(missing) or None
 
 
 def unsupported(resolved: ResolvedJob) -> list[Problem]:
@@ -14,8 +27,9 @@ def unsupported(resolved: ResolvedJob) -> list[Problem]:
     if shape is None:
         what = "not a bare parameter count" if job.model.params is not None else "and the job names no model"
         found.append(("model", f"`run` needs an architecture (a preset, hf_config or inline shape), {what}"))
-    elif shape.moe or shape.family == "falcon" or shape.position_embedding == "alibi":
-        found.append(("model", f"`run` builds GPT-2 and Llama-style models (not {shape.family} with this structure)"))
+    elif unbuildable(shape):
+        found.append(("model", f"`run` builds GPT-2 and Llama-style models, not {unbuildable(shape)} "
+                               f"(model {shape.name or shape.family})"))
     if par.cp > 1:
         found.append(("parallel.cp", "context parallelism is not executed by `run`"))
     if par.sequence_parallel and par.tp > 1 and shape is not None and shape.position_embedding == "learned":

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial
 
 from ..spec.model import ModelShape
+from .capabilities import unbuildable
 
 # Weight initialisation of GPT-2 / Megatron-LM: normal(0, 0.02), biases zero, norms one.
 INIT_STD = 0.02
@@ -179,15 +180,9 @@ class Transformer(nn.Module):
 
     def __init__(self, shape: ModelShape, dropout: float = 0.0, attention: str = "flash"):
         super().__init__()
-        unsupported = []
-        if shape.moe:
-            unsupported.append("mixture-of-experts layers")
-        if shape.shared_layer_norm or shape.family == "falcon":
-            unsupported.append("Falcon's parallel attention/MLP block")
-        if shape.position_embedding == "alibi":
-            unsupported.append("ALiBi positions")
-        if unsupported:
-            raise ValueError(f"`shardplan run` does not build {', '.join(unsupported)} (model {shape.name or shape.family})")
+        missing = unbuildable(shape)  # `run` refuses these jobs before starting (capabilities)
+        if missing:
+            raise ValueError(f"`shardplan run` does not build {missing} (model {shape.name or shape.family})")
         self.shape = shape
         self.embed: nn.Embedding | None = nn.Embedding(shape.vocab_size, shape.hidden_size)
         self.pos_embed: nn.Embedding | None = None

@@ -146,6 +146,19 @@ def build_optimizer(params: list[nn.Parameter], runtime: Runtime, plan: Parallel
     return kind(params, lr=plan.lr)
 
 
+def offloaded_block(block: nn.Module) -> bool:
+    """Whether `fully_shard` keeps this block's parameters on the CPU (its CPUOffloadPolicy)."""
+    if not hasattr(block, "_get_fsdp_state"):
+        return False
+    group = block._get_fsdp_state()._fsdp_param_group
+    return group is not None and isinstance(group.offload_policy, CPUOffloadPolicy)
+
+
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The model inside a DistributedDataParallel wrapper (stage 1), else the module itself."""
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
 def parallelize(model: nn.Module, runtime: Runtime, plan: ParallelPlan) -> nn.Module:
     """Apply tp, checkpointing and data parallelism to `model` (a whole model or a stage)."""
     if plan.precision == "bf16":

@@ -7,22 +7,21 @@ Every decision (layer split, schedule, resident layers under offload, shard size
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor.parallel import loss_parallel
 
-from ..core.estimate import rank_coordinates, rank_estimate
-from ..core.estimate_inputs import EstimateInputs
-from ..core.memory import estimate_memory
+from ..core.estimate import DeviceEstimate
 from ..io.job import ResolvedJob
 from ..spec.errors import RunFailure
 from . import data as data_mod
 from .dist import Runtime
 from .measure import SavedTensorTracker, state_bytes
 from .model import Transformer, init_weights, loss_fn
-from .parallel import COMPUTE_DTYPES, ParallelPlan, build_optimizer, parallelize
+from .parallel import COMPUTE_DTYPES, ParallelPlan, build_optimizer, offloaded_block, parallelize, unwrapped
 from .pipeline import build_schedule, build_stages
 
 # Peak dense bf16 FLOP/s of the GPUs whose names we recognise (NVIDIA datasheets: A100
@@ -51,18 +50,17 @@ def _autocast(runtime: Runtime, plan: ParallelPlan):
 class Trainer:
     """Owns the model(s), optimizer, data and the per-step work of one rank."""
 
-    def __init__(self, resolved: ResolvedJob, runtime: Runtime, inputs: EstimateInputs):
-        self.resolved, self.runtime, self.inputs = resolved, runtime, inputs
+    def __init__(self, resolved: ResolvedJob, runtime: Runtime, offload_params: bool, resident: int):
+        """`offload_params` and `resident` (layers of this rank kept on the GPU, over all its
+        chunks) are the estimate's decision for this rank (core.memory.estimate_memory)."""
+        self.resolved, self.runtime = resolved, runtime
         job = resolved.job
         par = job.parallel
         self.coords = runtime.coords()
-        estimate = estimate_memory(inputs)
-        self.decisions = estimate.decisions
-        resident = estimate.devices[self.coords["pp"]].resident_layers
         self.plan = ParallelPlan(
             zero_stage=job.zero.stage, precision=job.train.precision, optimizer=job.train.optimizer,
             lr=job.train.lr, recompute=job.train.activation_checkpointing, resident_layers=resident,
-            offload_params=estimate.assumptions["offload"]["params"], prefetch_layers=job.offload.prefetch_layers,
+            offload_params=offload_params, prefetch_layers=job.offload.prefetch_layers,
             pin_memory=job.offload.pin_memory, sequence_parallel=par.sequence_parallel and par.tp > 1,
         )
         self.batching = data_mod.Batching(par.dp, par.micro_batch_size, par.num_microbatches, job.train.seq_len)
@@ -73,7 +71,12 @@ class Trainer:
         self.schedule_name = None
         if self.pp > 1:
             stages = build_stages(full, par.pp, par.virtual_stages, self.coords["pp"])
-            self.modules = [(index, parallelize(module, runtime, self.plan)) for index, module in stages]
+            self.modules = []
+            left = resident  # the rank's resident layers, its first chunks' first
+            for index, module in stages:
+                kept = min(len(module.layers), left)
+                left -= kept
+                self.modules.append((index, parallelize(module, runtime, replace(self.plan, resident_layers=kept))))
             self.schedule, self.schedule_name = build_schedule(
                 par.pipeline_schedule, self.modules, par.pp * par.virtual_stages, par.num_microbatches,
                 runtime.device, runtime.group("pp"), self._loss,
@@ -124,7 +127,7 @@ class Trainer:
             return
         for _, module in self.modules:
             for name in ("embed", "lm_head"):
-                part = getattr(module, name, None)
+                part = getattr(unwrapped(module), name, None)
                 if part is not None and part.weight.grad is not None:
                     grad = part.weight.grad
                     local = grad.to_local() if hasattr(grad, "to_local") else grad
@@ -141,10 +144,9 @@ class Trainer:
         if self.pp > 1:
             tokens, targets = self._local_batch(step, range(m))
             losses: list[torch.Tensor] = []
-            first = any(index == 0 for index, _ in self.modules)
-            last = any(module.has_head for _, module in self.modules)
+            last = self.is_last_stage()
             with tracking(), self._loss_context():
-                if first:
+                if self.is_first_stage():
                     self.schedule.step(tokens, target=targets if last else None, losses=losses)
                 else:
                     self.schedule.step(target=targets if last else None, losses=losses)
@@ -167,8 +169,19 @@ class Trainer:
     def measure_states(self) -> dict[str, dict[str, int]]:
         return state_bytes(self.params, self.optimizer)
 
+    def resident_blocks(self) -> int:
+        """Transformer blocks whose parameters stay on the device (not CPU-offloaded)."""
+        return sum(not offloaded_block(block) for _, module in self.modules
+                   for block in unwrapped(module).layers.values())
+
+    # The rank's stage indices (core.stages.rank_chunks: rank r holds r, r + pp, ...) say
+    # whether it holds the embedding (stage 0) and the head (the last stage).
+    def is_first_stage(self) -> bool:
+        return any(index == 0 for index, _ in self.modules)
+
     def is_last_stage(self) -> bool:
-        return any(getattr(module, "has_head", False) for _, module in self.modules) if self.pp > 1 else True
+        last = self.pp * self.resolved.job.parallel.virtual_stages - 1 if self.pp > 1 else 0
+        return any(index == last for index, _ in self.modules)
 
 
 def global_loss(local: torch.Tensor, trainer: Trainer) -> float:
@@ -181,11 +194,10 @@ def global_loss(local: torch.Tensor, trainer: Trainer) -> float:
     return float(value) / (d.dp * d.tp * d.cp)
 
 
-def rank_estimates(inputs: EstimateInputs, runtime: Runtime) -> dict[str, int]:
-    """The estimate for this rank's own coordinates (devices GPU + CPU together), and the
-    device peak to compare with torch.cuda.max_memory_allocated: the GPU total less the
-    allowances for the CUDA context and fragmentation, which the allocator does not count."""
-    device = rank_estimate(inputs, rank_coordinates(inputs, runtime.rank), [runtime.rank])
+def rank_estimates(device: DeviceEstimate) -> dict[str, int]:
+    """This rank's estimate (devices GPU + CPU together), and the device peak to compare with
+    torch.cuda.max_memory_allocated: the GPU total less the allowances for the CUDA context
+    and fragmentation, which the allocator does not count."""
     allowances = sum(t.bytes for t in device.terms["gpu.buffers"] if "(allowance)" in t.label)
     return {
         "params": device.gpu["params"] + device.cpu["params"],
@@ -193,6 +205,7 @@ def rank_estimates(inputs: EstimateInputs, runtime: Runtime) -> dict[str, int]:
         "optimizer": device.gpu["optimizer"] + device.cpu["optimizer"],
         "activations": device.saved_activations,
         "peak_device": device.gpu["total"] - allowances,
+        "resident_layers": device.resident_layers,
     }
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.estimate import rank_coordinates, rank_estimate
+from ..core.memory import estimate_memory
 from ..core.estimate_inputs import inputs_from_job
 from ..core.params import count_params
 from ..io.job import ResolvedJob
@@ -108,7 +109,10 @@ def _resume_point(resolved: ResolvedJob, options: RunOptions, plan: dict):
 def _train(resolved: ResolvedJob, runtime: Runtime, limits_known: bool, options: RunOptions) -> dict | None:
     job = resolved.job
     rank0 = runtime.rank == 0
-    inputs = replace(inputs_from_job(job, resolved.shape, limits_known), on_gpu=runtime.on_gpu)
+    # The offload strategy's decision (what is offloaded, how many layers stay resident) is
+    # the plan this rank builds, checks before starting and reports beside its measurements.
+    decided = estimate_memory(replace(inputs_from_job(job, resolved.shape, limits_known), on_gpu=runtime.on_gpu))
+    inputs = decided.inputs
     mine = rank_estimate(inputs, rank_coordinates(inputs, runtime.rank), [runtime.rank])
     Phase.current = "preflight"
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -119,7 +123,7 @@ def _train(resolved: ResolvedJob, runtime: Runtime, limits_known: bool, options:
     if runtime.on_gpu:
         torch.cuda.reset_peak_memory_stats(runtime.device)
     Phase.current = "building the model"
-    trainer = Trainer(resolved, runtime, inputs)
+    trainer = Trainer(resolved, runtime, inputs.offload_params, mine.resident_layers)
     first_step, resumed = 0, None
     if resume is not None:
         path, meta, resharded = resume
@@ -129,11 +133,12 @@ def _train(resolved: ResolvedJob, runtime: Runtime, limits_known: bool, options:
         resumed = {"step": first_step, "path": str(path), "resharded": resharded}
         if rank0:
             emit_diagnostics([f"resuming from {path} after step {first_step}" + (f", {resharded}" if resharded else "")])
-    if rank0 and trainer.decisions and options.verbose:
-        emit_diagnostics(f"offload: {d}" for d in trainer.decisions)
+    if rank0 and decided.decisions and options.verbose:
+        emit_diagnostics(f"offload: {d}" for d in decided.decisions)
     report = _loop(resolved, runtime, trainer, first_step, plan, options)
     report["resumed_from"] = resumed
-    report["ranks"] = _gather(runtime, trainer, report.pop("_tracker"), report.pop("_states"), inputs)
+    report["offload_decisions"] = decided.decisions
+    report["ranks"] = _gather(runtime, trainer, report.pop("_tracker"), report.pop("_states"), mine)
     if not rank0:
         return None
     if options.table:
@@ -188,23 +193,23 @@ def _loop(resolved, runtime, trainer, first_step, plan, options) -> dict:
         "step_seconds": step_time,
         "tokens_per_second": tokens_per_second,
         "mfu": mfu(tokens_per_second, resolved, runtime),
-        "offload_decisions": trainer.decisions,
         "_tracker": tracker,
         "_states": states or trainer.measure_states(),
     }
 
 
-def _gather(runtime, trainer, tracker, states, inputs) -> list[dict]:
+def _gather(runtime, trainer, tracker, states, mine) -> list[dict]:
     measured = {kind: sum(states[kind].values()) for kind in ("params", "grads", "optimizer")}
     measured["activations"] = tracker.peak
     measured["peak_device"] = torch.cuda.max_memory_allocated(runtime.device) if runtime.on_gpu else None
+    measured["resident_layers"] = trainer.resident_blocks()
     entry = {
         "rank": runtime.rank,
         "coords": runtime.coords(),
         "measured": measured,
         "measured_by_device": states,
         "weight_copies": tracker.copies_peak,
-        "estimated": rank_estimates(inputs, runtime),
+        "estimated": rank_estimates(mine),
     }
     entries = [None] * runtime.world
     Phase.current = "gathering the measurements"
