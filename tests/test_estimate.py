@@ -191,7 +191,7 @@ def test_capped_walk_finds_the_same_peak(schedule, pp, virtual):
     if schedule != "interleaved-1f1b" and virtual > 1:
         pytest.skip("one stage per rank")
     for microbatches in range(pp, 6 * pp * (virtual + 2) + 1, pp):
-        walked = walked_microbatches(schedule, pp, microbatches, virtual)
+        walked = walked_microbatches(pp, microbatches, virtual)
         for rank in range(pp):
             stages = range(rank, pp * virtual, pp)
             weights = {s: 1000 + 7 * s for s in stages}

@@ -6,8 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..core.layout import Layout, hybrid_shard_groups
-from ..core.schedule import CHUNKED_SCHEDULES
+from ..core.layout import Layout, shard_group_size
+from ..core.schedule import chunks_per_rank
 from ..core.shards import ASSIGNMENTS, STYLES, assign_blocks, chunk_size, ownership, shard_ranges
 from ..core.shards_model import assign_params, model_shards, param_element_bytes, placed_params
 from ..io.job import ResolvedJob
@@ -35,12 +35,8 @@ def default_style(resolved: ResolvedJob) -> str:
 
 def default_world(resolved: ResolvedJob) -> int:
     """The job's ZeRO/FSDP shard group: dp * cp, or its node-local part with hybrid sharding."""
-    degrees = resolved.degrees
-    if resolved.job.zero.hybrid:
-        grid = Layout(degrees, resolved.job.parallel.order, resolved.job.cluster.gpus_per_node)
-        shard_groups, _ = hybrid_shard_groups(grid, "dp_cp")
-        return len(shard_groups[0])
-    return degrees.dp * degrees.cp
+    job = resolved.job
+    return shard_group_size(Layout(resolved.degrees, job.parallel.order, job.cluster.gpus_per_node), job.zero.hybrid)
 
 
 def _show(document: dict, json_out: bool, text) -> None:
@@ -113,7 +109,7 @@ def shards(
         ))
     job = resolved.job
     par = job.parallel
-    virtual = par.virtual_stages if par.pipeline_schedule in CHUNKED_SCHEDULES else 1
+    virtual = chunks_per_rank(par.pipeline_schedule, par.virtual_stages)
     # tp rank 0 holds the largest tensor-parallel pieces (torch.chunk gives later ranks less).
     placed = placed_params(shape, par.pp, virtual, par.tp, tp_rank=0)
     element_bytes = param_element_bytes(job.train.precision, chosen, job.zero.framework)

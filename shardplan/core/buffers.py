@@ -45,11 +45,7 @@ class Phases:
 def padded_unsharded(params: tuple[LocalParam, ...], degree: int) -> int:
     """Elements of an all-gathered block: each tensor's rows rounded up to a multiple of the
     shard group (FSDP2 pads dim 0 so every rank contributes the same number of rows)."""
-    total = 0
-    for p in params:
-        width = p.numel // p.rows if p.rows else 0
-        total += -(-p.rows // degree) * degree * width
-    return total
+    return sum(p.padded_shard_numel(degree) * degree for p in params)
 
 
 def fsdp2_buffers(

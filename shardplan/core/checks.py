@@ -14,7 +14,7 @@ from ..spec.units import format_bytes
 from .degrees import Degrees, missing_axes
 from .layout import layout_problems
 from .pipeline import describe_split
-from .schedule import CHUNKED_SCHEDULES, NEEDS_FULL_PIPELINE
+from .schedule import CHUNKED_SCHEDULES, NEEDS_FULL_PIPELINE, chunks_per_rank
 
 
 def error(path: str, message: str) -> Problem:
@@ -91,7 +91,7 @@ def pipeline_problems(job: JobSpec, num_layers: int | None) -> list[Problem]:
         ))
     if num_layers is None:
         return problems
-    stages = pp * (virtual if schedule in CHUNKED_SCHEDULES else 1)
+    stages = pp * chunks_per_rank(schedule, virtual)
     if stages > num_layers:
         what = f"pp ({pp})" if stages == pp else f"pp * virtual_stages ({pp} * {virtual} = {stages})"
         problems.append(error(

@@ -26,9 +26,9 @@ from .activations import (
 from .buffers import allowance_terms, deepspeed_buffers, fsdp2_buffers, step_buffers
 from .estimate_inputs import EstimateInputs
 from .params import ParamInfo, count_params
-from .precision import MIXED, ElementBytes, element_bytes
-from .schedule import CHUNKED_SCHEDULES, rank_order
-from .schedule_sim import Action
+from .precision import MIXED, ElementBytes, element_bytes, uses_autocast
+from .schedule import ALL_FORWARDS_FIRST, SPLIT_BACKWARD, chunks_per_rank, held_peak, rank_order
+from .schedule_sim import BACKWARD, WEIGHT, Action
 from .stages import LocalParam, RankParams, chunk_size, rank_params
 from .states import Offload, Sharding, rank_states
 from .terms import Term
@@ -82,20 +82,16 @@ def flat_rank_params(params: int, tp: int, pp: int, tp_rank: int = 0, pp_rank: i
     per_stage = chunk_size(params, pp, pp_rank)
     local = chunk_size(per_stage, tp, tp_rank)
     info = ParamInfo("params", (per_stage,), "layer", None, 0)
-    return RankParams(0, (), (), (LocalParam(info, (local,)),), pp_rank == 0, pp_rank == pp - 1)
+    return RankParams(0, (), (), (LocalParam(info, (local,)),), pp_rank == pp - 1)
 
 
 def shard_degree(inputs: EstimateInputs) -> int:
-    """Ranks one ZeRO/FSDP group shards over: dp * cp (context-parallel ranks hold the same
-    weights: Megatron-LM's data-parallel-with-cp group, torchtitan's dp_shard_cp mesh); with
-    hybrid sharding only the part of that group inside one node."""
-    d = inputs.degrees
+    """Ranks one ZeRO/FSDP group shards over (core.layout.shard_group_size)."""
     if inputs.hybrid:
-        from .layout import Layout, hybrid_shard_groups
+        from .layout import Layout, shard_group_size
 
-        shard_groups, _ = hybrid_shard_groups(Layout(d, inputs.order, inputs.gpus_per_node), group="dp_cp")
-        return len(shard_groups[0])
-    return d.dp * d.cp
+        return shard_group_size(Layout(inputs.degrees, inputs.order, inputs.gpus_per_node), hybrid=True)
+    return inputs.degrees.dp * inputs.degrees.cp
 
 
 def rank_coordinates(inputs: EstimateInputs, rank: int) -> Coordinates:
@@ -127,7 +123,7 @@ def resident_layers(rp: RankParams, eb: ElementBytes, inputs: EstimateInputs, de
         return rp.num_layers
     if inputs.resident_layers is not None:
         return min(rp.num_layers, inputs.resident_layers)
-    layer_bytes = sum(-(-p.rows // degree) * (p.numel // p.rows) for p in rp.layer if p.rows) * eb.params
+    layer_bytes = sum(p.padded_shard_numel(degree) for p in rp.layer) * eb.params
     if layer_bytes == 0:
         return rp.num_layers
     return min(rp.num_layers, inputs.gpu_param_budget // layer_bytes)
@@ -140,7 +136,7 @@ def _activation_shape(inputs: EstimateInputs, eb: ElementBytes) -> ActivationSha
         shape=inputs.shape, micro_batch=inputs.micro_batch, seq_len=inputs.seq_len, tp=d.tp, cp=d.cp,
         sequence_parallel=inputs.sequence_parallel and d.tp > 1, recompute=inputs.recompute,
         attention=inputs.attention, dropout=inputs.dropout, act_bytes=eb.compute,
-        autocast=inputs.framework == "fsdp2" and inputs.zero_stage == 1 and inputs.precision in MIXED,
+        autocast=uses_autocast(inputs.framework, inputs.zero_stage, inputs.precision),
     )
 
 
@@ -148,15 +144,15 @@ def torch_sequence_parallel_extra(inputs: EstimateInputs) -> int:
     """Bytes per layer and microbatch held that torch's DTensor sequence parallel (what
     `shardplan run` and torchtitan execute) keeps beyond the paper's accounting, which the
     estimate follows (CONTRACT): the gathered, not sequence-sharded, inputs of the QKV and MLP
-    linears. 0 without sequence parallel."""
-    if inputs.shape is None or not inputs.sequence_parallel or inputs.degrees.tp == 1:
+    linears. 0 without sequence parallel, and under `deepspeed`, whose accounting is the paper's."""
+    if inputs.framework != "fsdp2" or inputs.shape is None or not inputs.sequence_parallel or inputs.degrees.tp == 1:
         return 0
     paper = _activation_shape(inputs, element_bytes(inputs.framework, inputs.precision, inputs.optimizer))
     torch_sp = replace(paper, keeps_gathered=True)
     return sum(t.bytes for t in stored_layer_terms(torch_sp)) - sum(t.bytes for t in stored_layer_terms(paper))
 
 
-def walked_microbatches(schedule: str, pp: int, microbatches: int, virtual: int) -> int:
+def walked_microbatches(pp: int, microbatches: int, virtual: int) -> int:
     """How many microbatches of a schedule's order must be walked to meet its peak.
 
     1F1B-like schedules (1f1b, zero-bubble, interleaved-1f1b) reach their peak during the
@@ -170,7 +166,7 @@ def walked_microbatches(schedule: str, pp: int, microbatches: int, virtual: int)
 
 @lru_cache(maxsize=512)
 def _rank_order(schedule: str, pp: int, microbatches: int, virtual: int, pp_rank: int) -> tuple[Action, ...]:
-    walked = walked_microbatches(schedule, pp, microbatches, virtual)
+    walked = walked_microbatches(pp, microbatches, virtual)
     return tuple(rank_order(schedule, pp, walked, virtual, pp_rank))
 
 
@@ -183,29 +179,10 @@ def held_at_peak(schedule: str, pp: int, microbatches: int, virtual: int, pp_ran
     every stage. The 1F1B-like schedules: walk the rank's order (core/schedule.py)."""
     if pp == 1:
         return dict.fromkeys(stage_bytes, 1)
-    if schedule in ("gpipe", "round-robin"):
+    if schedule in ALL_FORWARDS_FIRST:
         return dict.fromkeys(stage_bytes, microbatches)
-    order = _rank_order(schedule, pp, microbatches, virtual if schedule in CHUNKED_SCHEDULES else 1, pp_rank)
-    return held_peak(order, stage_bytes, "W" if schedule == "zero-bubble" else "B")[1]
-
-
-def held_peak(order: tuple[Action, ...], stage_bytes: dict[int, int], release: str) -> tuple[int, dict[int, int]]:
-    """The most activation bytes a rank holds while walking its schedule order, and how many
-    microbatches of each stage it holds then: (microbatch, stage) is held from its F until
-    `release` (B, or W when the backward is split)."""
-    held = dict.fromkeys(stage_bytes, 0)
-    current = peak = 0
-    at_peak = dict(held)
-    for action in order:
-        if action.kind == "F":
-            held[action.stage] += 1
-            current += stage_bytes[action.stage]
-            if current > peak:
-                peak, at_peak = current, dict(held)
-        elif action.kind == release:
-            held[action.stage] -= 1
-            current -= stage_bytes[action.stage]
-    return peak, at_peak
+    order = _rank_order(schedule, pp, microbatches, chunks_per_rank(schedule, virtual), pp_rank)
+    return held_peak(order, stage_bytes, WEIGHT if schedule in SPLIT_BACKWARD else BACKWARD)[1]
 
 
 def activation_terms(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, pp_rank: int) -> list[Term]:

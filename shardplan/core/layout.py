@@ -290,6 +290,16 @@ def layout_warnings(layout: Layout) -> list[str]:
 
 
 # -- hybrid sharding (HSDP) -----------------------------------------------------------
+def shard_group_size(layout: Layout, hybrid: bool) -> int:
+    """Ranks one ZeRO/FSDP group shards over: dp * cp (context-parallel ranks hold the same
+    weights: Megatron-LM's data-parallel-with-cp group, torchtitan's dp_shard_cp mesh); with
+    hybrid sharding only the part of that group inside one node."""
+    if hybrid:
+        shard_groups, _ = hybrid_shard_groups(layout, group="dp_cp")
+        return len(shard_groups[0])
+    return layout.degrees.dp * layout.degrees.cp
+
+
 def hybrid_shard_groups(layout: Layout, group: str = "dp") -> tuple[list[list[int]], list[list[int]]]:
     """(shard groups, replicate groups) of hybrid sharding over `group` (default the dp axis;
     with cp > 1 FSDP shards over "dp_cp").

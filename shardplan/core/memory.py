@@ -175,7 +175,7 @@ def estimate_memory(inputs: EstimateInputs) -> Estimate:
         if cpu_node > limit:
             fits = False
             warnings.append(f"a node needs {format_bytes(cpu_node)} of CPU memory, over its limit {format_bytes(limit)}")
-    gathered = torch_sequence_parallel_extra(inputs) if inputs.framework == "fsdp2" else 0
+    gathered = torch_sequence_parallel_extra(inputs)
     if gathered:
         warnings.append(f"sequence parallel is counted as Megatron-LM keeps it (Korthikanti et al.); torch's "
                         f"DTensor plan, which `shardplan run` uses, also keeps the gathered QKV and MLP inputs: "

@@ -124,7 +124,12 @@ class ParamCounts:
     embedding: int  # token embedding + learned positions
     active: int  # used per token: MoE layers count experts_per_token experts
     per_layer: int
-    expert_per_layer: int  # parameters of one expert in one layer (0 when dense)
+
+
+def flops_per_token(shape: ModelShape, seq_len: int) -> int:
+    """Training FLOPs per token, 6N + 12Lhs: forward and backward of the (active) weights plus
+    attention's score and value products (PaLM, Chowdhery et al. 2022, appendix B)."""
+    return 6 * count_params(shape).active + 12 * shape.num_layers * shape.hidden_size * seq_len
 
 
 @lru_cache(maxsize=256)
@@ -137,4 +142,4 @@ def count_params(shape: ModelShape) -> ParamCounts:
     embedding = sum(p.numel for p in embedding_params(shape))
     total = embedding + shape.num_layers * per_layer + sum(p.numel for p in head_params(shape))
     inactive = shape.num_layers * one_expert * (shape.num_experts - shape.experts_per_token)
-    return ParamCounts(total, embedding, total - inactive, per_layer, one_expert)
+    return ParamCounts(total, embedding, total - inactive, per_layer)

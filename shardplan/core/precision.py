@@ -24,6 +24,12 @@ STEP_BYTES = 4  # AdamW's per-tensor `step`, a float32 scalar (torch/optim/adamw
 MIXED = ("bf16-mixed", "fp16-mixed")
 
 
+def uses_autocast(framework: str, zero_stage: int, precision: str) -> bool:
+    """`shardplan run` computes under torch.autocast only at ZeRO stage 1 (DDP) with mixed
+    precision; FSDP2 (stages 0, 2, 3) casts through MixedPrecisionPolicy instead."""
+    return framework == "fsdp2" and zero_stage == 1 and precision in MIXED
+
+
 @dataclass(frozen=True)
 class ElementBytes:
     """Bytes per element of parameters, gradients, optimizer state, and activations."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..spec.errors import PlanError
 from ..spec.job import SCHEDULES
@@ -34,11 +34,20 @@ from .schedule_sim import BACKWARD, FORWARD, WEIGHT, Action, Costs, Timeline, si
 
 # Schedules that place several model chunks on one rank (the others hold one stage each).
 CHUNKED_SCHEDULES = ("interleaved-1f1b", "round-robin")
+
+
+def chunks_per_rank(schedule: str, virtual: int) -> int:
+    """Model chunks one pipeline rank holds: `virtual` under the chunked schedules, else 1."""
+    return virtual if schedule in CHUNKED_SCHEDULES else 1
+
+
 # Schedules whose warm-up holds up to pp microbatches before the first backward: fewer
 # microbatches than pp cannot fill them (Megatron-LM and torch both refuse).
 NEEDS_FULL_PIPELINE = ("1f1b", "zero-bubble", "interleaved-1f1b")
 # Schedules that split the backward into B (input gradient) and W (weight gradient).
 SPLIT_BACKWARD = ("zero-bubble",)
+# Schedules that run every forward of a step before its first backward (GPipe; looped BFS).
+ALL_FORWARDS_FIRST = ("gpipe", "round-robin")
 
 # Bounds that keep a schedule something a person can look at, and planning instant.
 # 4x the deepest pipeline published (Megatron-LM's 1T model, pp = 64; Narayanan et al. 2021,
@@ -220,17 +229,26 @@ def inflight_of(orders: list[list[Action]], split_backward: bool) -> list[int]:
     else B.
     """
     release = WEIGHT if split_backward else BACKWARD
-    peaks = []
-    for order in orders:
-        held = peak = 0
-        for action in order:
-            if action.kind == FORWARD:
-                held += 1
-                peak = max(peak, held)
-            elif action.kind == release:
-                held -= 1
-        peaks.append(peak)
-    return peaks
+    return [held_peak(order, {action.stage: 1 for action in order}, release)[0] for order in orders]
+
+
+def held_peak(order: Sequence[Action], stage_bytes: dict[int, int], release: str) -> tuple[int, dict[int, int]]:
+    """The most a rank holds while walking its order, each (microbatch, stage) weighing its
+    stage's `stage_bytes` from its F until `release` (B, or W when the backward is split), and
+    how many microbatches of each stage it holds then."""
+    held = dict.fromkeys(stage_bytes, 0)
+    current = peak = 0
+    at_peak = dict(held)
+    for action in order:
+        if action.kind == FORWARD:
+            held[action.stage] += 1
+            current += stage_bytes[action.stage]
+            if current > peak:
+                peak, at_peak = current, dict(held)
+        elif action.kind == release:
+            held[action.stage] -= 1
+            current -= stage_bytes[action.stage]
+    return peak, at_peak
 
 
 def peak_inflight(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> list[int]:

@@ -22,7 +22,6 @@ from fractions import Fraction
 from typing import NamedTuple
 
 FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
-KINDS = (FORWARD, BACKWARD, WEIGHT)
 
 
 class Action(NamedTuple):

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..spec.errors import PlanError
+from .stages import chunk_size as torch_chunk  # one piece of torch.chunk
 
 STYLES = ("even", "fsdp1", "fsdp2", "zero3", "zero12")
 CHUNK_STYLES = ("fsdp1", "fsdp2", "zero3")
@@ -111,8 +112,7 @@ def chunk_rows(size: int, parts: int) -> list[int]:
     length each piece gets (FSDP2's `_chunk_with_empty`, DTensor's Shard(dim))."""
     if parts < 1:
         raise PlanError(f"cannot split into {parts} pieces")
-    chunk = ceil_div(size, parts)
-    return [max(0, min(chunk, size - k * chunk)) for k in range(parts)]
+    return [torch_chunk(size, parts, k) for k in range(parts)]
 
 
 # -- ownership of whole blocks (optimizer-state sharding by block) -----------------------

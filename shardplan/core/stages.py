@@ -35,6 +35,16 @@ class LocalParam:
         object.__setattr__(self, "numel", prod(self.shape))
         object.__setattr__(self, "rows", self.shape[0])
 
+    @property
+    def row_numel(self) -> int:
+        """Elements of one dim-0 row (0 for a tensor without rows)."""
+        return self.numel // self.rows if self.rows else 0
+
+    def padded_shard_numel(self, degree: int) -> int:
+        """Elements FSDP2 stores on every rank of a `degree`-rank shard group: ceil(rows /
+        degree) rows, the short and empty chunks zero-padded (`FSDPParam._init_sharded_param`)."""
+        return -(-self.rows // degree) * self.row_numel
+
 
 @dataclass(frozen=True)
 class RankParams:
@@ -47,7 +57,6 @@ class RankParams:
     chunk_layers: tuple[int, ...]  # layers of each stage (model chunk) this rank holds
     layer: tuple[LocalParam, ...]
     root: tuple[LocalParam, ...]
-    has_embedding: bool
     has_head: bool
 
     @property
@@ -83,10 +92,16 @@ def tp_local_shape(param: ParamInfo, tp: int, tp_rank: int, shape: ModelShape) -
     return tuple(dims)
 
 
+def rank_stages(num_layers: int, pp: int, virtual: int, pp_rank: int) -> list[tuple[int, range]]:
+    """(global stage index, layer range) of each stage pipeline rank `pp_rank` holds: loop
+    placement, stages r, r + pp, r + 2pp, ... of pp * virtual."""
+    stages = stage_layers(num_layers, pp * virtual)
+    return [(stage, stages[stage]) for stage in range(pp_rank, pp * virtual, pp)]
+
+
 def rank_chunks(num_layers: int, pp: int, virtual: int, pp_rank: int) -> list[range]:
     """The layer ranges of the stages pipeline rank `pp_rank` holds (loop placement)."""
-    stages = stage_layers(num_layers, pp * virtual)
-    return [stages[stage] for stage in range(pp_rank, pp * virtual, pp)]
+    return [layers for _, layers in rank_stages(num_layers, pp, virtual, pp_rank)]
 
 
 @lru_cache(maxsize=4096)
@@ -111,6 +126,5 @@ def rank_params(shape: ModelShape, pp: int, virtual: int, pp_rank: int, tp: int,
         chunk_layers=tuple(len(c) for c in chunks),
         layer=local(layer_params(shape, 0)),
         root=local(root),
-        has_embedding=first,
         has_head=last,
     )

@@ -24,7 +24,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from .precision import ElementBytes
-from .shards import NCCL_START_ALIGNMENT_FACTOR
+from .shards import chunk_size as flat_chunk_size
 from .stages import LocalParam, RankParams, chunk_size
 from .terms import Term
 
@@ -127,11 +127,10 @@ def _fsdp2_elements(params: tuple[LocalParam, ...], sharding: Sharding) -> Tenso
     for p in params:
         whole = p.numel < sharding.min_num_params or degree == 1
         if sharding.stage >= 2 and not whole:
-            width = p.numel // p.rows if p.rows else 0
-            padded = -(-p.rows // degree) * width
+            padded = p.padded_shard_numel(degree)
             stored += padded
             grads += padded
-            optimizer += chunk_size(p.rows, degree, index) * width
+            optimizer += chunk_size(p.rows, degree, index) * p.row_numel
             tensors += 1
         else:
             stored += p.numel
@@ -148,12 +147,6 @@ def _deepspeed_zero3(params: tuple[LocalParam, ...], sharding: Sharding) -> Tens
         stored = p.numel if p.numel < sharding.min_num_params else part
         result += TensorStates(stored, part, part, 0)
     return result
-
-
-def zero12_partition(numel: int, degree: int) -> int:
-    """Elements per rank of DeepSpeed's stage 1/2 flat buffer (padded to 2*degree)."""
-    alignment = NCCL_START_ALIGNMENT_FACTOR * degree
-    return -(-numel // alignment) * alignment // degree
 
 
 def _elements(rp: RankParams, sharding: Sharding) -> tuple[TensorStates, TensorStates]:
@@ -225,7 +218,7 @@ def rank_states(
     for kind, unit, index in (("params", eb.params, 0), ("grads", eb.grads, 1), ("optimizer", eb.optimizer, 2)):
         if flat and kind != "params":
             numel = rp.numel
-            elements = zero12_partition(numel, sharding.degree)
+            elements = flat_chunk_size(numel, sharding.degree, "zero12")  # DeepSpeed flat buffer, padded to 2*degree
             why = f"DeepSpeed flat partition ceil({numel:,} / 2*{sharding.degree}) * 2"
             if kind == "grads" and sharding.stage == 1:
                 elements, why = numel, "all local gradients"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from ..core.memory import Estimate
-from ..spec.units import format_bytes, format_count
+from ..spec.units import byte_unit, format_bytes, format_count
 
 GPU_KINDS = ("params", "grads", "optimizer", "activations", "buffers")
 COLOURS = {"params": "blue", "grads": "magenta", "optimizer": "yellow", "activations": "green", "buffers": "cyan"}
@@ -29,18 +29,10 @@ def _bar(gpu: dict[str, int], scale: int) -> Text:
     return bar
 
 
-def _unit(largest: int) -> tuple[str, int]:
-    """One unit for the whole table, so columns stay narrow and comparable."""
-    for name, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if largest >= size:
-            return name, size
-    return "B", 1
-
-
 def estimate_table(result: Estimate, gpu_memory: int | None, title: str) -> list[Text]:
     """One line per pipeline stage, all figures in one unit, and a bar against the GPU."""
     largest = max([result.peak_gpu_bytes] + [d.cpu["total"] for d in result.devices])
-    unit, size = _unit(largest)
+    unit, size = byte_unit(largest)  # one unit for the whole table: narrow, comparable columns
     cell = (lambda value: f"{value / size:.2f}") if size > 1 else str
     headers = ["stage", "ranks", *(SHORT.get(k, k) for k in GPU_KINDS), "GPU", "CPU"]
     rows = []

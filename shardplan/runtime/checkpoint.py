@@ -20,7 +20,6 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,13 +35,6 @@ from . import faults
 FORMAT_VERSION = 1
 META = "shardplan.json"
 _COMPLETE = re.compile(r"^step-(\d{8})$")
-
-
-@dataclass(frozen=True)
-class Resumed:
-    step: int
-    path: Path
-    resharded: str | None  # how the layout changed, when it did
 
 
 def _name(step: int) -> str:

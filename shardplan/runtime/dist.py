@@ -13,10 +13,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..core.degrees import Degrees
-from ..core.layout import Layout, hybrid_shard_groups, mesh_dims
+from ..core.layout import AXIS_GROUPS, Layout, hybrid_shard_groups, mesh_dims, shard_group_size
 from ..spec.errors import RunFailure
-
-MESH_AXES = ("dp", "tp", "pp", "cp")
 
 
 @dataclass
@@ -25,7 +23,6 @@ class Runtime:
 
     rank: int
     world: int
-    local_rank: int
     device: torch.device
     mesh: DeviceMesh
     layout: Layout
@@ -86,13 +83,16 @@ def start(degrees: Degrees, order: str, gpus_per_node: int, timeout_s: float, dp
                                 rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = Layout(degrees, order, gpus_per_node)
-    dp_shard = {"hybrid": lambda: len(hybrid_shard_groups(layout)[0][0]), "replicate": lambda: 1}.get(
-        dp_split, lambda: None)()
+    dp_shard = None
+    if dp_split == "hybrid":
+        dp_shard = shard_group_size(layout, hybrid=True)
+    elif dp_split == "replicate":
+        dp_shard = 1
     names, shape = mesh_dims(order, degrees, dp_shard=dp_shard)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     if dp_shard is not None:
         mesh[("dp_replicate", "dp_shard")]._flatten("dp")
-    runtime = Runtime(rank, world, local_rank, device, mesh, layout, dp_split)
+    runtime = Runtime(rank, world, device, mesh, layout, dp_split)
     check_mesh(runtime)
     return runtime
 
@@ -109,7 +109,7 @@ def _planned_split(layout: Layout, rank: int, dp_split: str) -> dict[str, list[i
 
 def check_mesh(runtime: Runtime) -> None:
     """Each rank's mesh groups must be the groups the planner computed."""
-    planned_groups = {axis: runtime.layout.group_of(axis, runtime.rank) for axis in MESH_AXES}
+    planned_groups = {axis: runtime.layout.group_of(axis, runtime.rank) for axis in AXIS_GROUPS}
     if runtime.dp_split:
         planned_groups.update(_planned_split(runtime.layout, runtime.rank, runtime.dp_split))
     for axis, planned in planned_groups.items():

@@ -183,7 +183,6 @@ class Transformer(nn.Module):
         missing = unbuildable(shape)  # `run` refuses these jobs before starting (capabilities)
         if missing:
             raise ValueError(f"`shardplan run` does not build {missing} (model {shape.name or shape.family})")
-        self.shape = shape
         self.embed: nn.Embedding | None = nn.Embedding(shape.vocab_size, shape.hidden_size)
         self.pos_embed: nn.Embedding | None = None
         if shape.position_embedding == "learned":

@@ -33,9 +33,10 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
+from ..core.precision import MIXED
 from .dist import Runtime
 
-COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+COMPUTE_DTYPES = dict(zip(MIXED, (torch.bfloat16, torch.float16)))  # core.precision.MIXED, in order
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,9 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
 )
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
-from ..core.stages import rank_chunks
+from ..core.stages import rank_stages
 
 # The planner's schedule -> the torch schedule class that runs it (the report names it).
 TORCH_SCHEDULES = {
@@ -32,7 +33,6 @@ TORCH_SCHEDULES = {
     "round-robin": ScheduleLoopedBFS,
     "zero-bubble": ScheduleInterleavedZeroBubble,
 }
-MULTI_STAGE = ("interleaved-1f1b", "round-robin", "zero-bubble")
 
 
 def stage_module(full: nn.Module, layers: range, first: bool, last: bool, tie_copy: bool) -> nn.Module:
@@ -55,21 +55,15 @@ def stage_module(full: nn.Module, layers: range, first: bool, last: bool, tie_co
         with torch.no_grad():
             head.weight.copy_(full.embed.weight)
         stage.lm_head = head
-        if not first:
-            stage.embed = None
     return stage
 
 
 def build_stages(full: nn.Module, pp: int, virtual: int, pp_rank: int) -> list[tuple[int, nn.Module]]:
     """(global stage index, module) for every stage this pipeline rank holds."""
-    num_layers = len(full.layers)
-    total = pp * virtual
+    last = pp * virtual - 1
     tie_copy = full.lm_head is None and pp > 1
-    stages = []
-    for chunk, layers in enumerate(rank_chunks(num_layers, pp, virtual, pp_rank)):
-        index = pp_rank + chunk * pp
-        stages.append((index, stage_module(full, layers, index == 0, index == total - 1, tie_copy)))
-    return stages
+    return [(index, stage_module(full, layers, index == 0, index == last, tie_copy))
+            for index, layers in rank_stages(len(full.layers), pp, virtual, pp_rank)]
 
 
 def build_schedule(kind: str, modules: list[tuple[int, nn.Module]], total_stages: int, microbatches: int,
@@ -77,6 +71,6 @@ def build_schedule(kind: str, modules: list[tuple[int, nn.Module]], total_stages
     """Wrap the stage modules in PipelineStages and the planner's schedule."""
     stages = [PipelineStage(module, index, total_stages, device, group=group) for index, module in modules]
     schedule_class = TORCH_SCHEDULES[kind]
-    if kind in MULTI_STAGE:
+    if issubclass(schedule_class, PipelineScheduleMulti):  # several stages per rank
         return schedule_class(stages, microbatches, loss_fn=loss_fn), schedule_class.__name__
     return schedule_class(stages[0], microbatches, loss_fn=loss_fn), schedule_class.__name__

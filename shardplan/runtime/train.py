@@ -15,6 +15,8 @@ import torch.nn as nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from ..core.estimate import DeviceEstimate
+from ..core.params import flops_per_token
+from ..core.precision import uses_autocast
 from ..io.job import ResolvedJob
 from ..spec.errors import RunFailure
 from . import data as data_mod
@@ -41,10 +43,9 @@ def build_model(resolved: ResolvedJob) -> nn.Module:
 
 def _autocast(runtime: Runtime, plan: ParallelPlan):
     """DDP runs (ZeRO stage 1) keep fp32 parameters and compute in 16 bits under autocast."""
-    dtype = COMPUTE_DTYPES.get(plan.precision)
-    if plan.zero_stage != 1 or dtype is None:
+    if not uses_autocast("fsdp2", plan.zero_stage, plan.precision):
         return contextlib.nullcontext()
-    return torch.autocast(runtime.device.type, dtype=dtype)
+    return torch.autocast(runtime.device.type, dtype=COMPUTE_DTYPES[plan.precision])
 
 
 class Trainer:
@@ -214,12 +215,9 @@ def mfu(tokens_per_second: float, resolved: ResolvedJob, runtime: Runtime) -> fl
     2022, appendix B) against the GPU's peak dense bf16 FLOP/s."""
     if not runtime.on_gpu:
         return None
-    from ..core.params import count_params
-
     name = torch.cuda.get_device_name(runtime.device)
     peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
     if peak is None:
         return None
-    shape = resolved.shape
-    per_token = 6 * count_params(shape).active + 12 * shape.num_layers * shape.hidden_size * resolved.job.train.seq_len
+    per_token = flops_per_token(resolved.shape, resolved.job.train.seq_len)
     return tokens_per_second * per_token / (peak * runtime.world)

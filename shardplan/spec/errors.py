@@ -11,7 +11,6 @@ from typing import Literal
 
 Severity = Literal["error", "warning"]
 
-EXIT_OK = 0
 EXIT_INFEASIBLE = 1
 EXIT_BAD_INPUT = 2
 EXIT_RUNTIME = 3

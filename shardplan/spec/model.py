@@ -7,7 +7,7 @@ Presets and config.json files are resolved to an inline shape by `shardplan.io`.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Literal, Optional
 
 from pydantic import Field, model_validator
@@ -175,7 +175,6 @@ class ModelShape:
         return {k: v for k, v in asdict(self).items() if v is not None and v != ""}
 
 
-SHAPE_FIELDS = tuple(f.name for f in fields(ModelShape))
 
 
 def resolve_shape(table: dict, where: str = "model") -> tuple[ModelShape | None, list[Problem]]:

@@ -106,19 +106,22 @@ GIB = 2**30
 MIB = 2**20
 
 
+BYTE_UNITS = (("TiB", 2**40), ("GiB", GIB), ("MiB", MIB), ("KiB", 2**10))
+
+
+def byte_unit(num_bytes: int | float) -> tuple[str, int]:
+    """The largest binary unit the figure reaches at least once: (`GiB`, 2**30), or (`B`, 1)."""
+    return next(((name, size) for name, size in BYTE_UNITS if abs(num_bytes) >= size), ("B", 1))
+
+
 def format_bytes(num_bytes: int | float) -> str:
     """`79.2 GiB`, `512.0 MiB` or `12 B`: the human form of a byte figure."""
     sign = "-" if num_bytes < 0 else ""
-    size = abs(num_bytes)
-    if size >= 2**40:
-        return f"{sign}{size / 2**40:.2f} TiB"
-    if size >= GIB:
-        return f"{sign}{size / GIB:.2f} GiB"
-    if size >= MIB:
-        return f"{sign}{size / MIB:.1f} MiB"
-    if size >= 2**10:
-        return f"{sign}{size / 2**10:.1f} KiB"
-    return f"{sign}{int(size)} B"
+    unit, size = byte_unit(num_bytes)
+    if size == 1:
+        return f"{sign}{int(abs(num_bytes))} B"
+    decimals = 2 if size >= GIB else 1
+    return f"{sign}{abs(num_bytes) / size:.{decimals}f} {unit}"
 
 
 def format_count(count: int) -> str:
