@@ -199,6 +199,7 @@ OWN_ARGUMENT_CASES = [
     (["run", "tiny-gpt2-cpu", "--set", "parallel.cp=2", "--dp", "1"], "parallel.cp: context parallelism is not executed"),
     (["run", "tiny-gpt2-cpu", "--params", "1B"], "model: `run` needs an architecture"),
     (["run", "tiny-gpt2-cpu", "--set", "offload.cpu_compression=int8"], "offload.cpu_compression: int8 compression"),
+    (["run", "tiny-gpt2-cpu", "--set", "offload.overlap=false"], "offload.overlap: FSDP2 always prefetches"),
     (["run", "tiny-gpt2-cpu", "--set", "model.preset=mixtral-8x7b"], "model: `run` builds GPT-2 and Llama-style "
                                                                     "models, not mixture-of-experts layers"),
     (["presets", "llama-3-9b"], "no preset named 'llama-3-9b'"),

@@ -144,7 +144,7 @@ def test_json_is_valid_for_a_big_world():
 def test_json_writer_round_trips_awkward_values():
     """The one-call fast path is only taken for rows of numbers; strings that look like item
     separators go through the per-item path and survive."""
-    from shardplan.render.layout import dumps_document
+    from shardplan.render.output import dumps_document
 
     document = {
         "rows": [{"a": 1, "b": None, "c": True}, {"a": 2, "b": 3.5, "c": False}],

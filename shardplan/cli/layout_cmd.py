@@ -10,7 +10,8 @@ from ..core.degrees import Degrees
 from ..core.layout import Layout, layout_warnings
 from ..io.job import load_job
 from ..io.overrides import Override
-from ..render.layout import layout_document, layout_picture, rank_document, rank_text, write_document
+from ..render.layout import layout_document, layout_picture, rank_document, rank_text
+from ..render.output import write_document
 from ..render.output import emit_diagnostics, stdout_console
 from ..spec.errors import Problem
 from ..spec.job import JobSpec

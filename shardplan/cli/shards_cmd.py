@@ -11,7 +11,7 @@ from ..core.schedule import chunks_per_rank
 from ..core.shards import ASSIGNMENTS, STYLES, assign_blocks, chunk_size, ownership, shard_ranges
 from ..core.shards_model import assign_params, model_shards, param_element_bytes, placed_params
 from ..io.job import ResolvedJob
-from ..render.layout import write_document
+from ..render.output import write_document
 from ..render.output import emit_diagnostics, stdout_console
 from ..render.shards import (
     blocks_document, blocks_text, model_document, model_text, numel_document, numel_text,

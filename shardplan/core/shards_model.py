@@ -30,6 +30,7 @@ from math import prod
 
 from ..spec.errors import PlanError
 from ..spec.model import ModelShape
+from .precision import FP32, element_bytes as precision_bytes
 from .params import ParamInfo, layer_params
 from .shards import RankShare, Shard, assign_blocks, ceil_div, chunk_rows, ownership, shard_ranges
 from .stages import rank_chunks, rank_params
@@ -41,22 +42,15 @@ FLAT_STYLES = ("fsdp1", "zero12", "even")
 # parameter in fp32 and casts only for compute and communication (FSDP2
 # MixedPrecisionPolicy, FSDP1 MixedPrecision); DeepSpeed ZeRO keeps 16-bit model parameters
 # (the fp32 master copy is optimizer state).
-FP32_BYTES, HALF_BYTES = 4, 2
-FSDP_STYLES = ("fsdp1", "fsdp2")
-ZERO_STYLES = ("zero3", "zero12")
+# Whose accounting each style follows (core.precision); `even` follows the job's framework.
+STYLE_FRAMEWORK = {"fsdp1": "fsdp2", "fsdp2": "fsdp2", "zero3": "deepspeed", "zero12": "deepspeed"}
 
 
 def param_element_bytes(precision: str, style: str, framework: str) -> int:
-    """Bytes per stored parameter element: fp32 4, bf16 2; mixed precision 4 under the torch
-    FSDP styles (fp32 shards), 2 under the DeepSpeed styles (16-bit parameters); `even`
-    follows the job's framework (fsdp2 or deepspeed)."""
-    if precision == "fp32":
-        return FP32_BYTES
-    if not precision.endswith("-mixed"):
-        return HALF_BYTES
-    if style in FSDP_STYLES or (style not in ZERO_STYLES and framework == "fsdp2"):
-        return FP32_BYTES
-    return HALF_BYTES
+    """Bytes per stored parameter element (core.precision.element_bytes): fp32 4, bf16 2;
+    mixed precision 4 under the torch FSDP styles (fp32 shards), 2 under the DeepSpeed styles
+    (16-bit parameters)."""
+    return precision_bytes(STYLE_FRAMEWORK.get(style, framework), precision, "adamw").params
 
 
 @dataclass(frozen=True)
@@ -169,7 +163,7 @@ def model_shards(
     placed: list[PlacedParam],
     world: int,
     style: str,
-    element_bytes: int = FP32_BYTES,
+    element_bytes: int = FP32,
     min_numel: int = 0,
 ) -> ModelShards:
     """Per-parameter shards, flat buffers and per-(stage, rank) totals of a model.
@@ -254,7 +248,7 @@ class ParamOwner:
 
 
 def assign_params(
-    placed: list[PlacedParam], world: int, assign: str, element_bytes: int = FP32_BYTES
+    placed: list[PlacedParam], world: int, assign: str, element_bytes: int = FP32
 ) -> tuple[list[ParamOwner], list[tuple[int, RankShare]]]:
     """Whole parameters as blocks (`shards.assign_blocks`), in module order within each
     pipeline stage, and each (stage, rank)'s bytes-weighted share of its stage."""

@@ -41,6 +41,10 @@ def unsupported(resolved: ResolvedJob) -> list[Problem]:
         found.append(("zero.framework", "`run` executes the fsdp2 accounting; set zero.framework = \"fsdp2\""))
     if off.cpu_compression != "none":
         found.append(("offload.cpu_compression", f"{off.cpu_compression} compression is not implemented by `run`"))
+    for key in ("async_prefetch", "overlap"):
+        if not getattr(off, key):
+            found.append((f"offload.{key}", "FSDP2 always prefetches on its own stream, overlapped with compute; "
+                                            f"`run` cannot turn that off (remove offload.{key} = false)"))
     if (off.grads or off.optimizer) and not off.params:
         found.append(("offload.params", "FSDP2 offloads gradients and optimizer states together with the "
                                         "parameters: set offload.params = true"))
