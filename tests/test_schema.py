@@ -21,7 +21,7 @@ def test_every_field_is_described():
         for key, prop in table.get("properties", {}).items():
             assert prop.get("description"), f"{name}.{key} has no description"
     assert set(schema["properties"]) == {
-        "model", "parallel", "zero", "offload", "train", "data", "checkpoint", "cluster"
+        "model", "parallel", "zero", "offload", "train", "lora", "data", "checkpoint", "cluster"
     }
 
 

@@ -67,3 +67,30 @@ def test_human_forms():
     assert format_count(8_030_261_248) == "8.03B"
     assert format_count(68_976_648_192) == "69.0B"
     assert format_count(124_439_808) == "124.4M"
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("450GB/s", 450e9),  # NVLink 4: 900 GB/s bidirectional per H100 = 450 GB/s each way
+        ("25GiB/s", 25 * 2**30),
+        ("1.6TB/s", 1.6e12),
+        ("50 GB/s", 50e9),
+        ("400Gb/s", 50e9),  # NDR InfiniBand: 400 Gbit/s = 50 GB/s
+        ("400Gbit/s", 50e9),
+        (5e10, 5e10),
+        (64, 64.0),
+    ],
+)
+def test_bandwidths(text, expected):
+    from shardplan.spec.units import parse_bandwidth
+
+    assert parse_bandwidth(text) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("text", ["100Gbps", "450GB", "-1GB/s", "0GB/s", "10XB/s", 0, True, "fast", "1e30GB/s"])
+def test_bad_bandwidths(text):
+    from shardplan.spec.units import parse_bandwidth
+
+    with pytest.raises(ValueError):
+        parse_bandwidth(text)

@@ -1,4 +1,4 @@
-"""The ZeRO paper's Table 1, exactly, under `framework = "deepspeed"`.
+"""The ZeRO paper's Table 1, exactly, under `framework = "zero-paper"`.
 
 Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 Models" (arXiv:1910.02054), Table 1: per-device memory of model states in GB (10^9 bytes) for
@@ -49,7 +49,7 @@ CASES = [(model, stage, dp, values[i]) for model, stages in TABLE_1.items()
 
 @pytest.mark.parametrize("model, stage, dp, printed", CASES, ids=[f"{c[0]}-stage{c[1]}-dp{c[2]}" for c in CASES])
 def test_zero_table_1(model, stage, dp, printed):
-    result = run_cli("estimate", "--params", model, "--framework", "deepspeed", "--zero", str(stage),
+    result = run_cli("estimate", "--params", model, "--framework", "zero-paper", "--zero", str(stage),
                      "--dp", str(dp), "--set", "train.precision=bf16-mixed", "--set", "train.optimizer=adamw",
                      "--json")
     assert result.code == 0, result.err
@@ -67,7 +67,7 @@ def test_zero_table_1(model, stage, dp, printed):
 def test_zero_formulas_exact_when_divisible(stage, formula):
     # The contract's closed forms, to the byte, when 2*dp divides the parameter count.
     params, dp = 7_500_000_000, 64
-    result = run_cli("estimate", "--params", str(params), "--framework", "deepspeed", "--zero", str(stage),
+    result = run_cli("estimate", "--params", str(params), "--framework", "zero-paper", "--zero", str(stage),
                      "--dp", str(dp), "--json")
     gpu = result.json["devices"][0]["gpu"]
     assert gpu["params"] + gpu["grads"] + gpu["optimizer"] == formula(params, dp)

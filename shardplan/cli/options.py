@@ -24,7 +24,7 @@ _FLAG_HELP = {
     "pp": "pipeline-parallel degree",
     "cp": "context-parallel degree",
     "zero": "ZeRO stage 0-3, or an FSDP name (full_shard, ...)",
-    "framework": "memory accounting: fsdp2 or deepspeed",
+    "framework": "memory accounting: fsdp2, deepspeed or zero-paper",
     "params": "parameter count without an architecture, e.g. 7.5B",
     "gpus_per_node": "GPUs per node",
 }

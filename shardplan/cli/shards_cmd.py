@@ -26,7 +26,7 @@ MAX_BLOCKS = MAX_WORLD_SIZE
 
 
 def default_style(resolved: ResolvedJob) -> str:
-    """The job's own framework: fsdp2 -> fsdp2; deepspeed -> zero3 at stage 3, else zero12."""
+    """The job's own framework: fsdp2 -> fsdp2; deepspeed and zero-paper -> zero3 at stage 3, else zero12."""
     zero = resolved.job.zero
     if zero.framework == "fsdp2":
         return "fsdp2"
@@ -111,7 +111,8 @@ def shards(
     par = job.parallel
     virtual = chunks_per_rank(par.pipeline_schedule, par.virtual_stages)
     # tp rank 0 holds the largest tensor-parallel pieces (torch.chunk gives later ranks less).
-    placed = placed_params(shape, par.pp, virtual, par.tp, tp_rank=0)
+    placed = placed_params(shape, par.pp, virtual, par.tp, tp_rank=0,
+                           split=(par.first_stage_layers, par.last_stage_layers))
     element_bytes = param_element_bytes(job.train.precision, chosen, job.zero.framework)
     model = resolved.model_name or shape.name or shape.family
 

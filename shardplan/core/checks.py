@@ -13,7 +13,7 @@ from ..spec.model import ModelShape
 from ..spec.units import format_bytes
 from .degrees import Degrees, missing_axes
 from .layout import layout_problems
-from .pipeline import describe_split
+from .pipeline import describe_split, split_problem
 from .schedule import CHUNKED_SCHEDULES, NEEDS_FULL_PIPELINE, chunks_per_rank
 
 
@@ -98,6 +98,12 @@ def pipeline_problems(job: JobSpec, num_layers: int | None) -> list[Problem]:
             "parallel.pp", f"{what} exceeds model.num_layers ({num_layers}): a stage needs a layer"
         ))
         return problems
+    first, last = par.first_stage_layers, par.last_stage_layers
+    if first or last:
+        problem = split_problem(num_layers, stages, first, last)
+        if problem:
+            problems.append(error("parallel.first_stage_layers" if first else "parallel.last_stage_layers", problem))
+        return problems
     if schedule in CHUNKED_SCHEDULES and pp > 1 and num_layers % stages:
         problems.append(error(
             "parallel.virtual_stages",
@@ -144,6 +150,35 @@ def sequence_problems(job: JobSpec, shape: ModelShape | None) -> list[Problem]:
     return problems
 
 
+def batch_problems(job: JobSpec) -> list[Problem]:
+    """A global batch that is given must be what the data-parallel ranks and accumulation make."""
+    par, wanted = job.parallel, job.train.global_batch_size
+    made = par.dp * par.micro_batch_size * par.num_microbatches
+    if not wanted or wanted == made:
+        return []
+    message = (f"{wanted} != dp ({par.dp}) * micro_batch_size ({par.micro_batch_size}) * "
+               f"num_microbatches ({par.num_microbatches}) = {made}")
+    per_step = par.dp * par.micro_batch_size
+    if wanted % per_step == 0:
+        message += f"; num_microbatches = {wanted // per_step} would make it"
+    return [error("train.global_batch_size", message)]
+
+
+def lora_problems(job: JobSpec, shape: ModelShape | None) -> list[Problem]:
+    """LoRA adapts linear layers the model has, and needs an architecture to find them."""
+    lora = job.lora
+    if lora is None:
+        return []
+    if shape is None:
+        if job.model.params is not None:
+            return [error("lora", "LoRA needs the model's architecture (its linear layers), not a bare parameter count")]
+        return []
+    if not shape.gated and "gate_proj" in lora.targets:
+        return [error("lora.targets", f"'gate_proj': the {shape.family} MLP has no gate projection "
+                                      "(targets: q_proj k_proj v_proj o_proj up_proj down_proj)")]
+    return []
+
+
 def sharding_problems(job: JobSpec, nodes: int) -> list[Problem]:
     """ZeRO stage, hybrid sharding, offload and budgets."""
     zero, off, cluster = job.zero, job.offload, job.cluster
@@ -163,7 +198,7 @@ def sharding_problems(job: JobSpec, nodes: int) -> list[Problem]:
     offloading = off.params or off.grads or off.optimizer
     if zero.stage > 0 and job.parallel.dp == 1 and not offloading:
         problems.append(warning("zero.stage", f"stage {zero.stage} with dp = 1 shards nothing"))
-    if zero.framework == "deepspeed" and job.parallel.pp > 1 and zero.stage >= 2:
+    if zero.framework != "fsdp2" and job.parallel.pp > 1 and zero.stage >= 2:
         # DeepSpeed's PipelineEngine supports ZeRO stage 0 and 1 only.
         problems.append(error(
             "zero.stage",
@@ -219,6 +254,8 @@ def job_problems(
         problems += heads_problems(par.tp, shape)
     problems += pipeline_problems(job, shape.num_layers if shape else None)
     problems += sequence_problems(job, shape)
+    problems += batch_problems(job)
+    problems += lora_problems(job, shape)
     placement = layout_problems(degrees, par.order, job.cluster.gpus_per_node,
                                 hybrid=job.zero.hybrid and job.zero.stage >= 2)
     # Partly filled nodes matter only on a machine the job names; the default of 8 GPUs per

@@ -112,7 +112,7 @@ def _rank_params(inputs: EstimateInputs, at: Coordinates) -> RankParams:
     d = inputs.degrees
     if inputs.shape is None:
         return flat_rank_params(inputs.params or 0, d.tp, d.pp, at.tp_rank, at.pp_rank)
-    return rank_params(inputs.shape, d.pp, inputs.virtual, at.pp_rank, d.tp, at.tp_rank)
+    return rank_params(inputs.shape, d.pp, inputs.virtual, at.pp_rank, d.tp, at.tp_rank, inputs.stage_split)
 
 
 def resident_layers(rp: RankParams, eb: ElementBytes, inputs: EstimateInputs, degree: int) -> int:
@@ -234,7 +234,7 @@ def rank_estimate(inputs: EstimateInputs, at: Coordinates, ranks: list[int]) -> 
     phases = fsdp2_buffers(rp, eb, inputs.zero_stage, degree, inputs.prefetch_layers, mixed) \
         if inputs.framework == "fsdp2" and inputs.shape is not None else None
     forward_backward = list(phases.forward_backward) if phases else []
-    if inputs.framework == "deepspeed":
+    if inputs.framework != "fsdp2":
         forward_backward += deepspeed_buffers(rp, eb, inputs.zero_stage)
     if inputs.shape is not None:
         # Recomputation rebuilds one layer's activations at a time during backward: transient.

@@ -31,6 +31,7 @@ class EstimateInputs:
     num_microbatches: int = 1
     schedule: str = "1f1b"
     virtual: int = 1
+    stage_split: tuple[int, int] = (0, 0)  # layers of the first / last pipeline stage (0: even)
     sequence_parallel: bool = False
     recompute: str = "none"
     attention: str = "flash"
@@ -76,6 +77,7 @@ def inputs_from_job(job: JobSpec, shape: ModelShape | None, limits_known: bool) 
         num_microbatches=par.num_microbatches,
         schedule=par.pipeline_schedule,
         virtual=par.virtual_stages,
+        stage_split=(par.first_stage_layers, par.last_stage_layers),
         sequence_parallel=par.sequence_parallel,
         recompute=train.activation_checkpointing,
         attention=train.attention,

@@ -67,7 +67,7 @@ def _strategy(inputs: EstimateInputs, layout: Layout,
     if peak <= target:
         return inputs, [f"{head}: peak {share(peak)}; no further offload"]
     decisions = [f"{head}: peak {share(peak)} is over"]
-    steps = ["offload_optimizer", "offload_grads"] if inputs.framework == "deepspeed" else []
+    steps = ["offload_optimizer", "offload_grads"] if inputs.framework != "fsdp2" else []
     for flag in steps:
         if getattr(inputs, flag):
             continue

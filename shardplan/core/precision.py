@@ -43,7 +43,7 @@ class ElementBytes:
 
 def element_bytes(framework: str, precision: str, optimizer: str) -> ElementBytes:
     compute = FP32 if precision == "fp32" else HALF
-    if framework == "deepspeed":
+    if framework != "fsdp2":  # deepspeed, zero-paper
         if precision == "fp32":
             states = 2 * FP32 if optimizer == "adamw" else 0
             return ElementBytes(FP32, FP32, states, 0, FP32)

@@ -63,7 +63,8 @@ class PlacedParam:
 
 
 def placed_params(
-    shape: ModelShape, pp: int = 1, virtual: int = 1, tp: int = 1, tp_rank: int = 0
+    shape: ModelShape, pp: int = 1, virtual: int = 1, tp: int = 1, tp_rank: int = 0,
+    split: tuple[int, int] = (0, 0),
 ) -> list[PlacedParam]:
     """Every parameter of every pipeline rank, stage by stage, in module order inside a stage
     (embeddings, the stage's layers, final norm and head), as `stages.rank_params` places
@@ -74,11 +75,11 @@ def placed_params(
         raise PlanError(f"tp rank {tp_rank} is out of range 0..{tp - 1}")
     placed: list[PlacedParam] = []
     for stage in range(pp):
-        held = rank_params(shape, pp, virtual, stage, tp, tp_rank)
+        held = rank_params(shape, pp, virtual, stage, tp, tp_rank, split)
         before = [lp for lp in held.root if lp.info.part in ("embedding", "position")]
         after = [lp for lp in held.root if lp.info.part not in ("embedding", "position")]
         placed += [PlacedParam(lp.info, stage, lp.shape) for lp in before]
-        for chunk in rank_chunks(shape.num_layers, pp, virtual, stage):
+        for chunk in rank_chunks(shape.num_layers, pp, virtual, stage, split):
             for layer in chunk:  # layers are alike: layer i has the template's local shapes
                 placed += [
                     PlacedParam(info, stage, template.shape)

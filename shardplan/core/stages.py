@@ -92,22 +92,26 @@ def tp_local_shape(param: ParamInfo, tp: int, tp_rank: int, shape: ModelShape) -
     return tuple(dims)
 
 
-def rank_stages(num_layers: int, pp: int, virtual: int, pp_rank: int) -> list[tuple[int, range]]:
+def rank_stages(num_layers: int, pp: int, virtual: int, pp_rank: int,
+                split: tuple[int, int] = (0, 0)) -> list[tuple[int, range]]:
     """(global stage index, layer range) of each stage pipeline rank `pp_rank` holds: loop
-    placement, stages r, r + pp, r + 2pp, ... of pp * virtual."""
-    stages = stage_layers(num_layers, pp * virtual)
+    placement, stages r, r + pp, r + 2pp, ... of pp * virtual. `split`: the layers of the
+    first and the last stage (0: the even split; core/pipeline.py)."""
+    stages = stage_layers(num_layers, pp * virtual, *split)
     return [(stage, stages[stage]) for stage in range(pp_rank, pp * virtual, pp)]
 
 
-def rank_chunks(num_layers: int, pp: int, virtual: int, pp_rank: int) -> list[range]:
+def rank_chunks(num_layers: int, pp: int, virtual: int, pp_rank: int,
+                split: tuple[int, int] = (0, 0)) -> list[range]:
     """The layer ranges of the stages pipeline rank `pp_rank` holds (loop placement)."""
-    return [layers for _, layers in rank_stages(num_layers, pp, virtual, pp_rank)]
+    return [layers for _, layers in rank_stages(num_layers, pp, virtual, pp_rank, split)]
 
 
 @lru_cache(maxsize=4096)
-def rank_params(shape: ModelShape, pp: int, virtual: int, pp_rank: int, tp: int, tp_rank: int) -> RankParams:
+def rank_params(shape: ModelShape, pp: int, virtual: int, pp_rank: int, tp: int, tp_rank: int,
+                split: tuple[int, int] = (0, 0)) -> RankParams:
     """The parameters pipeline rank `pp_rank` holds, as tensor-parallel rank `tp_rank` sees them."""
-    chunks = rank_chunks(shape.num_layers, pp, virtual, pp_rank)
+    chunks = rank_chunks(shape.num_layers, pp, virtual, pp_rank, split)
     first, last = pp_rank == 0, pp_rank == pp - 1
     root: list[ParamInfo] = []
     if first:

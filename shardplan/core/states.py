@@ -153,7 +153,7 @@ def _elements(rp: RankParams, sharding: Sharding) -> tuple[TensorStates, TensorS
     """(one layer, root) elements on this rank. Under fsdp2 stage 1 the layer figures are
     an average: ZeroRedundancyOptimizer gives whole tensors to ranks, not equal shares of
     each layer, so only the total over all layers is exact."""
-    if sharding.framework == "deepspeed":
+    if sharding.framework != "fsdp2":  # deepspeed, zero-paper
         if sharding.stage == 3:
             return _deepspeed_zero3(rp.layer, sharding), _deepspeed_zero3(rp.root, sharding)
         layer = TensorStates(rp.layer_numel, rp.layer_numel, rp.layer_numel, 0)
@@ -213,7 +213,7 @@ def rank_states(
         ("offloaded layers", layer, rp.num_layers - resident, True),
         ("all" if flat_count else "embedding/head", root, 1, False),
     )
-    flat = sharding.framework == "deepspeed" and sharding.stage in (1, 2)
+    flat = sharding.framework != "fsdp2" and sharding.stage in (1, 2)
     states = States()
     for kind, unit, index in (("params", eb.params, 0), ("grads", eb.grads, 1), ("optimizer", eb.optimizer, 2)):
         if flat and kind != "params":

@@ -58,12 +58,14 @@ def stage_module(full: nn.Module, layers: range, first: bool, last: bool, tie_co
     return stage
 
 
-def build_stages(full: nn.Module, pp: int, virtual: int, pp_rank: int) -> list[tuple[int, nn.Module]]:
-    """(global stage index, module) for every stage this pipeline rank holds."""
+def build_stages(full: nn.Module, pp: int, virtual: int, pp_rank: int,
+                 split: tuple[int, int] = (0, 0)) -> list[tuple[int, nn.Module]]:
+    """(global stage index, module) for every stage this pipeline rank holds; `split`: the
+    layers of the first and last stage (core/pipeline.py)."""
     last = pp * virtual - 1
     tie_copy = full.lm_head is None and pp > 1
     return [(index, stage_module(full, layers, index == 0, index == last, tie_copy))
-            for index, layers in rank_stages(len(full.layers), pp, virtual, pp_rank)]
+            for index, layers in rank_stages(len(full.layers), pp, virtual, pp_rank, split)]
 
 
 def build_schedule(kind: str, modules: list[tuple[int, nn.Module]], total_stages: int, microbatches: int,

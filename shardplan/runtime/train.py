@@ -71,7 +71,8 @@ class Trainer:
         self.tp = par.tp
         self.schedule_name = None
         if self.pp > 1:
-            stages = build_stages(full, par.pp, par.virtual_stages, self.coords["pp"])
+            stages = build_stages(full, par.pp, par.virtual_stages, self.coords["pp"],
+                                  (par.first_stage_layers, par.last_stage_layers))
             self.modules = []
             left = resident  # the rank's resident layers, its first chunks' first
             for index, module in stages:

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
-from .units import MAX_BYTES, MAX_COUNT, parse_count, parse_size
+from .units import MAX_BYTES, MAX_COUNT, parse_bandwidth, parse_count, parse_size
 
 # The largest world any command accepts: 2^20 ranks is ~50x the largest training cluster
 # announced to date; larger values are typing mistakes, not plans.
@@ -54,3 +54,17 @@ Count = Annotated[
 
 Degree = Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)]
 Dim = Annotated[int, Field(ge=1, le=MAX_DIM)]
+
+Bandwidth = Annotated[
+    float,
+    BeforeValidator(parse_bandwidth),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "number", "exclusiveMinimum": 0},
+                {"type": "string", "pattern": r"^\s*[0-9.eE+-]+\s*([KkMmGgTtPp][Ii]?)?([Bb]|bit)?\s*/\s*s\s*$"},
+            ],
+            "description": "bytes per second: a number, or a string such as '450GB/s' (10^9 bytes), '25GiB/s', or '400Gb/s' (bits)",
+        }
+    ),
+]

@@ -11,8 +11,8 @@ from typing import Annotated, Literal, Optional
 
 from pydantic import BeforeValidator, Field, WithJsonSchema, field_validator, model_validator
 
-from .common import Count, Degree, Dim, Size, Table
-from .model import ModelSpec
+from .common import Bandwidth, Count, Degree, Dim, Size, Table
+from .model import MAX_LAYERS, ModelSpec
 
 AXES = ("tp", "cp", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-dp-pp"
@@ -60,6 +60,14 @@ class ParallelSpec(Table):
     sequence_parallel: bool = Field(False, description="shard norms/dropout activations along the sequence over tp")
     pipeline_schedule: Schedule = Field("1f1b", description="pipeline schedule")
     virtual_stages: Dim = Field(1, description="model chunks per pipeline rank (interleaved, round-robin)")
+    first_stage_layers: int = Field(
+        0, ge=0, le=MAX_LAYERS, description="layers on the first pipeline stage (Megatron-LM "
+        "--decoder-first-pipeline-num-layers); 0: the even split"
+    )
+    last_stage_layers: int = Field(
+        0, ge=0, le=MAX_LAYERS, description="layers on the last pipeline stage (Megatron-LM "
+        "--decoder-last-pipeline-num-layers); 0: the even split"
+    )
     micro_batch_size: Dim = Field(1, description="sequences per microbatch on one data-parallel rank")
     num_microbatches: Dim = Field(1, description="pipeline microbatches / gradient accumulation steps")
     communication_timeout: float = Field(
@@ -104,8 +112,9 @@ class ZeroSpec(Table):
     )
     hybrid: bool = Field(False, description="shard inside a node, replicate across nodes (HSDP)")
     min_num_params: Count = Field(0, description="parameters smaller than this stay unsharded")
-    framework: Literal["fsdp2", "deepspeed"] = Field(
-        "fsdp2", description="whose memory accounting: fsdp2 (what `shardplan run` executes) or deepspeed"
+    framework: Literal["fsdp2", "deepspeed", "zero-paper"] = Field(
+        "fsdp2", description="whose memory accounting: fsdp2 (what `shardplan run` executes), deepspeed "
+        "(what DeepSpeed's code allocates) or zero-paper (the ZeRO paper's formulas)"
     )
 
     @model_validator(mode="before")
@@ -148,7 +157,12 @@ class TrainSpec(Table):
     precision: Literal["bf16-mixed", "fp16-mixed", "fp32", "bf16"] = Field(
         "bf16-mixed", description="parameter/compute precision"
     )
-    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="optimizer")
+    optimizer: Literal["adamw", "adamw8bit", "sgd"] = Field(
+        "adamw", description="adamw, adamw8bit (block-wise 8-bit moments, Dettmers et al. 2022) or sgd"
+    )
+    global_batch_size: int = Field(
+        0, ge=0, le=2**31, description="sequences per optimizer step; 0: dp * micro_batch_size * num_microbatches"
+    )
     activation_checkpointing: Literal["none", "selective", "full"] = Field(
         "none", description="activation recomputation"
     )
@@ -158,6 +172,36 @@ class TrainSpec(Table):
     steps: Dim = Field(10, description="optimizer steps `shardplan run` takes")
     lr: float = Field(3e-4, gt=0, le=1e3, description="learning rate")
     seed: int = Field(0, ge=0, le=2**63 - 1, description="seed of weights, data order and dropout")
+
+
+# Linear layers LoRA can adapt, by the names the job's model gives them (core/params.py, as
+# in Hugging Face's Llama: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj).
+LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_TARGETS: tuple[str, ...] = LoraTarget.__args__  # type: ignore[attr-defined]
+
+
+class LoraSpec(Table):
+    """Parameter-efficient fine-tuning: low-rank adapters on a frozen base (Hu et al. 2021)."""
+
+    rank: Dim = Field(16, le=65536, description="adapter rank r: A is r x in, B is out x r")
+    alpha: float = Field(32.0, gt=0, le=1e6, description="scaling numerator: the update is (alpha / r) * B A")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapters' input (keeps a mask for backward)")
+    targets: list[LoraTarget] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1,
+        description="linear layers that get adapters (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj)",
+    )
+    base_dtype: Literal["bf16", "nf4"] = Field(
+        "bf16", description="frozen base weights: bf16, or nf4 (QLoRA: 4-bit NormalFloat, block-wise scales)"
+    )
+
+
+    @field_validator("targets")
+    @classmethod
+    def _unique(cls, value: list[str]) -> list[str]:
+        repeated = sorted({t for t in value if value.count(t) > 1})
+        if repeated:
+            raise ValueError(f"{repeated[0]!r} is listed twice")
+        return value
 
 
 class DataSpec(Table):
@@ -188,6 +232,25 @@ class ClusterSpec(Table):
     gpus_per_node: Degree = Field(8, description="GPUs (ranks) per node")
     gpu_memory: Size = Field(80 * 2**30, gt=0, description="memory of one GPU")
     cpu_memory_per_node: Size = Field(2**40, gt=0, description="CPU RAM of one node")
+    gpu: Optional[str] = Field(
+        None, description="GPU hardware preset for the time model (`shardplan presets`: h100-sxm, a100-sxm-80gb, ...)"
+    )
+    peak_tflops: Optional[float] = Field(
+        None, gt=0, le=1e6, description="dense 16-bit TFLOP/s of one GPU (overrides the gpu preset)"
+    )
+    memory_bandwidth: Optional[Bandwidth] = Field(
+        None, description="GPU memory (HBM) bandwidth, e.g. '3.35TB/s' (overrides the gpu preset)"
+    )
+    intra_node_bandwidth: Optional[Bandwidth] = Field(
+        None, description="per GPU, one direction, inside a node (NVLink), e.g. '450GB/s'"
+    )
+    inter_node_bandwidth: Optional[Bandwidth] = Field(
+        None, description="per GPU, one direction, between nodes (InfiniBand / RoCE), e.g. '50GB/s' or '400Gb/s'"
+    )
+    host_bandwidth: Optional[Bandwidth] = Field(
+        None, description="per GPU, host <-> device (PCIe), e.g. '25GB/s'"
+    )
+
 
 
 class JobSpec(Table):
@@ -199,6 +262,7 @@ class JobSpec(Table):
     offload: OffloadSpec = Field(default_factory=OffloadSpec, description="CPU offload")
     train: TrainSpec = Field(default_factory=TrainSpec, description="training step")
     data: DataSpec = Field(default_factory=DataSpec, description="training data for `run`")
+    lora: Optional[LoraSpec] = Field(None, description="LoRA / QLoRA fine-tuning; absent: full training")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="checkpoints for `run`")
     cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="the machines")
 
@@ -208,6 +272,6 @@ class JobSpec(Table):
 
 
 TABLES: dict[str, type[Table]] = {
-    name: field.annotation  # type: ignore[misc]
+    name: LoraSpec if name == "lora" else field.annotation  # type: ignore[misc]
     for name, field in JobSpec.model_fields.items()
 }

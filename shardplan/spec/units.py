@@ -102,6 +102,50 @@ def parse_count(value: object) -> int:
     return _to_int(match["num"], _COUNT_SUFFIXES[unit], "count", value, MAX_COUNT)
 
 
+_BANDWIDTH_RE = re.compile(rf"^\s*{_NUMBER}\s*(?P<unit>[A-Za-z]*)\s*/\s*s\s*$")
+# Network links are quoted in bits (400 Gb/s NDR InfiniBand moves 50 GB/s): a lowercase `b`
+# after a prefix, or `bit`, means bits.
+_BIT_UNITS = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+# Far above any link that exists (NVLink 5 moves 900 GB/s per direction per GPU).
+MAX_BANDWIDTH = 10**15
+
+
+def parse_bandwidth(value: object) -> float:
+    """Bytes per second from `450GB/s` (10^9), `25GiB/s` (2^30), `1.6TB/s`, or a plain number
+    of bytes per second (CONTRACT: "Bandwidths accept GB/s and GiB/s")."""
+    if isinstance(value, bool):
+        raise ValueError("expected a bandwidth such as '450GB/s', got a boolean")
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str):
+        match = _BANDWIDTH_RE.match(value)
+        if not match:
+            raise ValueError(f"not a bandwidth: {value!r} (write e.g. '450GB/s', '25GiB/s' or bytes per second)")
+        raw = match["unit"]
+        bits = raw.lower().endswith("bit") or (len(raw) == 2 and raw[1] == "b")
+        unit = raw.lower().removesuffix("it") if bits else raw.lower()
+        if (bits and unit not in _BIT_UNITS) or (not bits and unit not in _SIZE_UNITS):
+            raise ValueError(f"unknown unit {raw!r} in {value!r} (known: GB/s, GiB/s, MB/s, TB/s, "
+                             "Gb/s for bits, or bytes per second)")
+        scale = Decimal(_BIT_UNITS[unit]) / 8 if bits else _SIZE_UNITS[unit]
+        number = float(Decimal(match["num"]) * scale)
+    else:
+        raise ValueError(f"expected a bandwidth such as '450GB/s', got {type(value).__name__}")
+    if not number > 0 or number != number:
+        raise ValueError(f"a bandwidth must be positive (got {value!r})")
+    if number > MAX_BANDWIDTH:
+        raise ValueError(f"bandwidth {value!r} is absurdly large (limit {MAX_BANDWIDTH:.3g} B/s)")
+    return number
+
+
+def format_bandwidth(bytes_per_second: float) -> str:
+    """`450 GB/s`: decimal units, as vendors state link speeds."""
+    for scale, unit in ((10**12, "TB/s"), (10**9, "GB/s"), (10**6, "MB/s")):
+        if bytes_per_second >= scale:
+            return f"{bytes_per_second / scale:g} {unit}"
+    return f"{bytes_per_second:g} B/s"
+
+
 GIB = 2**30
 MIB = 2**20
 
