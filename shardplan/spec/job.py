@@ -112,6 +112,26 @@ class ZeroSpec(Table):
     )
     hybrid: bool = Field(False, description="shard inside a node, replicate across nodes (HSDP)")
     min_num_params: Count = Field(0, description="parameters smaller than this stay unsharded")
+    # DeepSpeed's ZeRO knobs, with its defaults (deepspeed/runtime/zero/config.py, v0.19:
+    # reduce_bucket_size 5e8, allgather_bucket_size 5e8, stage3_prefetch_bucket_size 5e7,
+    # stage3_max_live_parameters 1e9, stage3_param_persistence_threshold 1e5). The `deepspeed`
+    # accounting reads them; `export --to deepspeed` writes them.
+    reduce_bucket_size: Count = Field(
+        500_000_000, description="elements per gradient reduce bucket (DeepSpeed reduce_bucket_size)"
+    )
+    allgather_bucket_size: Count = Field(
+        500_000_000, description="elements per parameter all-gather bucket, stages 1-2 (DeepSpeed allgather_bucket_size)"
+    )
+    prefetch_bucket_size: Count = Field(
+        50_000_000, description="parameter elements fetched ahead, stage 3 (DeepSpeed stage3_prefetch_bucket_size)"
+    )
+    max_live_parameters: Count = Field(
+        1_000_000_000, description="gathered parameter elements kept before release, stage 3 "
+        "(DeepSpeed stage3_max_live_parameters; caps prefetch, not one module's gather)"
+    )
+    param_persistence_threshold: Count = Field(
+        100_000, description="parameters this small stay gathered, stage 3 (DeepSpeed stage3_param_persistence_threshold)"
+    )
     framework: Literal["fsdp2", "deepspeed", "zero-paper"] = Field(
         "fsdp2", description="whose memory accounting: fsdp2 (what `shardplan run` executes), deepspeed "
         "(what DeepSpeed's code allocates) or zero-paper (the ZeRO paper's formulas)"
