@@ -126,3 +126,16 @@ def test_hardware_refuses_nonsense():
     with pytest.raises(ValueError, match="at most 1"):
         dataclasses.replace(H100, matmul_efficiency=1.5)
     assert isinstance(H100, Hardware)
+
+
+def test_run_reports_the_same_mfu_as_estimate():
+    # `shardplan run` measures tokens/s; at the predicted rate its MFU is the estimate's.
+    pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from shardplan.runtime.train import mfu
+
+    resolved = load_job("llama-2-70b-3d", env={})
+    reported = run_cli("estimate", "llama-2-70b-3d", "--json").json["time"]
+    runtime = SimpleNamespace(on_gpu=True, world=resolved.degrees.world, device=None)
+    assert mfu(reported["tokens_per_second"], resolved, runtime) == pytest.approx(reported["mfu"], rel=1e-12)

@@ -16,15 +16,15 @@ import math
 from dataclasses import dataclass, fields
 
 # The three below were fitted together, once, on all 18 published iteration times of
-# Narayanan et al. 2021 (Table 1) and Korthikanti et al. 2022 (Table 5), A100 80GB: a grid
-# over matmul 0.68-0.78, memory 0.55-0.80 and NVLink 0.65-0.85 minimising the mean absolute
-# error; the optimum is flat (2.9-3.1% for every neighbour) and these are its rounded centre.
-# Fitting on one paper alone and predicting the other: 5.6-7.2% mean error (docs/time.md).
+# Narayanan et al. 2021 (Table 1) and Korthikanti et al. 2022 (Table 5), A100 80GB: the grid
+# of benchmarks/validate_time.py --fit (matmul 0.68-0.78, memory 0.55-0.80, NVLink
+# 0.65-0.85) minimising the mean absolute error over both tables (2.9%; its neighbours stay
+# within 3.1%). Fitting on one paper alone and predicting the other gives 5.2-6.3% (docs/time.md).
 #
-# Large fp16/bf16 matmuls: ~72% of the dense tensor-core peak (225 of 312 TFLOP/s on an
-# A100 at its sustained clock; cuBLAS alone reaches ~80% on ideal shapes, NVIDIA's "Matrix
+# Large fp16/bf16 matmuls: ~74% of the dense tensor-core peak (231 of 312 TFLOP/s on an A100
+# at its sustained clock; cuBLAS alone reaches ~80% on ideal shapes, NVIDIA's "Matrix
 # Multiplication Background" guide; whole-step runs lose a little more to clocks and shapes).
-MATMUL_EFFICIENCY = 0.72
+MATMUL_EFFICIENCY = 0.74
 # Elementwise kernels (softmax, dropout, LayerNorm, GeLU, bias-dropout-add, the optimizer):
 # ~65% of the HBM datasheet bandwidth (fused but short kernels; a pure copy reaches ~85%).
 MEMORY_EFFICIENCY = 0.65
@@ -104,7 +104,7 @@ class TimeConstants:
     # and HBM bandwidth from the compute (Calculon's A100 system charges 15% of the processor
     # to collectives, Isaev et al. 2023), and prefetching starts late. Of the shorter of the
     # two, this fraction hides. Fitted on the six ZeRO-3 runs of Narayanan et al. 2021,
-    # Table 2 (mean error 6.7%; 0.85 gives 9.5%, 0.5 gives 11%), the only published runs
+    # Table 2 (mean error 7.4%; 0.85 gives 8.8%, 0.5 gives 12.1%), the only published runs
     # here whose time the overlap decides.
     overlap_efficiency: float = 0.70
     # Pinned host <-> device copies reach ~80% of the PCIe line rate (25 of 32 GB/s on Gen4).

@@ -15,6 +15,7 @@ offload.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Link, collective_seconds, point_to_point_seconds
 from .hardware import Hardware, TimeConstants
@@ -53,6 +54,7 @@ class EdgeCosts:
     head_tp_backward: float
 
 
+@lru_cache(maxsize=1024)
 def edge_costs(shape, tokens: int, tp: int, sp: bool, e: int, frozen: bool, peak: float,
                hw: Hardware, c: TimeConstants, tp_link: Link) -> EdgeCosts:
     """Embedding lookup (gather, write; backward: scatter-add of the gradient), vocabulary-

@@ -277,7 +277,7 @@ class ClusterSpec(Table):
         None, description="CPU DRAM bandwidth of one node, for the CPU optimizer step under offload, e.g. '400GB/s'"
     )
     matmul_efficiency: Optional[float] = Field(
-        None, gt=0, le=1, description="fraction of peak_tflops large matmuls reach (time model; default 0.72)"
+        None, gt=0, le=1, description="fraction of peak_tflops large matmuls reach (time model; default 0.74)"
     )
     memory_efficiency: Optional[float] = Field(
         None, gt=0, le=1, description="fraction of memory_bandwidth elementwise kernels reach (time model; default 0.65)"
