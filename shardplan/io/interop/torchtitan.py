@@ -330,9 +330,14 @@ def _read_degrees(par: Reader, out: Imported, dp: int | None) -> dict:
         keeps = reshard == "never" or (reshard == "default" and pp > 1)
         out.set("zero.stage", 2 if keeps else 3, par.key("fsdp_reshard_after_forward"))
         if replicate > 1:
+            # shardplan's hybrid sharding shards inside a node: a node of shard * cp * tp
+            # GPUs holds exactly one HSDP shard group (rank order tp-cp-dp-pp).
+            node = shard * values["context_parallel_degree"] * values["tensor_parallel_degree"]
             out.set("zero.hybrid", True, par.key("data_parallel_replicate_degree"))
-            out.note(par.key("data_parallel_replicate_degree"), f"HSDP read as hybrid sharding: shard inside a node "
-                                                                f"({shard} ranks: set cluster.gpus_per_node to match)")
+            out.set("cluster.gpus_per_node", node, par.key("data_parallel_shard_degree"))
+            out.note(par.key("data_parallel_replicate_degree"), f"HSDP ({replicate} replicas of {shard} shard ranks) "
+                                                                f"is read as hybrid sharding inside nodes of {node} GPUs "
+                                                                "(cluster.gpus_per_node; shardplan shards inside a node)")
     else:
         out.set("zero.stage", 0, par.key("data_parallel_shard_degree"))
     return {**values, "data_parallel_shard_degree": shard, "dp": total}
