@@ -172,15 +172,16 @@ DS_CONFIGS = {
         "zero_optimization": {"stage": 1},
         "tensor_parallel": {"autotp_size": 2},
     },
-    "mics": {
+    "offload_unpinned": {
         "train_batch_size": 16, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
         "bf16": {"enabled": True},
-        "zero_optimization": {"stage": 3, "mics_shard_size": 8},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False},
+                              "offload_param": {"device": "cpu", "pin_memory": False}},
     },
 }
 # DeepSpeed's config names no world size: these need --dp (the two that give all three batch
 # keys derive it, 64 / (2 * 4) = 8 and 16 / 1 = 16).
-DS_FLAGS = {"all_three": [], "zero2_fp16": ["--dp", "4"], "zero1_tp": ["--dp", "4"], "mics": []}
+DS_FLAGS = {"all_three": [], "zero2_fp16": ["--dp", "4"], "zero1_tp": ["--dp", "4"], "offload_unpinned": []}
 
 
 @pytest.mark.parametrize("name", sorted(DS_CONFIGS))
@@ -199,6 +200,19 @@ def test_deepspeed_round_trip(write, name):
             continue
         assert key in exported_keys, key
         assert exported_keys[key] == value, key
+
+
+def test_deepspeed_mics_is_hybrid(write):
+    """MiCS (removed in DeepSpeed 0.19, runtime/config.py) shards inside groups of
+    mics_shard_size ranks: read as hybrid sharding; the export says it cannot write it back."""
+    path = write("ds.json", json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 1,
+                                        "gradient_accumulation_steps": 1,
+                                        "zero_optimization": {"stage": 3, "mics_shard_size": 4}}))
+    job, notes = imported(path, "--set", "model.preset=llama-2-7b")
+    assert job["zero"]["hybrid"] is True and job["cluster"]["gpus_per_node"] == 4
+    assert any(n["path"] == "zero_optimization.mics_shard_size" for n in notes)
+    _, lines = export(write("job.toml", run_cli("import", path, "--set", "model.preset=llama-2-7b").out), "deepspeed")
+    assert any(line.startswith("export: zero.hybrid: deepspeed 0.19 has no hybrid sharding") for line in lines)
 
 
 def test_deepspeed_batch_needs_dp(write):

@@ -4,7 +4,7 @@ Keys and defaults: DeepSpeed's config-json documentation (docs/_pages/config-jso
 its config classes, v0.19.8: deepspeed/runtime/config.py (batch arithmetic:
 train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * data-parallel
 world size, any two of the three given), deepspeed/runtime/zero/config.py
-(`DeepSpeedZeroConfig`: stage, bucket sizes and their `stage3_*` aliases, `mics_shard_size`),
+(`DeepSpeedZeroConfig`: stage, bucket sizes and their `stage3_*` aliases),
 deepspeed/runtime/zero/offload_config.py (offload_optimizer / offload_param: device,
 pin_memory), deepspeed/runtime/tensor_parallel/config.py (`tensor_parallel.autotp_size`).
 """
@@ -84,13 +84,10 @@ def to_deepspeed(plan: Plan) -> Exported:
             notes.append(Note("offload.gpu_param_budget", "deepspeed's offload_param offloads every parameter; "
                                                           f"the plan keeps {off.gpu_param_budget} bytes of layers on the GPU"))
     if zero.hybrid:
-        if zero.stage == 3:
-            # MiCS: shard inside groups of mics_shard_size ranks, replicate across them
-            # (deepspeed/runtime/zero/mics.py); the plan's shard group is one node's part.
-            zero_config["mics_shard_size"] = plan.shard_group
-        else:
-            notes.append(Note("zero.hybrid", "deepspeed shards inside a node and replicates across nodes "
-                                             "(MiCS) only at stage 3"))
+        # MiCS (mics_shard_size) sharded inside groups and replicated across them; DeepSpeed
+        # 0.19 removed it and rejects the key (runtime/config.py, _REMOVED_ZERO_CONFIG_KEYS).
+        notes.append(Note("zero.hybrid", "deepspeed 0.19 has no hybrid sharding (MiCS was removed); "
+                                         "written as sharding over every data-parallel rank"))
     config["zero_optimization"] = zero_config
     if par.tp > 1:
         config["tensor_parallel"] = {"autotp_size": par.tp}
@@ -235,8 +232,9 @@ def _zero(top: Reader, out: Imported) -> None:
     mics = zero.int("mics_shard_size") if zero.has("mics_shard_size") else None
     if mics is not None and mics > 0:
         out.set("zero.hybrid", True, zero.key("mics_shard_size"))
-        out.note(zero.key("mics_shard_size"), f"{mics} read as hybrid sharding: shard inside a node of "
-                                              "cluster.gpus_per_node GPUs, replicate across nodes")
+        out.set("cluster.gpus_per_node", mics, zero.key("mics_shard_size"))
+        out.note(zero.key("mics_shard_size"), f"MiCS (removed in DeepSpeed 0.19) read as hybrid sharding inside "
+                                              f"nodes of {mics} GPUs (cluster.gpus_per_node)")
     pins = []
     for key, job_keys in (("offload_optimizer", ("offload.optimizer", "offload.grads")),
                           ("offload_param", ("offload.params",))):
