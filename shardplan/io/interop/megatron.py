@@ -63,18 +63,22 @@ def to_megatron(plan: Plan) -> Exported:
     if zero.stage == 1:
         add("--use-distributed-optimizer")
     elif zero.stage in (2, 3):
-        add("--use-torch-fsdp2")  # the same FSDP2 `shardplan run` executes
-        if zero.stage == 2:
-            add("--torch-fsdp2-no-reshard-after-forward")
+        # Megatron-FSDP: optim_grads is ZeRO-2, optim_grads_params ZeRO-3 (arguments.py,
+        # --data-parallel-sharding-strategy). Megatron's --use-torch-fsdp2 would refuse
+        # pipeline parallel and tied embeddings (validate_args).
+        add("--use-megatron-fsdp")
+        add("--data-parallel-sharding-strategy", "optim_grads" if zero.stage == 2 else "optim_grads_params")
+        add("--ckpt-format", "fsdp_dtensor")  # the only checkpoint format Megatron-FSDP takes
     if zero.hybrid:
-        notes.append(Note("zero.hybrid", "megatron's --use-torch-fsdp2 shards over the whole data-parallel group "
-                                         "(no hybrid sharding)"))
+        notes.append(Note("zero.hybrid", "hybrid sharding is not exported: Megatron-FSDP shards over the whole "
+                                         "data-parallel group here"))
     if zero.min_num_params:
-        notes.append(Note("zero.min_num_params", "megatron wraps every transformer layer with FSDP2; a size "
+        notes.append(Note("zero.min_num_params", "Megatron-FSDP shards every transformer layer; a size "
                                                  "threshold is not exported"))
     if off.optimizer:
         add("--optimizer-cpu-offload")
         add("--optimizer-offload-fraction", "1.0")
+        add("--use-precision-aware-optimizer")  # validate_args: the offload runs on its code path
         if zero.stage != 1:
             notes.append(Note("offload.optimizer", "megatron offloads the optimizer with its distributed optimizer "
                                                    "(--use-distributed-optimizer, ZeRO-1)"))
@@ -162,7 +166,8 @@ def _model(plan: Plan, add, notes: list[Note]) -> None:
         add("--num-query-groups", shape.num_kv_heads)
     if shape.head_dim * shape.num_heads != shape.hidden_size:
         add("--kv-channels", shape.head_dim)
-    add("--max-position-embeddings", shape.max_seq_len or plan.job.train.seq_len)
+    # validate_args: max_position_embeddings >= seq_length (rope models may train longer)
+    add("--max-position-embeddings", max(shape.max_seq_len or 0, plan.job.train.seq_len))
     add("--normalization", _NORMS[shape.norm])
     if shape.activation == "swiglu":
         add("--swiglu")
