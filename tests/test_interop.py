@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import run_cli
+from conftest import DATA, run_cli
 from interop_plans import PLANS
 from shardplan.io.interop.source import json_key_lines
 from shardplan.io.interop.torchtitan import stage_fqns, torchtitan_split
@@ -337,25 +337,8 @@ def test_deepspeed_documentation_example(write):
         "zero_optimization.sub_group_size"}
 
 
-DEEPSPEED_TUTORIAL_ZERO_INFINITY = """{
-    "zero_optimization": {
-        "stage": 3,
-        "contiguous_gradients": true,
-        "stage3_max_live_parameters": 1e9,
-        "stage3_max_reuse_distance": 1e9,
-        "stage3_prefetch_bucket_size": 1e7,
-        "stage3_param_persistence_threshold": 1e5,
-        "reduce_bucket_size": 1e7,
-        "sub_group_size": 1e9,
-        "offload_optimizer": {
-            "device": "cpu"
-         },
-        "offload_param": {
-            "device": "cpu"
-       }
-   }
-}
-"""
+# Copied from the tutorial's page into tests/data/interop/ds_zero_infinity.json.
+DEEPSPEED_TUTORIAL_ZERO_INFINITY = (DATA / "interop" / "ds_zero_infinity.json").read_text()
 
 TORCHTITAN_CONFIGS = {
     "fsdp_8b": """
