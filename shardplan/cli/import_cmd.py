@@ -95,7 +95,8 @@ def import_config(
 
         if imported.problems:
             raise InputError([located(p) for p in imported.problems])
-        notes = [f"import: {located(Problem(n.path, n.message))}" for n in imported.notes]
+        ordered = sorted(imported.notes, key=lambda n: doc.line_of(n.path) or 1 << 30)  # in the file's order
+        notes = [f"import: {located(Problem(n.path, n.message))}" for n in ordered]
         lines = {path: doc.line_of(key) for path, key in imported.origin.items() if key and doc.line_of(key)}
         built = Document(file, apply_overrides(imported.tables, overrides), lines)
 

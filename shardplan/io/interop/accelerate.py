@@ -141,6 +141,11 @@ def from_accelerate(data: dict) -> Imported:
             sizes[name] = reader.int(key, minimum=1) if reader.has(key) else None
         tp, cp = sizes["tp"] or 1, sizes["cp"] or 1
         replicate = sizes["dp_replicate"]
+        node = processes // machines
+        if replicate and replicate > 1 and sizes["dp_shard"] and sizes["dp_shard"] * tp * cp != node:
+            out.note(reader.key("parallelism_config_dp_shard_size"),
+                     f"{sizes['dp_shard']} shard ranks: shardplan's hybrid sharding shards over one node's "
+                     f"{node // (tp * cp)} data-parallel ranks instead")
         out.set("parallel.tp", tp, reader.key("parallelism_config_tp_size"))
         out.set("parallel.cp", cp, reader.key("parallelism_config_cp_size"))
         reader.unread()
