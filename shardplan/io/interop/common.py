@@ -68,7 +68,6 @@ class Imported:
     origin: dict[str, str] = field(default_factory=dict)
     notes: list[Note] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
-    model_named: bool = False  # the source named a model that maps to a shardplan preset
 
     def set(self, job_path: str, value: object, source_key: str) -> None:
         table, key = job_path.split(".")

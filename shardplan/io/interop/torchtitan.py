@@ -106,7 +106,7 @@ def torchtitan_split(num_stages: int, num_layers: int, input_weight: int, output
 
 def to_torchtitan(plan: Plan) -> Exported:
     job = plan.job
-    par, zero, off, train, ckpt = job.parallel, job.zero, job.offload, job.train, job.checkpoint
+    par, train, ckpt = job.parallel, job.train, job.checkpoint
     notes: list[Note] = []
     config: dict = {}
     flavor = _PRESET_FLAVORS.get(job.model.preset or "")
@@ -288,7 +288,6 @@ def _read_model(model: Reader, out: Imported) -> None:
     preset = FLAVORS.get((name, flavor))
     if preset:
         out.set("model.preset", preset, model.key("flavor"))
-        out.model_named = True
     else:
         out.note(model.key("flavor"), f"torchtitan model {name!r} flavor {flavor!r} has no shardplan preset "
                                       "(give --set model.preset=NAME or an inline shape)")
