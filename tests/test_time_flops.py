@@ -86,3 +86,14 @@ def test_frozen_weights_skip_weight_gradients():
     full, frozen = model_flops_per_token(shape, 2048), model_flops_per_token(shape, 2048, frozen_weights=True)
     attention = shape.num_layers * 3 * 2 * 2048 * 4096
     assert (frozen - attention) / (full - attention) == pytest.approx(2 / 3, rel=1e-12)
+
+
+def test_operator_policy_recomputes_the_matmuls_it_does_not_keep():
+    # torchtitan's operator policy keeps every other matmul's output (q, v, gate, down of a
+    # Llama block: the even positions when the count is even); it recomputes k, o and up.
+    from shardplan.core.flops import op_recomputed
+
+    shape = shape_of("llama-3-8b")
+    assert op_recomputed(shape) == ("k", "o", "up")
+    h, kv, f = 4096, 8 * 128, 14336
+    assert recompute_flops_per_token(shape, 4096, "op") == shape.num_layers * 2 * (h * kv + h * h + h * f)

@@ -34,7 +34,7 @@ plans = st.builds(
     ),
     tp=st.sampled_from([1, 2, 4, 8]), pp=st.sampled_from([1, 2, 4]), dp=st.sampled_from([1, 2, 4, 16]),
     cp=st.sampled_from([1, 2]), stage=st.sampled_from([0, 1, 2, 3]),
-    recompute=st.sampled_from(["none", "selective", "full"]),
+    recompute=st.sampled_from(["none", "selective", "op", "full"]),
     schedule=st.sampled_from(["1f1b", "gpipe", "zero-bubble"]), micro=st.sampled_from([1, 2]),
     extra=st.sampled_from([1, 2, 4]), sp=st.booleans(), offload=st.booleans(),
 )
@@ -69,8 +69,8 @@ def test_breakdown_adds_up(plan):
 
 def test_recompute_costs_time():
     base = EstimateInputs(shape=SHAPE, params=None, degrees=Degrees(dp=8), zero_stage=3, seq_len=4096)
-    seconds = {mode: step_time(base.with_(recompute=mode), H100).step_seconds for mode in ("none", "selective", "full")}
-    assert seconds["none"] < seconds["selective"] < seconds["full"]
+    seconds = {mode: step_time(base.with_(recompute=mode), H100).step_seconds for mode in ("none", "selective", "op", "full")}
+    assert seconds["none"] < seconds["selective"] < seconds["op"] < seconds["full"]
 
 
 def test_offloading_the_optimizer_costs_time():

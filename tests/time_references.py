@@ -69,12 +69,13 @@ class Run:
 def _megatron(shape: ModelShape, dp: int, tp: int, pp: int, micro: int, microbatches: int, virtual: int,
               recompute: str = "full", sequence_parallel: bool = False, zero: int = 0) -> EstimateInputs:
     # framework "deepspeed": 16-bit gradients reduced, fp32 master weights in the optimizer, and
-    # Megatron-LM's sequence parallel (its linears gather their input again in backward).
+    # Megatron-LM's sequence parallel (its linears gather their input again in backward);
+    # Megatron-LM's fused vocabulary-parallel cross-entropy.
     return EstimateInputs(
         shape=shape, params=None, degrees=Degrees(dp=dp, tp=tp, pp=pp), framework="deepspeed", zero_stage=zero,
         precision="fp16-mixed", seq_len=SEQ, micro_batch=micro, num_microbatches=microbatches,
         schedule="interleaved-1f1b" if virtual > 1 else "1f1b", virtual=virtual, recompute=recompute,
-        sequence_parallel=sequence_parallel, attention="eager", dropout=True,
+        sequence_parallel=sequence_parallel, attention="eager", dropout=True, loss="fused",
     )
 
 

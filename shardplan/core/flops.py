@@ -18,7 +18,8 @@ matrix (4 * s * q); `causal=False` gives their figure. The router, norms, activa
 embedding lookup are not counted (nor does Megatron-LM count them).
 
 MFU counts these model FLOPs; HFU adds the forward that recomputation runs again (full: the
-whole layer; selective: the scores and values, Korthikanti et al. 2022, section 5).
+whole layer; selective: the scores and values, Korthikanti et al. 2022, section 5; op: the
+matmuls torchtitan's operator policy does not keep, `op_recomputed`).
 """
 
 from __future__ import annotations
@@ -73,8 +74,39 @@ def model_flops_per_token(shape: ModelShape, seq_len: int, causal: bool = True,
     return shape.num_layers * (weights * layer_mm + 3 * attention) + weights * head
 
 
-def recompute_flops_per_token(shape: ModelShape, seq_len: int, recompute: str, causal: bool = True) -> float:
+def matmul_widths(shape: ModelShape, tp: int = 1) -> list[tuple[str, int, int]]:
+    """(name, weight elements per token, output width on a tp rank) of one layer's matmuls in
+    the order a Llama-style block runs them (q, k, v, o, router, gate, up, down); the router's
+    weights are not model FLOPs (0)."""
+    h, d = shape.hidden_size, shape.head_dim
+    q, kv = shape.num_heads * d, shape.num_kv_heads * d
+    kv_local = (max(1, shape.num_kv_heads // tp) if tp <= shape.num_kv_heads else 1) * d
+    k = shape.experts_per_token if shape.moe else 1
+    f, f_local = shape.ffn_hidden_size, shape.ffn_hidden_size // tp
+    widths = [("q", h * q, q // tp), ("k", h * kv, kv_local), ("v", h * kv, kv_local), ("o", q * h, h)]
+    if shape.moe:
+        widths.append(("router", 0, shape.num_experts))
+    if shape.gated:
+        widths.append(("gate", k * h * f, k * f_local))
+    return widths + [("up", k * h * f, k * f_local), ("down", k * f * h, k * h)]
+
+
+def op_recomputed(shape: ModelShape, tp: int = 1) -> tuple[str, ...]:
+    """The matmuls torchtitan's operator policy recomputes: it keeps every other matmul's
+    output, the larger half by output width when their number is odd (the rule of
+    core/activations.op_saved_terms), and recomputes the rest."""
+    widths = matmul_widths(shape, tp)
+    first, second = widths[0::2], widths[1::2]
+    keep_first = len(widths) % 2 == 0 or sum(w for *_, w in first) >= sum(w for *_, w in second)
+    return tuple(name for name, *_ in (second if keep_first else first))
+
+
+def recompute_flops_per_token(shape: ModelShape, seq_len: int, recompute: str, causal: bool = True,
+                              tp: int = 1) -> float:
     """Forward FLOPs per token that recomputation runs again in backward."""
+    if recompute == "op":
+        again = op_recomputed(shape, tp)
+        return shape.num_layers * 2 * sum(weights for name, weights, _ in matmul_widths(shape) if name in again)
     if recompute == "full":
         return shape.num_layers * layer_forward_flops_per_token(shape, seq_len, causal)
     if recompute == "selective":
@@ -83,7 +115,7 @@ def recompute_flops_per_token(shape: ModelShape, seq_len: int, recompute: str, c
 
 
 def hardware_flops_per_token(shape: ModelShape, seq_len: int, recompute: str, causal: bool = True,
-                             frozen_weights: bool = False) -> float:
+                             frozen_weights: bool = False, tp: int = 1) -> float:
     """FLOPs executed per token: the model's plus the recomputed forward (HFU's numerator)."""
     return (model_flops_per_token(shape, seq_len, causal, frozen_weights)
-            + recompute_flops_per_token(shape, seq_len, recompute, causal))
+            + recompute_flops_per_token(shape, seq_len, recompute, causal, tp))

@@ -88,11 +88,14 @@ class TimeConstants:
     # An elementwise backward reads the saved input and the incoming gradient and writes one
     # gradient: ~1.5x the bytes of its forward (LayerNorm, GeLU, bias-dropout-add).
     elementwise_backward_ratio: float = 1.5
-    # The fp32 cross-entropy over the vocabulary passes over the logits ~4 times forward
-    # (16-bit read, fp32 max, exp, sum: Megatron-LM's vocab-parallel cross-entropy) and twice
-    # backward (softmax minus one-hot, 16-bit gradient write): bytes per logit.
-    cross_entropy_forward_bytes: float = 16.0
-    cross_entropy_backward_bytes: float = 8.0
+    # Bytes per logit of the cross-entropy, (forward, backward), by `[train] loss`:
+    # fused (Megatron-LM's vocab-parallel kernel): the 16-bit logits read, fp32 max, exp and
+    # sum passes, the softmax kept (~16); backward softmax minus one-hot, written in place
+    # (~8). fp32 (torch on upcast logits): the upcast (2 read, 4 written), max, exp-sum and
+    # gather passes (3 x 4) and the log-probabilities kept (4) (~22); backward the fp32
+    # gradient written and read, cast back (~14).
+    cross_entropy_fused_bytes: tuple[float, float] = (16.0, 8.0)
+    cross_entropy_fp32_bytes: tuple[float, float] = (22.0, 14.0)
     # The optimizer step reads every gradient once more for the gradient-norm clipping that
     # large-model training uses (Megatron-LM, torchtitan, DeepSpeed: clip_grad_norm).
     optimizer_extra_grad_reads: int = 1
@@ -124,6 +127,10 @@ class TimeConstants:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "overlap_grad_reduce":
+                continue
+            if isinstance(value, tuple):
+                if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in value):
+                    raise ValueError(f"{f.name} must hold non-negative numbers (got {value!r})")
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{f.name} must be a non-negative number (got {value!r})")

@@ -18,7 +18,8 @@ under context parallelism):
 - context parallel: the ring attention passes K and V around the cp ranks (cp - 1 steps,
   twice as much backward: K, V and their gradients), overlapped with the attention blocks;
 - recomputation: full reruns the forward (its communication included) in backward;
-  selective reruns the attention core (Korthikanti et al. 2022, section 5).
+  selective reruns the attention core (Korthikanti et al. 2022, section 5); torchtitan's
+  operator policy ("op") reruns the elementwise work and the matmuls it does not keep.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..spec.model import ModelShape
+from .flops import op_recomputed
 from .collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Link, collective_seconds, point_to_point_seconds
 from .hardware import Hardware, TimeConstants
 from .kernels import NONE, Work, fused_attention, matmul, streaming
@@ -109,11 +111,13 @@ def _linears(shape: ModelShape, tp: int) -> list[tuple[str, int, int, int]]:
         [(name, i, o, 0) for name, i, o in mlp]
 
 
-def _matmuls(w: LayerWork, peak: float, hw: Hardware, c: TimeConstants) -> tuple[Work, Work]:
-    """Forward matmuls and their weight-gradient counterparts (the input gradient costs as
-    much as the forward: same m, n, k)."""
+def _matmuls(w: LayerWork, peak: float, hw: Hardware, c: TimeConstants) -> tuple[Work, Work, Work]:
+    """Forward matmuls, their weight-gradient counterparts (the input gradient costs as much
+    as the forward: same m, n, k), and the forward of those torchtitan's operator policy
+    recomputes (flops.op_recomputed)."""
     shape, e, tokens = w.shape, w.act_bytes, w.tokens
-    forward = weight = NONE
+    again = op_recomputed(shape, w.tp) if w.recompute == "op" else ()
+    forward = weight = rerun = NONE
     for name, fan_in, fan_out, dense in _linears(shape, w.tp):
         if dense or not shape.moe:
             one = matmul(tokens, fan_out, fan_in, e, peak, hw, c)
@@ -123,6 +127,7 @@ def _matmuls(w: LayerWork, peak: float, hw: Hardware, c: TimeConstants) -> tuple
             one = matmul(rows, fan_out, fan_in, e, peak, hw, c).times(shape.num_experts)
         forward += one
         weight += NONE if w.frozen else one
+        rerun += one if name.removesuffix("_proj") in again else NONE
         if w.lora_rank and name in w.lora_targets:
             # A (r x in) then B (out x r): trained, so they get weight gradients.
             adapter = matmul(tokens, w.lora_rank, fan_in, e, peak, hw, c) + matmul(tokens, fan_out, w.lora_rank, e, peak, hw, c)
@@ -132,7 +137,8 @@ def _matmuls(w: LayerWork, peak: float, hw: Hardware, c: TimeConstants) -> tuple
         router = matmul(tokens, shape.num_experts, shape.hidden_size, e, peak, hw, c)
         forward += router
         weight += NONE if w.frozen else router
-    return forward, weight
+        rerun += router if "router" in again else NONE
+    return forward, weight, rerun
 
 
 def _attention(w: LayerWork, peak: float, hw: Hardware, c: TimeConstants) -> tuple[Work, Work]:
@@ -204,7 +210,7 @@ def _context_parallel(w: LayerWork, attention: tuple[Work, Work], link: Link) ->
 @lru_cache(maxsize=4096)
 def layer_costs(w: LayerWork, peak: float, hw: Hardware, c: TimeConstants, tp_link: Link, cp_link: Link) -> LayerCosts:
     """The cost of one layer (module docstring), cached: the planner asks for few shapes."""
-    forward_mm, weight_mm = _matmuls(w, peak, hw, c)
+    forward_mm, weight_mm, op_rerun = _matmuls(w, peak, hw, c)
     attention = _attention(w, peak, hw, c)
     memory = _memory_bound(w, hw)
     backward_memory = streaming(memory.bytes * c.elementwise_backward_ratio, hw, memory.kernels)
@@ -218,6 +224,13 @@ def layer_costs(w: LayerWork, peak: float, hw: Hardware, c: TimeConstants, tp_li
         tp_recompute = tp_seconds
     elif w.recompute == "selective":
         recompute, tp_recompute = attention[0], 0.0
+    elif w.recompute == "op":
+        # The attention output and every other matmul's output are kept: the rest of the
+        # forward runs again. Of its collectives the reduce-scatters' outputs are kept too
+        # (torchtitan/distributed/activation_checkpoint.py, `comm_ops`); the all-gathers and
+        # all-reduces run again.
+        rerun_tp = tp_seconds / 2 if w.sp else tp_seconds
+        recompute, tp_recompute = op_rerun + memory, rerun_tp
     else:
         recompute, tp_recompute = NONE, 0.0
     # The input gradient of every matmul (adapters included) costs what its forward does.

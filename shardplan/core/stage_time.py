@@ -55,10 +55,11 @@ class EdgeCosts:
 
 
 @lru_cache(maxsize=1024)
-def edge_costs(shape, tokens: int, tp: int, sp: bool, e: int, frozen: bool, peak: float,
+def edge_costs(shape, tokens: int, tp: int, sp: bool, e: int, frozen: bool, loss: str, peak: float,
                hw: Hardware, c: TimeConstants, tp_link: Link) -> EdgeCosts:
     """Embedding lookup (gather, write; backward: scatter-add of the gradient), vocabulary-
-    parallel head (Megatron-LM: logits T x V/tp) and fp32 cross-entropy."""
+    parallel head (Megatron-LM: logits T x V/tp) and the cross-entropy over its logits
+    (`loss`: fp32 on upcast logits, or Megatron-LM's fused kernel)."""
     h = shape.hidden_size
     local = tokens // tp if sp else tokens
     vocab = -(-shape.vocab_size // tp)
@@ -70,9 +71,10 @@ def edge_costs(shape, tokens: int, tp: int, sp: bool, e: int, frozen: bool, peak
     embed_tp = collective_seconds(REDUCE_SCATTER if sp else ALL_REDUCE, message, tp, tp_link)
     logits = matmul(tokens, vocab, h, e, peak, hw, c)
     norm = streaming(2 * e * local * h, hw)
-    head_forward = norm + logits + streaming(c.cross_entropy_forward_bytes * tokens * vocab, hw)
+    forward_bytes, backward_bytes = c.cross_entropy_fused_bytes if loss == "fused" else c.cross_entropy_fp32_bytes
+    head_forward = norm + logits + streaming(forward_bytes * tokens * vocab, hw)
     head_weight = NONE if frozen else logits
-    head_backward = (streaming(c.elementwise_backward_ratio * norm.bytes + c.cross_entropy_backward_bytes * tokens * vocab, hw)
+    head_backward = (streaming(c.elementwise_backward_ratio * norm.bytes + backward_bytes * tokens * vocab, hw)
                      + logits + head_weight)
     # SP gathers the sequence before the head (reduce-scatter back); without SP the head's
     # input gradient is all-reduced (Megatron-LM's `f` operator).

@@ -133,7 +133,8 @@ def step_time(inputs: EstimateInputs, hardware: Hardware, constants: TimeConstan
     tokens = d.dp * inputs.micro_batch * m * inputs.seq_len
     shape = plan.shape
     model = tokens * model_flops_per_token(shape, inputs.seq_len, frozen_weights=plan.frozen)
-    executed = tokens * hardware_flops_per_token(shape, inputs.seq_len, inputs.recompute, frozen_weights=plan.frozen)
+    executed = tokens * hardware_flops_per_token(shape, inputs.seq_len, inputs.recompute, frozen_weights=plan.frozen,
+                                                 tp=d.tp)
     capacity = step * d.world * plan.peak
     from .time_explain import explanation
 

@@ -67,11 +67,16 @@ class TimePlan:
 
     @property
     def overlap(self) -> bool:
-        """The gradient reduction runs during backward: FSDP2 and DDP always; DeepSpeed's
-        overlap_comm defaults on at stage 3 only (deepspeed/runtime/zero/config.py)."""
+        """The gradient reduction runs during backward: FSDP2 and DDP always; DeepSpeed as its
+        `overlap_comm` says ([zero] overlap_comm; by default on at stage 3 only,
+        deepspeed/runtime/zero/config.py)."""
         if self.c.overlap_grad_reduce is not None:
             return self.c.overlap_grad_reduce
-        return self.inputs.framework == "fsdp2" or self.inputs.zero_stage == 3
+        if self.inputs.framework == "fsdp2":
+            return True
+        if self.inputs.overlap_comm is not None:
+            return self.inputs.overlap_comm
+        return self.inputs.zero_stage == 3
 
     @property
     def host_link(self) -> float:
@@ -108,8 +113,8 @@ def edges_of(plan: TimePlan) -> EdgeCosts:
     inputs = plan.inputs
     tokens = inputs.micro_batch * inputs.seq_len // inputs.degrees.cp
     sp = inputs.sequence_parallel and inputs.degrees.tp > 1
-    return edge_costs(plan.shape, tokens, inputs.degrees.tp, sp, plan.eb.compute, plan.frozen, plan.peak,
-                      plan.hw, plan.c, plan.links["tp"])
+    return edge_costs(plan.shape, tokens, inputs.degrees.tp, sp, plan.eb.compute, plan.frozen, inputs.loss,
+                      plan.peak, plan.hw, plan.c, plan.links["tp"])
 
 
 def stage_elements(plan: TimePlan) -> list[int]:
