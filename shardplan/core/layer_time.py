@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..spec.model import ModelShape
-from .flops import op_recomputed
 from .collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Link, collective_seconds, point_to_point_seconds
+from .flops import op_recomputed
 from .hardware import Hardware, TimeConstants
 from .kernels import NONE, Work, fused_attention, matmul, streaming
 
@@ -97,7 +97,7 @@ class LayerCosts:
         return self.backward_matmul.seconds + self.backward_attention.seconds + self.backward_memory.seconds
 
 
-def _linears(shape: ModelShape, tp: int) -> list[tuple[str, int, int, int]]:
+def local_linears(shape: ModelShape, tp: int) -> list[tuple[str, int, int, int]]:
     """(name, in features, out features, how many) of the layer's matmuls on one tp rank;
     experts count those one token meets (k of E)."""
     h, d = shape.hidden_size, shape.head_dim
@@ -118,7 +118,7 @@ def _matmuls(w: LayerWork, peak: float, hw: Hardware, c: TimeConstants) -> tuple
     shape, e, tokens = w.shape, w.act_bytes, w.tokens
     again = op_recomputed(shape, w.tp) if w.recompute == "op" else ()
     forward = weight = rerun = NONE
-    for name, fan_in, fan_out, dense in _linears(shape, w.tp):
+    for name, fan_in, fan_out, dense in local_linears(shape, w.tp):
         if dense or not shape.moe:
             one = matmul(tokens, fan_out, fan_in, e, peak, hw, c)
         else:

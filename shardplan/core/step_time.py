@@ -26,7 +26,7 @@ from .pipeline_time import PipelineRun, run_pipeline
 from .stage_time import (
     BACKWARD, CATEGORIES, DATA_PARALLEL, FORWARD, OFFLOAD, OPTIMIZER, PIPELINE_BUBBLE, RECOMPUTE, StageCost,
 )
-from .time_plan import LoraShape, Tail, TimePlan, edges_of, layer_of, make_plan, stage_costs, stage_elements, tail
+from .time_plan import LoraShape, Tail, edges_of, layer_of, make_plan, stage_costs, stage_elements, tail
 
 __all__ = ["LoraShape", "StepTime", "TimeTerm", "step_time"]
 

@@ -29,7 +29,7 @@ from ..spec.model import ModelShape
 from .collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Link, collective_seconds
 from .estimate_inputs import EstimateInputs
 from .hardware import Hardware, TimeConstants
-from .layer_time import LayerCosts, LayerWork, _linears, layer_costs
+from .layer_time import LayerCosts, LayerWork, local_linears, layer_costs
 from .pipeline import stage_layers
 from .precision import MIXED, ElementBytes, element_bytes
 from .schedule import SPLIT_BACKWARD, chunks_per_rank
@@ -136,7 +136,7 @@ def adapter_elements(plan: TimePlan) -> int:
     if lora is None:
         return 0
     return sum(lora.rank * (fan_in + fan_out)
-               for name, fan_in, fan_out, _ in _linears(plan.shape, plan.inputs.degrees.tp) if name in lora.targets)
+               for name, fan_in, fan_out, _ in local_linears(plan.shape, plan.inputs.degrees.tp) if name in lora.targets)
 
 
 def trained_elements(plan: TimePlan, elements: int, layers: int) -> int:
@@ -253,14 +253,13 @@ def optimizer_traffic(plan: TimePlan) -> float:
     return grads + 2 * eb.optimizer + params
 
 
-def tail(plan: TimePlan, pp_rank: int, stage_elements_: list[int], last_backward: float) -> Tail:
+def tail(plan: TimePlan, pp_rank: int, elements: list[int], last_backward: float) -> Tail:
     """Gradient reduction, optimizer and offload after a rank's last backward (`last_backward`:
     that action's compute seconds, which the reduction overlaps)."""
     inputs, eb, c = plan.inputs, plan.eb, plan.c
     d = inputs.degrees
     own = range(pp_rank, len(plan.stage_layers), d.pp)
-    elements = sum(stage_elements_[s] for s in own)
-    trained = sum(trained_elements(plan, stage_elements_[s], plan.stage_layers[s]) for s in own)
+    trained = sum(trained_elements(plan, elements[s], plan.stage_layers[s]) for s in own)
     n, link, stage = plan.degree, plan.links["dp"], inputs.zero_stage
     grads = trained * eb.grads
     reduce = gather = 0.0
