@@ -139,3 +139,13 @@ def test_run_reports_the_same_mfu_as_estimate():
     reported = run_cli("estimate", "llama-2-70b-3d", "--json").json["time"]
     runtime = SimpleNamespace(on_gpu=True, world=resolved.degrees.world, device=None)
     assert mfu(reported["tokens_per_second"], resolved, runtime) == pytest.approx(reported["mfu"], rel=1e-12)
+
+
+def test_hybrid_sharding_keeps_the_gathers_inside_the_node():
+    # Two nodes of 8: full sharding gathers over the network every microbatch; hybrid
+    # sharding gathers over NVLink and all-reduces only the gradient shard across nodes.
+    base = EstimateInputs(shape=SHAPE, params=None, degrees=Degrees(dp=16), zero_stage=3, seq_len=1024,
+                          num_microbatches=4)
+    full, hybrid = step_time(base, H100), step_time(base.with_(hybrid=True), H100)
+    assert hybrid.breakdown["data_parallel"] < full.breakdown["data_parallel"]
+    assert "network" in next(t.formula for t in full.explain() if t.label.startswith("data parallel"))

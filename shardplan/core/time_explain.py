@@ -154,11 +154,15 @@ def _tail_terms(plan: TimePlan, tails: list[Tail], critical: int) -> list:
     overlap = "overlapping the last backward" if plan.overlap else "after the backward, not overlapped"
     parts = []
     if reduce:
-        parts.append(f"{reduce} over {plan.degree} ranks on {_link(plan.links['dp'])}: {seconds_text(t.reduce)}, {overlap}")
+        across = inputs.hybrid and inputs.zero_stage >= 2
+        link = plan.links["replicate"] if across else plan.links["dp"]
+        ranks = inputs.degrees.dp * inputs.degrees.cp // plan.degree if across else plan.degree
+        parts.append(f"{reduce} over {ranks} ranks on {_link(link)}: {seconds_text(t.reduce)}, {overlap}")
     if t.gather:
         parts.append(f"all-gather of the updated 16-bit parameters after the step: {seconds_text(t.gather)}")
     if inputs.zero_stage >= 2:
-        parts.append("the per-microbatch collectives are in the stages' F and B")
+        parts.append(f"the per-microbatch gathers and reduce-scatters over {plan.degree} ranks on "
+                     f"{_link(plan.links['dp'])} are in the stages' F and B")
     items = [("data parallel after the pipeline, exposed", t.data_parallel, lambda: "; ".join(parts) or "none"),
              ("optimizer step (GPU)", t.optimizer,
               lambda: f"{t.optimizer_elements - t.cpu_elements:,} elements x {t.traffic_per_element:g} B at "
