@@ -25,6 +25,7 @@ from . import (
     export_cmd,
     import_cmd,
     layout_cmd,
+    plan_cmd,
     presets_cmd,
     run_cmd,
     schedule_cmd,
@@ -63,8 +64,8 @@ def _main(
 
 
 # One module per command, in the order `--help` lists them.
-for _module in (validate_cmd, layout_cmd, shards_cmd, estimate_cmd, schedule_cmd, run_cmd, export_cmd, import_cmd,
-                presets_cmd, schema_cmd):
+for _module in (validate_cmd, layout_cmd, shards_cmd, estimate_cmd, plan_cmd, schedule_cmd, run_cmd, export_cmd,
+                import_cmd, presets_cmd, schema_cmd):
     _module.register(app)
 
 

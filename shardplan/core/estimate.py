@@ -28,6 +28,7 @@ from .activations import (
 )
 from .buffers import allowance_terms, fsdp2_buffers, no_buffers, step_buffers
 from .deepspeed import DeepSpeedPlan, deepspeed_memory
+from .degrees import Degrees
 from .estimate_inputs import EstimateInputs
 from .host import checkpoint_staging, rank_host, startup_host
 from .params import ParamInfo, count_params
@@ -85,10 +86,15 @@ def flat_rank_params(params: int, tp: int, pp: int, tp_rank: int = 0, pp_rank: i
 def shard_degree(inputs: EstimateInputs) -> int:
     """Ranks one ZeRO/FSDP group shards over (core.layout.shard_group_size)."""
     if inputs.hybrid:
-        from .layout import Layout, shard_group_size
-
-        return shard_group_size(Layout(inputs.degrees, inputs.order, inputs.gpus_per_node), hybrid=True)
+        return _hybrid_degree(inputs.degrees, inputs.order, inputs.gpus_per_node)
     return inputs.degrees.dp * inputs.degrees.cp
+
+
+@lru_cache(maxsize=1024)
+def _hybrid_degree(degrees: Degrees, order: str, gpus_per_node: int) -> int:
+    from .layout import Layout, shard_group_size
+
+    return shard_group_size(Layout(degrees, order, gpus_per_node), hybrid=True)
 
 
 def rank_coordinates(inputs: EstimateInputs, rank: int) -> Coordinates:
