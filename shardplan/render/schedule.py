@@ -7,13 +7,16 @@ running then, idle cells shown) in the same colours.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 from xml.sax.saxutils import escape, quoteattr
 
-from rich.console import Console
 from rich.text import Text
 
 from ..core.schedule import SPLIT_BACKWARD, SchedulePlan
 from ..core.schedule_sim import BACKWARD, FORWARD, WEIGHT, Action
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 # Colour per kind, one shade per chunk (chunk c uses shade c % len): dark to light, so the
 # chunks of interleaved and round-robin schedules tell apart as in Megatron-LM's figure 4.

@@ -13,12 +13,9 @@ from pydantic import BeforeValidator, Field, WithJsonSchema, field_validator, mo
 
 from .common import Bandwidth, Count, Degree, Dim, Size, Table
 from .model import MAX_LAYERS, ModelSpec
+from .names import AXES, DEFAULT_ORDER, SCHEDULES, parse_order  # noqa: F401 (re-exported)
 
-AXES = ("tp", "cp", "dp", "pp")
-DEFAULT_ORDER = "tp-cp-dp-pp"
-
-Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "round-robin"]
-SCHEDULES: tuple[str, ...] = Schedule.__args__  # type: ignore[attr-defined]
+Schedule = Literal[SCHEDULES]  # type: ignore[valid-type]
 
 # FSDP sharding-strategy names and the ZeRO stage each one behaves like (FSDP docs,
 # torch.distributed.fsdp.ShardingStrategy): NO_SHARD is DDP, SHARD_GRAD_OP shards gradients
@@ -31,20 +28,6 @@ FSDP_STAGE_NAMES = {
     "hybrid_shard": (3, True),
     "_hybrid_shard_zero2": (2, True),
 }
-
-
-def parse_order(order: str) -> tuple[str, ...]:
-    """Axis names of an order string, fastest first; unknown or repeated axes raise."""
-    names = tuple(part.strip() for part in order.split("-"))
-    unknown = [n for n in names if n not in AXES]
-    if unknown:
-        raise ValueError(
-            f"unknown axis {unknown[0]!r} in order {order!r} (axes: {', '.join(AXES)}, fastest first)"
-        )
-    repeated = sorted({n for n in names if names.count(n) > 1})
-    if repeated:
-        raise ValueError(f"axis {repeated[0]!r} appears twice in order {order!r}")
-    return names
 
 
 class ParallelSpec(Table):
