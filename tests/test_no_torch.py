@@ -73,3 +73,15 @@ def test_run_without_its_extra_says_what_to_install(missing, monkeypatch):
     assert result.code == 2, result.err
     assert f"`shardplan run` needs {missing}" in result.err
     assert "pip install" in result.err and "Traceback" not in result.err
+
+
+def test_the_install_hint_fits_the_installation(monkeypatch, tmp_path):
+    # From a clone (this checkout: an editable install) pip needs the folder; from a wheel,
+    # the extra's name. Both name PyTorch's CPU-only index for machines without a GPU.
+    from shardplan.cli import run_cmd
+
+    hint = run_cmd.install_hint()
+    assert hint.startswith(f"pip install -e '{ROOT}[run]'"), hint
+    assert "--index-url https://download.pytorch.org/whl/cpu" in hint
+    monkeypatch.setattr(run_cmd, "source_checkout", lambda: None)
+    assert run_cmd.install_hint().startswith("pip install 'shardplan[run]'")
