@@ -86,8 +86,23 @@ def _fail(lines: list[str], code: int, json_out: bool, problems: list | None = N
 
     emit_diagnostics(lines)
     if json_out:
-        emit_error_document(code, problems if problems is not None else lines)
+        try:
+            emit_error_document(code, problems if problems is not None else lines)
+        except BrokenPipeError:  # stdout's reader is gone (`| head`): the exit code still says it
+            _quiet_stdout()
     return code
+
+
+def _quiet_stdout() -> None:
+    """After a broken pipe, point stdout at /dev/null so the interpreter's final flush does
+    not complain again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # not a real file (tests' StringIO)
+        pass
+    finally:
+        os.close(devnull)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,6 +157,7 @@ def _main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         return _fail(["shardplan: interrupted"], 130, False)
     except BrokenPipeError:
+        _quiet_stdout()
         return 0
     except Exception as exc:  # an internal error: say so in one line, never a traceback
         if _debugging():
