@@ -203,6 +203,7 @@ OWN_ARGUMENT_CASES = [
     (["run", "tiny-gpt2-cpu", "--set", "model.preset=mixtral-8x7b"], "model: `run` builds GPT-2 and Llama-style "
                                                                     "models, not mixture-of-experts layers"),
     (["presets", "llama-3-9b"], "no preset named 'llama-3-9b'"),
+    (["run", "tiny-gpt2-cpu", "--resume"], "--resume: the job has no [checkpoint] dir to resume from"),
 ]
 
 

@@ -63,6 +63,8 @@ def test_a_schedule_from_flags_never_reads_a_job():
     ([], list(COMMANDS)),
     (["estimat"], list(COMMANDS)),  # click's "did you mean" needs every name
     (["--bogus", "estimate"], list(COMMANDS)),
+    (["-h", "estimate"], list(COMMANDS)),
+    (["estimate", "--help"], ["estimate"]),
 ])
 def test_which_commands_are_built(argv, expected):
     assert command_names(argv) == expected

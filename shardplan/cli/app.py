@@ -42,8 +42,8 @@ def command_names(argv: list[str]) -> list[str]:
     if os.environ.get(COMPLETE_VAR):
         return list(COMMANDS)
     for arg in argv:
-        if arg == "--" or (arg.startswith("-") and arg not in ROOT_FLAGS):
-            break
+        if arg in ("--help", "-h") or arg == "--" or (arg.startswith("-") and arg not in ROOT_FLAGS):
+            break  # the root's help lists every command
         if not arg.startswith("-"):
             return [arg] if arg in COMMANDS else list(COMMANDS)
     return list(COMMANDS)

@@ -88,14 +88,16 @@ class WorkersFailed(ShardplanError):
         return self.summary
 
 
-def _drain(stream, into: list[str], echo=None) -> threading.Thread:
-    """Read a child's stream to its end on a thread (a full pipe would block the child)."""
+def _drain(stream, into: list[str], echo: bool = False) -> threading.Thread:
+    """Read a child's stream to its end on a thread (a full pipe would block the child);
+    with `echo`, each line also goes to this process's stderr, looked up per line so that a
+    live progress bar (which redirects it) prints it above the bar."""
 
     def read() -> None:
         for line in stream:
             into.append(line)
-            if echo is not None:
-                echo.write(line)
+            if echo:
+                sys.stderr.write(line)
 
     thread = threading.Thread(target=read, daemon=True)
     thread.start()
@@ -136,7 +138,7 @@ def _spawn(nproc: int, max_restarts: int, argv: list[str], verbose: bool, live: 
         proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE if live else None,
                                 text=True)
         captured, output = [], []
-        readers = [_drain(proc.stderr, captured, sys.stderr if verbose else None)]
+        readers = [_drain(proc.stderr, captured, echo=verbose)]
         if live:
             readers.append(_drain(proc.stdout, output))
             _watch(proc, progress_path)
@@ -218,6 +220,9 @@ def run(
     (`--nproc`, default: the plan's world size).
     """
     resolved = flags.load(file, check_paths=True)
+    if resume == "latest" and not resolved.job.checkpoint.dir:  # before torchrun starts, not after
+        raise InputError(Problem("--resume", "the job has no [checkpoint] dir to resume from (set checkpoint.dir, "
+                                             "or name a checkpoint: --resume=PATH)"))
     from ..runtime.capabilities import require_supported
 
     require_supported(resolved)
