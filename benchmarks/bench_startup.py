@@ -8,7 +8,8 @@ alone defers). `--compare DIR` times another checkout of shardplan in the same r
 clone of the previous release), so before/after ratios share one baseline.
 
 usage: python benchmarks/bench_startup.py [--repeats N] [--compare DIR] [--tty]
-Prints medians and ratios; no thresholds are asserted. `--tty` also times `estimate` with
+Prints medians and ratios (each against the baseline of its own round); no thresholds are
+asserted. `--tty` also times `estimate` with
 stdout on a pseudo-terminal (styled output through rich).
 """
 
@@ -79,11 +80,6 @@ def timed(args: list[str], env: dict, tty: bool = False) -> float:
     return time.perf_counter() - start
 
 
-def median(args: list[str], env: dict, repeats: int, tty: bool = False) -> float:
-    timed(args, env, tty)  # bytecode and file cache warm
-    return statistics.median(timed(args, env, tty) for _ in range(repeats))
-
-
 def environment(checkout: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=str(checkout))
     for name in ("WORLD_SIZE", "SHARDPLAN_DEBUG", "COLUMNS", "FORCE_COLOR"):
@@ -93,33 +89,42 @@ def environment(checkout: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=9, help="runs of each command (median reported)")
+    parser.add_argument("--repeats", type=int, default=9, help="rounds (medians reported)")
     parser.add_argument("--compare", type=Path, help="another shardplan checkout to time in the same run")
     parser.add_argument("--tty", action="store_true", help="also time estimate on a pseudo-terminal")
     args = parser.parse_args()
-    env = environment(ROOT)
-    base = median(BASELINE, env, args.repeats)
-    bare = median(["-c", "pass"], env, args.repeats)
-    typer_minimum = median(["-c", TYPER_MINIMUM], env, args.repeats)
-    print(f"baseline python -c 'import typer, rich, pydantic': {base * 1000:6.1f} ms")
-    print(f"python -c pass:                                    {bare * 1000:6.1f} ms  {bare / base:5.2f}x")
-    print(f"smallest typer command (3 typed options):          {typer_minimum * 1000:6.1f} ms  {typer_minimum / base:5.2f}x")
     checkouts = [("this checkout", ROOT)] + ([("compared", args.compare.resolve())] if args.compare else [])
-    header = "".join(f"  {name:>22}" for name, _ in checkouts)
-    print(f"\n{'shardplan ...':52}{header}   (ms, x baseline)")
-    for command in COMMANDS:
-        cells = []
-        for _, checkout in checkouts:
-            seconds = median(["-m", "shardplan", *command], environment(checkout), args.repeats)
-            cells.append(f"{seconds * 1000:9.1f} ms {seconds / base:5.2f}x")
-        print(f"{' '.join(command):52}" + "".join(f"  {c:>22}" for c in cells))
-    if args.tty:
-        cells = []
-        for _, checkout in checkouts:
-            seconds = median(["-m", "shardplan", "estimate", "llama-3-8b-h100"], environment(checkout),
-                             args.repeats, tty=True)
-            cells.append(f"{seconds * 1000:9.1f} ms {seconds / base:5.2f}x")
-        print(f"{'estimate llama-3-8b-h100 (on a terminal)':52}" + "".join(f"  {c:>22}" for c in cells))
+    # Every measurement of a round runs back to back with its own baseline, and each ratio is
+    # taken within its round: load from other processes that drifts over the run cancels.
+    cases = [("baseline", BASELINE, ROOT, False), ("bare", ["-c", "pass"], ROOT, False),
+             ("typer", ["-c", TYPER_MINIMUM], ROOT, False)]
+    for name, checkout in checkouts:
+        for command in COMMANDS:
+            cases.append(((name, " ".join(command)), ["-m", "shardplan", *command], checkout, False))
+        if args.tty:
+            cases.append(((name, "estimate llama-3-8b-h100 (on a terminal)"),
+                          ["-m", "shardplan", "estimate", "llama-3-8b-h100"], checkout, True))
+    for _, argv, checkout, tty in cases:  # bytecode and file cache warm
+        timed(argv, environment(checkout), tty)
+    seconds: dict[object, list[float]] = {key: [] for key, *_ in cases}
+    ratios: dict[object, list[float]] = {key: [] for key, *_ in cases}
+    for _ in range(args.repeats):
+        round_times = {key: timed(argv, environment(checkout), tty) for key, argv, checkout, tty in cases}
+        for key, value in round_times.items():
+            seconds[key].append(value)
+            ratios[key].append(value / round_times["baseline"])
+
+    def cell(key) -> str:
+        return f"{statistics.median(seconds[key]) * 1000:7.1f} ms {statistics.median(ratios[key]):5.2f}x"
+
+    print(f"baseline python -c 'import typer, rich, pydantic': {cell('baseline')}")
+    print(f"python -c pass:                                    {cell('bare')}")
+    print(f"smallest typer command (3 typed options):          {cell('typer')}")
+    labels = [" ".join(c) for c in COMMANDS] + (["estimate llama-3-8b-h100 (on a terminal)"] if args.tty else [])
+    header = "".join(f"  {name:>20}" for name, _ in checkouts)
+    print(f"\n{'shardplan ...':52}{header}   (median ms, median ratio to its round's baseline)")
+    for label in labels:
+        print(f"{label:52}" + "".join(f"  {cell((name, label)):>20}" for name, _ in checkouts))
 
 
 if __name__ == "__main__":

@@ -129,6 +129,7 @@ def _spawn(nproc: int, max_restarts: int, argv: list[str], verbose: bool, live: 
     env.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="shardplan-logs-") as logs:
         progress_path = Path(logs) / "progress.jsonl"
+        env.pop(PROGRESS_ENV, None)
         if live:
             env[PROGRESS_ENV] = str(progress_path)
         command += ["--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}"]
