@@ -111,6 +111,22 @@ def test_install_completion_writes_the_script(tmp_path):
     assert str(script) in (tmp_path / ".bashrc").read_text()
 
 
+def test_completion_builds_only_the_command_typed(monkeypatch):
+    monkeypatch.setenv("_SHARDPLAN_COMPLETE", "complete_bash")
+    monkeypatch.setenv("COMP_WORDS", "shardplan estimate --ex")
+    monkeypatch.setenv("COMP_CWORD", "2")
+    assert command_names([]) == ["estimate"]
+    monkeypatch.setenv("COMP_WORDS", "shardplan est")
+    monkeypatch.setenv("COMP_CWORD", "1")
+    assert command_names([]) == list(COMMANDS)  # completing the name itself
+    monkeypatch.delenv("COMP_WORDS")
+    monkeypatch.setenv("_SHARDPLAN_COMPLETE", "complete_zsh")
+    monkeypatch.setenv("_TYPER_COMPLETE_ARGS", "shardplan schedule --sch")
+    assert command_names([]) == ["schedule"]
+    monkeypatch.setenv("_TYPER_COMPLETE_ARGS", "shardplan sche")
+    assert command_names([]) == list(COMMANDS)
+
+
 @pytest.mark.parametrize("words, cword, expected", [
     ("shardplan est", 1, "estimate"),
     ("shardplan estimate --ex", 2, "--explain"),

@@ -33,14 +33,27 @@ COMMANDS = {
 # Options of `shardplan` itself (none takes a value): the first other word names the command.
 ROOT_FLAGS = ("--debug", "--version", "--help", "-h", "--install-completion", "--show-completion")
 # typer's shell completion calls the program back with this variable set (click's
-# `_{PROG}_COMPLETE` convention); it needs every command to complete their names and options.
+# `_{PROG}_COMPLETE` convention) and the words typed so far in COMP_WORDS / COMP_CWORD (bash)
+# or _TYPER_COMPLETE_ARGS (zsh, fish, PowerShell).
 COMPLETE_VAR = "_SHARDPLAN_COMPLETE"
 
 
+def _completed_words() -> list[str]:
+    """The words before the one being completed, program name left out."""
+    if "COMP_WORDS" in os.environ:
+        words = os.environ["COMP_WORDS"].split()
+        cword = os.environ.get("COMP_CWORD", "")
+        return words[1:int(cword)] if cword.isdigit() else words[1:-1]
+    typed = os.environ.get("_TYPER_COMPLETE_ARGS", "")
+    words = typed.split()[1:]
+    return words if typed.endswith(" ") else words[:-1]
+
+
 def command_names(argv: list[str]) -> list[str]:
-    """The commands to build for this command line: the one it runs, or all of them."""
+    """The commands to build for this command line: the one it runs, or all of them. Shell
+    completion builds the command already typed, or all of them to complete its name."""
     if os.environ.get(COMPLETE_VAR):
-        return list(COMMANDS)
+        argv = _completed_words()
     for arg in argv:
         if arg in ("--help", "-h") or arg == "--" or (arg.startswith("-") and arg not in ROOT_FLAGS):
             break  # the root's help lists every command
