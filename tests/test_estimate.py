@@ -122,18 +122,24 @@ def _inputs(**changes):
 
 
 def _peak(inputs):
+    """Model states held through the step (GPU and host) and the saved activations."""
     device = estimate_memory(inputs).devices[0]
-    return {**device.gpu, "activations": device.saved_activations}
+    states = {kind: device.states[kind] + device.cpu[kind] for kind in ("params", "grads", "optimizer")}
+    return {**states, "activations": device.saved_activations}
 
 
 @settings(max_examples=60, deadline=None)
-@given(stage=st.integers(1, 3), framework=st.sampled_from(["fsdp2", "deepspeed"]),
+@given(stage=st.integers(1, 3), framework=st.sampled_from(["fsdp2", "deepspeed", "zero-paper"]),
        dp=st.sampled_from([1, 2, 3, 4, 8, 16]), precision=st.sampled_from(["bf16-mixed", "fp32"]))
 def test_model_states_never_grow_with_dp(stage, framework, dp, precision):
     small = _peak(_inputs(degrees=Degrees(dp=dp), zero_stage=stage, framework=framework, precision=precision))
     large = _peak(_inputs(degrees=Degrees(dp=2 * dp), zero_stage=stage, framework=framework, precision=precision))
+    # DeepSpeed pads each flat group (two: matrices and vectors) to a multiple of 2*dp
+    # elements (stage_1_and_2.py, nccl_start_alignment_factor = 2): its replicated 16-bit
+    # buffer may grow by that padding when dp doubles, and nothing else may grow.
+    padding = 2 * 2 * (2 * dp) * 4 if framework == "deepspeed" and stage < 3 else 0
     for kind in ("params", "grads", "optimizer"):
-        assert large[kind] <= small[kind]
+        assert large[kind] <= small[kind] + (padding if kind == "params" else 0), kind
 
 
 @settings(max_examples=40, deadline=None)
@@ -173,7 +179,7 @@ def test_unknown_limits_give_null_fit():
 
 
 def test_params_only_has_no_activations():
-    result = run_cli("estimate", "--params", "7.5B", "--dp", "4", "--zero", "1", "--framework", "deepspeed", "--json")
+    result = run_cli("estimate", "--params", "7.5B", "--dp", "4", "--zero", "1", "--framework", "zero-paper", "--json")
     device = result.json["devices"][0]
     assert device["gpu"]["activations"] == 0
     assert device["gpu"]["params"] + device["gpu"]["grads"] + device["gpu"]["optimizer"] == 4 * 7_500_000_000 + 12 * 7_500_000_000 // 4

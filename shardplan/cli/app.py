@@ -26,6 +26,8 @@ COMMANDS = {
     "estimate": "estimate_cmd",
     "schedule": "schedule_cmd",
     "run": "run_cmd",
+    "export": "export_cmd",
+    "import": "import_cmd",
     "presets": "presets_cmd",
     "schema": "schema_cmd",
 }

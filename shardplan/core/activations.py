@@ -59,6 +59,11 @@ class ActivationShape:
     # tensor and gathers again in backward, Korthikanti et al. 2022, section 4.2.2; CONTRACT);
     # this variant quantifies what `shardplan run` keeps beyond it (docs/estimate.md).
     keeps_gathered: bool = False
+    # The cross-entropy kernel: fp32 (torch's cross_entropy on logits upcast to fp32, which
+    # transformers, torchtitan and `shardplan run` use) or fused (Megatron-LM's
+    # vocab_parallel_cross_entropy, megatron/core/tensor_parallel/cross_entropy.py: the fp32
+    # softmax is its only saved tensor and backward turns it into the gradient in place).
+    loss: str = "fp32"
 
     @property
     def residual_bytes(self) -> int:
@@ -153,10 +158,63 @@ def _mlp_terms(act: ActivationShape, sb: int, rep: int) -> list[Term]:
     ]
 
 
+def _matmuls(act: ActivationShape) -> list[tuple[str, int]]:
+    """A layer's matmuls in the order a Llama-style block runs them (q, k, v, o; gate, up,
+    down), with the elements of each local output (row-parallel outputs are full-width
+    partial sums before their reduction)."""
+    shape, t, sb = act.shape, act.tp, act.tokens
+    h, f = shape.hidden_size, shape.ffn_hidden_size // t
+    q = shape.num_heads * shape.head_dim // t
+    kv = _kv_width(act)
+    out = [("q", sb * q), ("k", sb * kv), ("v", sb * kv), ("o", sb * h)]
+    routed = sb * shape.experts_per_token if shape.moe else sb
+    if shape.moe:
+        out.append(("router", sb * shape.num_experts))
+    if shape.gated:
+        out += [("gate", routed * f), ("up", routed * f)]
+    else:
+        out.append(("up", routed * f))
+    return out + [("down", routed * h)]
+
+
+def op_saved_terms(act: ActivationShape) -> list[Term]:
+    """What torchtitan's operator-level selective checkpointing keeps of a layer
+    (torchtitan/models/llama3/parallelize.py, 2024-12: `_save_list` and
+    `_get_custom_policy`): the checkpointed layer's input, the flash attention output with its
+    log-sum-exp, and the output of every other matmul, counted per block by a counter that
+    runs on across steps. With an odd number of matmuls per layer the saved half alternates
+    from step to step: the larger half is counted."""
+    shape, e = act.shape, act.act_bytes
+    rep = act.replicated_div
+    sb, h = act.tokens, shape.hidden_size
+    terms = [Term("layer input (checkpointed)", sb * h // rep * act.residual_bytes,
+                  lambda: f"sbh/{rep} = {sb * h // rep:,} * {act.residual_bytes} B")]
+    mms = _matmuls(act)
+    odd = [mm for i, mm in enumerate(mms) if i % 2 == 0]  # counts 1, 3, 5, ...: saved first
+    even = [mm for i, mm in enumerate(mms) if i % 2 == 1]
+    kept = odd if len(mms) % 2 == 0 or sum(n for _, n in odd) >= sum(n for _, n in even) else even
+    names = ", ".join(name for name, _ in kept)
+    elements = sum(n for _, n in kept)
+    terms.append(Term(f"every other matmul's output ({names})", elements * e,
+                      lambda: f"{elements:,} * {e} B"))
+    if act.attention == "flash":
+        q_width = shape.num_heads * shape.head_dim // act.tp
+        terms.append(Term("flash attention output", sb * q_width * e, lambda: f"sb*h_q/t = {sb * q_width:,} * {e} B"))
+        heads = shape.num_heads // act.tp
+        terms.append(Term("flash log-sum-exp", heads * sb * LSE_BYTES, lambda: f"(a/t)*sb = {heads * sb:,} * {LSE_BYTES} B"))
+    return terms
+
+
 def recompute_working_terms(act: ActivationShape) -> list[Term]:
     """Recomputation needs one layer's activations again during its backward: all of them
-    under full recomputation, the score matrices under selective recomputation of eager
-    attention."""
+    under full recomputation, all but the kept operators' outputs under the operator policy,
+    the score matrices under selective recomputation of eager attention."""
+    if act.recompute == "op":
+        full = sum(t.bytes for t in layer_terms(ActivationShape(**{**act.__dict__, "recompute": "none"})))
+        kept = sum(t.bytes for t in op_saved_terms(act))
+        working = max(0, full - kept)
+        return [Term("recomputed layer, less the kept outputs (one at a time)", working,
+                     lambda: f"{full:,} B of one layer - {kept:,} B kept")]
     if act.recompute == "full":
         full = layer_terms(ActivationShape(**{**act.__dict__, "recompute": "none"}))
         return [Term("recomputed layer (one at a time)", sum(t.bytes for t in full), "one layer, no recomputation")]
@@ -169,6 +227,8 @@ def recompute_working_terms(act: ActivationShape) -> list[Term]:
 
 def stored_layer_terms(act: ActivationShape) -> list[Term]:
     """What one layer keeps between its forward and backward under the recompute policy."""
+    if act.recompute == "op":
+        return op_saved_terms(act)
     if act.recompute == "full":
         rep = act.replicated_div
         elements = act.tokens * act.shape.hidden_size // rep
@@ -198,15 +258,41 @@ def head_terms(act: ActivationShape) -> list[Term]:
              lambda: f"sbh = {sb * h // rep:,} * {act.residual_bytes} B"),
         Term("output head input", sb * h // act.gathered_div * e,
              lambda: f"sbh = {sb * h // act.gathered_div:,} * {e} B"),
-        Term("log-probabilities (loss)", sb * vocab_local * LOSS_BYTES,
-             lambda: f"sb*V/t fp32 = {sb * vocab_local:,} * {LOSS_BYTES} B"),
+        Term("log-probabilities (loss)" if act.loss == "fp32" else "softmax (fused cross entropy)",
+             sb * vocab_local * LOSS_BYTES, lambda: f"sb*V/t fp32 = {sb * vocab_local:,} * {LOSS_BYTES} B"),
         Term("targets", sb * INDEX_BYTES, lambda: f"sb = {sb:,} * {INDEX_BYTES} B"),
     ]
 
 
+def logit_elements(act: ActivationShape) -> int:
+    """sb*V/t: the logits of one microbatch on this rank (vocabulary-parallel over tp)."""
+    return act.tokens * -(-act.shape.vocab_size // act.tp)
+
+
 def loss_backward_terms(act: ActivationShape) -> list[Term]:
-    """Transient at the start of backward on the last stage: the fp32 gradient of the
-    log-probabilities and the logits' gradient in the activation dtype."""
-    elements = act.tokens * -(-act.shape.vocab_size // act.tp)
-    return [Term("loss gradient (fp32 and activation dtype)", elements * (LOSS_BYTES + act.act_bytes),
-                 lambda: f"sb*V/t * (4 + {act.act_bytes}) B = {elements:,} * {LOSS_BYTES + act.act_bytes} B")]
+    """Transient at the start of backward on the last stage, at its largest.
+
+    fp32: log_softmax's backward holds the incoming fp32 gradient of the log-probabilities
+    (nll_loss's backward writes a full sb*V/t tensor) and its fp32 result at once
+    (aten log_softmax_backward_data); the cast back to the logits' dtype comes after the first
+    is freed. fused: the gradient is computed in the saved softmax's place; only its cast to
+    the logits' dtype is new."""
+    elements = logit_elements(act)
+    if act.loss == "fused":
+        e = act.act_bytes
+        return [Term("loss gradient (logits' dtype; fp32 part computed in place)", elements * e,
+                     lambda: f"sb*V/t = {elements:,} * {e} B")]
+    return [Term("loss gradient (fp32 input and output of log_softmax's backward)", elements * 2 * LOSS_BYTES,
+                 lambda: f"sb*V/t * (4 + 4) B = {elements:,} * {2 * LOSS_BYTES} B")]
+
+
+def kept_logits_terms(act: ActivationShape) -> list[Term]:
+    """fp32 loss: the logits (the model's output, in the compute dtype) when something keeps
+    them until backward ends (transformers returns them in the model output; torch's pipeline
+    stages cache each stage's output for its backward). Not saved for backward: the upcast
+    needs no input to differentiate."""
+    if act.loss != "fp32":
+        return []
+    elements, e = logit_elements(act), act.act_bytes
+    return [Term("logits, held by the training loop until backward", elements * e,
+                 lambda: f"sb*V/t = {elements:,} * {e} B")]

@@ -1,6 +1,6 @@
-"""Transient GPU memory beside model states and saved activations: the terms calculators
-forget. Each term states its assumption; the totals are per phase of a step (forward and
-backward, then the optimizer step), because the two peaks do not coincide.
+"""Transient GPU memory beside model states and saved activations, moment by moment: the
+terms calculators forget. Each term states its assumption; `core/timeline.py` says which
+moments there are.
 
 fsdp2 (torch `fully_shard`, torch/distributed/fsdp/_fully_shard):
 - a block's parameters are all-gathered unsharded in the compute dtype (bf16 under
@@ -9,23 +9,25 @@ fsdp2 (torch `fully_shard`, torch/distributed/fsdp/_fully_shard):
   frees them after each block; ZeRO-2 (`reshard_after_forward=False`) keeps every block
   unsharded from its forward to its backward;
 - the root module (embedding, final norm, head) stays unsharded between forward and backward;
+  its gradients are reduce-scattered only when backward ends (the root's post-backward runs
+  in `_root_post_backward_final_callback`: the root's inputs, token ids, need no gradient),
+  so the head's unsharded gradient is alive through the whole backward;
 - backward produces a block's unsharded gradients in the compute dtype and copies them into a
   reduce-scatter input in the reduce dtype (fp32).
 Stage 0 runs `fully_shard` on a replicate-only mesh: the same buffers with one rank per
 shard group. DDP (stage 1) under autocast keeps a 16-bit copy of every weight used in forward
 until its backward (autocast's cast cache, saved by the matmuls); its gradient buckets are
-the gradients themselves (`gradient_as_bucket_view=True`).
+the gradients themselves (`gradient_as_bucket_view=True`), allocated once and kept.
 
 The allowances for the CUDA context and allocator fragmentation are stated constants.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from .precision import FP32, ElementBytes
 from .stages import LocalParam, RankParams
 from .terms import Term
+from .timeline import BACKWARD, BACKWARD_END, FORWARD, LOSS, MOMENTS, STEP
 
 # CUDA context (driver, kernels of torch/cuDNN/NCCL loaded lazily) as seen per process by
 # nvidia-smi, and a fraction of the tensor total lost to the caching allocator's
@@ -33,13 +35,7 @@ from .terms import Term
 CUDA_CONTEXT_BYTES = 512 * 2**20
 FRAGMENTATION = 0.05
 
-
-@dataclass(frozen=True)
-class Phases:
-    """Buffer terms of the forward/backward phase and of the optimizer step."""
-
-    forward_backward: list[Term]
-    step: list[Term]
+HEAD_PARTS = ("final_norm", "head")
 
 
 def padded_unsharded(params: tuple[LocalParam, ...], degree: int) -> int:
@@ -48,62 +44,66 @@ def padded_unsharded(params: tuple[LocalParam, ...], degree: int) -> int:
     return sum(p.padded_shard_numel(degree) * degree for p in params)
 
 
-def fsdp2_buffers(
-    rp: RankParams, eb: ElementBytes, stage: int, degree: int, prefetch: int, mixed: bool
-) -> Phases:
-    """Transient buffers of one rank running FSDP2 (stages 0, 2, 3) or DDP (stage 1)."""
+def head_params(rp: RankParams) -> tuple[LocalParam, ...]:
+    """The parameters the output head uses on this rank: final norm and head, or, with tied
+    embeddings on a rank that holds both ends, the token embedding itself. Autograd sums a
+    tensor's gradients from all its uses before its hooks run, so the head's share of a tied
+    embedding's gradient waits in autograd's input buffer until the embedding's backward."""
+    head = tuple(p for p in rp.root if p.info.part in HEAD_PARTS)
+    if rp.has_head and not any(p.info.part == "head" for p in rp.root):
+        head += tuple(p for p in rp.root if p.info.part == "embedding")
+    return head
+
+
+def no_buffers() -> dict[str, list[Term]]:
+    return {moment: [] for moment in MOMENTS}
+
+
+def fsdp2_buffers(rp: RankParams, eb: ElementBytes, stage: int, degree: int, prefetch: int,
+                  mixed: bool) -> dict[str, list[Term]]:
+    """Transient buffers of one rank running FSDP2 (stages 0, 2, 3) or DDP (stage 1), by moment."""
     c = eb.compute
-    terms: list[Term] = []
-    if stage != 1:  # FSDP2: stage 0 replicates (one rank per shard group), 2 and 3 shard
-        degree = 1 if stage == 0 else degree
-        block = padded_unsharded(rp.layer, degree)
-        live = rp.num_layers if stage == 2 else min(rp.num_layers, 1 + prefetch)
-        why = "all blocks (reshard_after_forward=False)" if stage == 2 else f"1 + prefetch {prefetch} blocks"
-        if live:
-            terms.append(Term("unsharded block parameters", live * block * c,
-                              lambda: f"{why}: {live} * {block:,} elements * {c} B"))
-        root = padded_unsharded(rp.root, degree)
-        if root:
-            terms.append(Term("unsharded root parameters (embedding/head)", root * c,
-                              lambda: f"{root:,} elements * {c} B, kept from forward to backward"))
-        if rp.num_layers:
-            terms.append(Term("block gradients before reduce-scatter", block * (c + FP32),
-                              lambda: f"{block:,} elements * ({c} B unsharded + {FP32} B reduce-scatter input)"))
-    elif mixed:
-        numel = rp.numel
-        terms.append(Term("16-bit weight copies held for backward (autocast)", numel * c,
-                          lambda: f"{numel:,} elements * {c} B"))
-    return Phases(terms, [])
-
-
-# DeepSpeed ZeRO defaults (deepspeed/runtime/zero/config.py): elements per gradient reduce
-# bucket, parameters fetched ahead (stage 3), parameters kept gathered at most (stage 3).
-DS_REDUCE_BUCKET = 500_000_000
-DS_PREFETCH_BUCKET = 50_000_000
-DS_MAX_LIVE_PARAMETERS = 1_000_000_000
-
-
-def deepspeed_buffers(rp: RankParams, eb: ElementBytes, stage: int) -> list[Term]:
-    """DeepSpeed's own buffers at its default configuration.
-
-    Stage 1/2 (stage_1_and_2.py `setup_buckets`, contiguous_gradients on): one reduce bucket
-    of `reduce_bucket_size` elements in the gradient dtype, allocated whole. Stage 3
-    (stage3.py): the same reduce bucket, the parameters it fetches ahead
-    (`stage3_prefetch_bucket_size`), and gathered parameters kept until released, at most
-    `stage3_max_live_parameters` (partitioned_param_coordinator.py).
-    """
-    if stage == 0:
-        return []
-    g, c = eb.grads, eb.compute
-    terms = [Term("reduce bucket (reduce_bucket_size)", DS_REDUCE_BUCKET * g,
-                  lambda: f"{DS_REDUCE_BUCKET:,} elements * {g} B")]
-    if stage == 3:
-        live = min(DS_MAX_LIVE_PARAMETERS, rp.numel)
-        terms.append(Term("prefetched parameters (stage3_prefetch_bucket_size)", DS_PREFETCH_BUCKET * c,
-                          lambda: f"{DS_PREFETCH_BUCKET:,} elements * {c} B"))
-        terms.append(Term("gathered parameters (up to stage3_max_live_parameters)", live * c,
-                          lambda: f"min({DS_MAX_LIVE_PARAMETERS:,}, {rp.numel:,}) elements * {c} B"))
-    return terms
+    at = no_buffers()
+    if stage == 1:
+        if mixed:
+            numel = rp.numel
+            copies = Term("16-bit weight copies held for backward (autocast)", numel * c,
+                          lambda: f"{numel:,} elements * {c} B")
+            for moment in (FORWARD, LOSS, BACKWARD):
+                at[moment].append(copies)
+        return at
+    degree = 1 if stage == 0 else degree  # stage 0: replicate-only mesh, one rank per shard group
+    block = padded_unsharded(rp.layer, degree)
+    layers = rp.num_layers
+    if layers:
+        if stage == 2:
+            kept = Term("unsharded block parameters", layers * block * c,
+                        lambda: f"all {layers} blocks (reshard_after_forward=False): {layers} * {block:,} elements * {c} B")
+            for moment in (FORWARD, LOSS, BACKWARD):
+                at[moment].append(kept)
+        else:
+            live = min(layers, 1 + prefetch)
+            gathered = Term("unsharded block parameters", live * block * c,
+                            lambda: f"1 + prefetch {prefetch} blocks: {live} * {block:,} elements * {c} B")
+            at[FORWARD].append(gathered)
+            at[BACKWARD].append(gathered)
+        at[BACKWARD].append(Term("block gradients before reduce-scatter", block * (c + FP32),
+                                 lambda: f"{block:,} elements * ({c} B unsharded + {FP32} B reduce-scatter input)"))
+    root = padded_unsharded(rp.root, degree)
+    if root:
+        unsharded = Term("unsharded root parameters (embedding/head)", root * c,
+                         lambda: f"{root:,} elements * {c} B, kept from forward to backward")
+        for moment in (FORWARD, LOSS, BACKWARD):
+            at[moment].append(unsharded)
+        head = padded_unsharded(head_params(rp), degree)
+        if head:
+            grads = Term("unsharded head gradients (reduced when backward ends)", head * c,
+                         lambda: f"{head:,} elements * {c} B")
+            at[LOSS].append(grads)
+            at[BACKWARD].append(grads)
+        at[BACKWARD_END].append(Term("root gradients and their reduce-scatter input", root * (c + FP32),
+                                     lambda: f"{root:,} elements * ({c} + {FP32}) B"))
+    return at
 
 
 def step_buffers(optimizer_elements: int, eb: ElementBytes, optimizer: str) -> list[Term]:

@@ -1,13 +1,15 @@
-"""Per-device GPU memory and per-node CPU memory of a training step.
+"""Per-device GPU memory and per-rank host memory of a training step, as a timeline.
 
 For every pipeline stage the estimate takes the stage's fullest rank (tensor-parallel rank 0,
-shard index 0: `torch.chunk`-style splits give the first ranks the most), and adds
+shard index 0: `torch.chunk`-style splits give the first ranks the most) and lists, for each
+moment of the step (core/timeline.py), what is alive in it:
 
-    model states (states.py) + saved activations * microbatches in flight (activations.py,
-    schedule.py) + transient buffers of the busier phase (buffers.py) + allowances.
+    model states held through the step (states.py; deepspeed.py) + the gradients alive then
+    + saved activations * microbatches in flight (activations.py, schedule.py), until the
+    step + the moment's transient buffers (buffers.py, deepspeed.py) + allowances.
 
-`rank_estimate` gives the same figures for any one rank; `shardplan run` compares them with
-what each rank measures.
+The device's peak is its largest moment. `rank_estimate` gives the same figures for any one
+rank; `shardplan run` compares them with what each rank measures.
 """
 
 from __future__ import annotations
@@ -19,19 +21,23 @@ from .activations import (
     ActivationShape,
     embedding_terms,
     head_terms,
+    kept_logits_terms,
     loss_backward_terms,
     recompute_working_terms,
     stored_layer_terms,
 )
-from .buffers import allowance_terms, deepspeed_buffers, fsdp2_buffers, step_buffers
+from .buffers import allowance_terms, fsdp2_buffers, no_buffers, step_buffers
+from .deepspeed import DeepSpeedPlan, deepspeed_memory
 from .estimate_inputs import EstimateInputs
+from .host import checkpoint_staging, rank_host, startup_host
 from .params import ParamInfo, count_params
 from .precision import MIXED, ElementBytes, element_bytes, uses_autocast
 from .schedule import ALL_FORWARDS_FIRST, SPLIT_BACKWARD, chunks_per_rank, held_peak, rank_order
-from .schedule_sim import BACKWARD, WEIGHT, Action
+from .schedule_sim import BACKWARD as BACKWARD_ACTION, WEIGHT, Action
 from .stages import LocalParam, RankParams, chunk_size, rank_params
 from .states import Offload, Sharding, rank_states
 from .terms import Term
+from .timeline import BACKWARD, BACKWARD_END, FORWARD, LOSS, MOMENTS, STEP, Moment, peak
 
 KINDS = ("params", "grads", "optimizer")
 
@@ -42,30 +48,21 @@ class DeviceEstimate:
 
     stage: int
     ranks: list[int]
-    gpu: dict[str, int]
-    cpu: dict[str, int]
-    terms: dict[str, list[Term]]
-    phase: str  # the phase that sets the GPU peak
+    gpu: dict[str, int]  # by kind, at the peak moment (CONTRACT `devices[].gpu`)
+    cpu: dict[str, int]  # model states in host memory, by kind (exact bytes)
+    states: dict[str, int]  # model states on the GPU held through the step, by kind
+    terms: dict[str, list[Term]]  # the peak moment's terms ("gpu.<kind>") and host states ("cpu.<kind>")
+    peak_moment: str
+    moments: list[Moment]
     resident_layers: int
     num_layers: int
-    phase_totals: dict[str, int]  # GPU bytes at the peak of each phase
-    saved_activations: int  # activations of the forward/backward phase, whichever phase peaks
+    saved_activations: int  # bytes saved for backward at the forward/backward peak
+    host: list[Term] = field(default_factory=list)  # this rank's host memory while training
+    startup: list[Term] = field(default_factory=list)  # this rank's host memory at start-up
 
-
-@dataclass
-class Estimate:
-    params: dict[str, int]
-    devices: list[DeviceEstimate]
-    peak_gpu_bytes: int
-    cpu_bytes_per_node: int
-    fits: bool | None
-    assumptions: dict[str, object] = field(default_factory=dict)
-    warnings: list[str] = field(default_factory=list)
-    decisions: list[str] = field(default_factory=list)
-    cpu_pinned: bool = False  # offloaded states in page-locked memory (pin_memory, on a GPU node)
-    # The plan as the offload strategy decided it (what is offloaded, resident layers): what
-    # `shardplan run` executes.
-    inputs: EstimateInputs | None = None
+    @property
+    def moment_totals(self) -> dict[str, int]:
+        return {m.name: m.total for m in self.moments}
 
 
 @dataclass(frozen=True)
@@ -136,7 +133,7 @@ def _activation_shape(inputs: EstimateInputs, eb: ElementBytes) -> ActivationSha
         shape=inputs.shape, micro_batch=inputs.micro_batch, seq_len=inputs.seq_len, tp=d.tp, cp=d.cp,
         sequence_parallel=inputs.sequence_parallel and d.tp > 1, recompute=inputs.recompute,
         attention=inputs.attention, dropout=inputs.dropout, act_bytes=eb.compute,
-        autocast=uses_autocast(inputs.framework, inputs.zero_stage, inputs.precision),
+        autocast=uses_autocast(inputs.framework, inputs.zero_stage, inputs.precision), loss=inputs.loss,
     )
 
 
@@ -182,17 +179,19 @@ def held_at_peak(schedule: str, pp: int, microbatches: int, virtual: int, pp_ran
     if schedule in ALL_FORWARDS_FIRST:
         return dict.fromkeys(stage_bytes, microbatches)
     order = _rank_order(schedule, pp, microbatches, chunks_per_rank(schedule, virtual), pp_rank)
-    return held_peak(order, stage_bytes, WEIGHT if schedule in SPLIT_BACKWARD else BACKWARD)[1]
+    return held_peak(order, stage_bytes, WEIGHT if schedule in SPLIT_BACKWARD else BACKWARD_ACTION)[1]
 
 
-def activation_terms(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, pp_rank: int) -> list[Term]:
-    """Saved activations at the peak of this rank's pipeline schedule.
+def activation_terms(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes,
+                     pp_rank: int) -> tuple[list[Term], int]:
+    """Saved activations at the peak of this rank's pipeline schedule, and how many
+    microbatches of the last stage (the head's) are held then (0 when the rank has no head).
 
     Each stage (model chunk) the rank holds costs its layers' activations plus, on the first
     stage, the embedding's and, on the last, the head's and loss's; the schedule's order
     decides how many microbatches of each stage are held at once (core/schedule.py)."""
     if inputs.shape is None:
-        return []
+        return [], 0
     act = _activation_shape(inputs, eb)
     d = inputs.degrees
     per_layer = sum(t.bytes for t in stored_layer_terms(act))
@@ -217,7 +216,103 @@ def activation_terms(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, p
                 lambda count=count, layers=layers: f"{count} microbatches held * {layers} layers * {per_layer:,} B per layer",
             ))
         terms += [t.scaled(count, f"{count} microbatches held") for t in edges(stage)]
-    return terms
+    return terms, held.get(last_stage, 0)
+
+
+@dataclass
+class _RankMemory:
+    """What a framework holds on one rank: persistent GPU states, host states, the
+    gradients and buffers of each moment, and host memory as allocated."""
+
+    gpu: dict[str, list[Term]]
+    cpu: dict[str, list[Term]]
+    grads_at: dict[str, list[Term]]
+    buffers_at: dict[str, list[Term]]
+
+
+def _deepspeed(inputs: EstimateInputs, rp: RankParams, degree: int, index: int) -> tuple[_RankMemory, list[Term]]:
+    plan = DeepSpeedPlan(
+        stage=inputs.zero_stage, degree=degree, index=index, precision=inputs.precision,
+        optimizer=inputs.optimizer, offload_optimizer=inputs.offload_optimizer, offload_params=inputs.offload_params,
+        pin=inputs.pin_memory and inputs.on_gpu, reduce_bucket_size=inputs.reduce_bucket_size,
+        prefetch_bucket_size=inputs.prefetch_bucket_size, max_live_parameters=inputs.max_live_parameters,
+        persistence_threshold=inputs.param_persistence_threshold, overlap_comm=inputs.overlap_comm,
+        accumulating=inputs.num_microbatches > 1,
+    )
+    ds = deepspeed_memory(rp, plan)
+    return _RankMemory(ds.gpu, ds.cpu, ds.grads_at, ds.buffers_at), ds.host
+
+
+def _torch_or_paper(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, degree: int, index: int,
+                    resident: int) -> _RankMemory:
+    """fsdp2 (what `run` executes) and zero-paper (the paper's model states, no framework
+    buffers). fsdp2 frees gradients between steps (`zero_grad(set_to_none=True)`): they are
+    alive in forward and backward only when microbatches accumulate into them; DDP's (stage 1)
+    gradients are views of buckets allocated once. The paper counts every state throughout."""
+    sharding = Sharding(inputs.framework, inputs.zero_stage, degree, index, inputs.min_num_params)
+    offload = Offload(inputs.offload_params, inputs.offload_grads, inputs.offload_optimizer, resident, inputs.compression)
+    states = rank_states(rp, eb, sharding, offload)
+    grads = states.gpu["grads"]
+    if inputs.framework == "zero-paper":
+        return _RankMemory(states.gpu, states.cpu, {m: grads for m in MOMENTS}, no_buffers())
+    always = inputs.zero_stage == 1 or inputs.num_microbatches > 1
+    grads_at = {m: grads if always or m in (BACKWARD_END, STEP) else [] for m in MOMENTS}
+    buffers_at = no_buffers()
+    if inputs.shape is not None:
+        buffers_at = fsdp2_buffers(rp, eb, inputs.zero_stage, degree, inputs.prefetch_layers, inputs.precision in MIXED)
+    gpu_optimizer_elements = sum(t.bytes for t in states.gpu["optimizer"]) // max(eb.optimizer, 1)
+    buffers_at[STEP] += step_buffers(gpu_optimizer_elements, eb, inputs.optimizer)
+    return _RankMemory(states.gpu, states.cpu, grads_at, buffers_at)
+
+
+def _backward_activations(activations: list[Term], act: ActivationShape | None, has_head: bool,
+                          head_held: int) -> list[Term]:
+    """Saved activations while a layer runs backward: the loss and head of the microbatch
+    in backward were consumed and freed before it (the other held microbatches' remain)."""
+    if act is None or not has_head or head_held == 0:
+        return activations
+    head = {t.label for t in head_terms(act)}
+    kept = [t for t in activations if t.label not in head]
+    if head_held > 1:
+        kept += [t.scaled(head_held - 1, f"{head_held - 1} other microbatches held") for t in head_terms(act)]
+    return kept
+
+
+def _moments(inputs: EstimateInputs, memory: _RankMemory, activations: list[Term],
+             act: ActivationShape | None, has_head: bool, head_held: int) -> list[Moment]:
+    """The rank's moments: states, the gradients and buffers of each, saved activations
+    until the step, the loss and recomputation transients, and the allowances."""
+    buffers_at = {m: list(terms) for m, terms in memory.buffers_at.items()}
+    in_backward = _backward_activations(activations, act, has_head, head_held)
+    if act is not None:
+        buffers_at[BACKWARD] += recompute_working_terms(act)
+        if has_head:
+            buffers_at[LOSS] += loss_backward_terms(act)
+            # Who keeps the logits until backward: transformers' model output (the DeepSpeed
+            # loops), and torch's pipeline stages, which cache each stage's output for its
+            # backward; `shardplan run` and torchtitan free them before backward.
+            holders = inputs.framework == "deepspeed" or inputs.degrees.pp > 1
+            kept = [t.scaled(head_held, f"{head_held} microbatches held") if head_held > 1 else t
+                    for t in kept_logits_terms(act)] if holders else []
+            for moment in (FORWARD, LOSS, BACKWARD):
+                buffers_at[moment] += kept
+    moments = []
+    for name in MOMENTS:
+        if name == LOSS and not (has_head and act is not None):
+            continue
+        if name == BACKWARD_END and inputs.num_microbatches > 1:
+            continue  # gradients accumulate: the backward moments already hold them
+        moment = Moment(name)
+        moment.add("params", memory.gpu["params"]).add("optimizer", memory.gpu["optimizer"])
+        moment.add("grads", memory.grads_at[name])
+        if name in (FORWARD, LOSS):
+            moment.add("activations", activations)
+        elif name == BACKWARD:
+            moment.add("activations", in_backward)
+        moment.add("buffers", buffers_at[name])
+        moment.add("buffers", allowance_terms(moment.total, inputs.on_gpu))
+        moments.append(moment)
+    return moments
 
 
 def rank_estimate(inputs: EstimateInputs, at: Coordinates, ranks: list[int]) -> DeviceEstimate:
@@ -226,51 +321,31 @@ def rank_estimate(inputs: EstimateInputs, at: Coordinates, ranks: list[int]) -> 
     rp = _rank_params(inputs, at)
     degree = shard_degree(inputs)
     resident = resident_layers(rp, eb, inputs, degree)
-    sharding = Sharding(inputs.framework, inputs.zero_stage, degree, at.shard_index, inputs.min_num_params)
-    offload = Offload(inputs.offload_params, inputs.offload_grads, inputs.offload_optimizer, resident, inputs.compression)
-    states = rank_states(rp, eb, sharding, offload)
-    activations = activation_terms(inputs, rp, eb, at.pp_rank)
-    mixed = inputs.precision in MIXED
-    phases = fsdp2_buffers(rp, eb, inputs.zero_stage, degree, inputs.prefetch_layers, mixed) \
-        if inputs.framework == "fsdp2" and inputs.shape is not None else None
-    forward_backward = list(phases.forward_backward) if phases else []
-    if inputs.framework != "fsdp2":
-        forward_backward += deepspeed_buffers(rp, eb, inputs.zero_stage)
-    if inputs.shape is not None:
-        # Recomputation rebuilds one layer's activations at a time during backward: transient.
-        forward_backward += recompute_working_terms(_activation_shape(inputs, eb))
-    if rp.has_head and inputs.shape is not None:
-        forward_backward += loss_backward_terms(_activation_shape(inputs, eb))
-    gpu_optimizer_elements = sum(t.bytes for t in states.gpu["optimizer"]) // max(eb.optimizer, 1)
-    step = step_buffers(gpu_optimizer_elements, eb, inputs.optimizer) if inputs.framework == "fsdp2" else []
-
-    state_bytes = sum(states.gpu_bytes(k) for k in KINDS)
-    activation_bytes = sum(t.bytes for t in activations)
-    fwd_total = activation_bytes + sum(t.bytes for t in forward_backward)
-    step_total = sum(t.bytes for t in step)
-    phase, buffer_terms = ("forward/backward", forward_backward) if fwd_total >= step_total else ("optimizer step", step)
-    saved = activation_bytes
-    if phase == "optimizer step":
-        activations, activation_bytes = [], 0  # freed before the step
-    tensors = state_bytes + activation_bytes + sum(t.bytes for t in buffer_terms)
-    buffer_terms = buffer_terms + allowance_terms(tensors, inputs.on_gpu)
-    gpu = {k: states.gpu_bytes(k) for k in KINDS}
-    gpu["activations"] = activation_bytes
-    gpu["buffers"] = sum(t.bytes for t in buffer_terms)
-    gpu["total"] = sum(gpu.values())
-    cpu = {k: states.cpu_bytes(k) for k in KINDS}
+    if inputs.framework == "deepspeed":
+        memory, host = _deepspeed(inputs, rp, degree, at.shard_index)
+    else:
+        memory = _torch_or_paper(inputs, rp, eb, degree, at.shard_index, resident)
+        host = rank_host(inputs, rp, eb, degree, resident, memory.cpu)
+    activations, head_held = activation_terms(inputs, rp, eb, at.pp_rank)
+    act = _activation_shape(inputs, eb) if inputs.shape is not None else None
+    moments = _moments(inputs, memory, activations, act, rp.has_head, head_held)
+    top = peak(moments)
+    terms = {f"gpu.{kind}": list(top.terms[kind]) for kind in (*KINDS, "activations", "buffers")}
+    terms.update({f"cpu.{k}": memory.cpu[k] for k in KINDS})
+    cpu = {k: sum(t.bytes for t in memory.cpu[k]) for k in KINDS}
     cpu["total"] = sum(cpu.values())
-    terms = {f"gpu.{k}": states.gpu[k] for k in KINDS}
-    terms.update({f"cpu.{k}": states.cpu[k] for k in KINDS})
-    terms["gpu.activations"] = activations
-    terms["gpu.buffers"] = buffer_terms
-    phase_totals = {"forward/backward": state_bytes + fwd_total, "optimizer step": state_bytes + step_total}
-    return DeviceEstimate(at.pp_rank, ranks, gpu, cpu, terms, phase, resident, rp.num_layers, phase_totals, saved)
+    states = {k: sum(t.bytes for t in memory.gpu[k]) for k in KINDS}
+    return DeviceEstimate(
+        stage=at.pp_rank, ranks=ranks, gpu=top.breakdown(), cpu=cpu, states=states, terms=terms,
+        peak_moment=top.name, moments=moments, resident_layers=resident, num_layers=rp.num_layers,
+        saved_activations=sum(t.bytes for t in activations),
+        host=host + checkpoint_staging(inputs, rp, degree), startup=startup_host(inputs, rp, eb),
+    )
 
 
 def param_counts(inputs: EstimateInputs) -> dict[str, int]:
     if inputs.shape is None:
         total = inputs.params or 0
-        return {"total": total, "embedding": 0, "active": total}
+        return {"total": total, "embedding": 0, "active": total, "trainable": total}
     counts = count_params(inputs.shape)
-    return {"total": counts.total, "embedding": counts.embedding, "active": counts.active}
+    return {"total": counts.total, "embedding": counts.embedding, "active": counts.active, "trainable": counts.total}

@@ -9,6 +9,23 @@ from ..spec.model import ModelShape
 from .degrees import Degrees
 
 
+# Host memory a job cannot have: the operating system, the page cache that data loading and
+# checkpoint writes run through, and other processes. A tenth of the node's RAM, at least
+# 8 GiB: a stated reserve, not a measurement.
+HOST_RESERVE_SHARE = 0.10
+HOST_RESERVE_MIN = 8 * 2**30
+
+
+def host_reserve(cpu_memory_per_node: int) -> int:
+    return max(HOST_RESERVE_MIN, int(cpu_memory_per_node * HOST_RESERVE_SHARE))
+
+
+def default_cpu_budget(cpu_memory_per_node: int) -> int:
+    """`offload.cpu_memory_budget` when the job does not write one: the node's RAM less the
+    host reserve (never below a quarter of it)."""
+    return max(cpu_memory_per_node // 4, cpu_memory_per_node - host_reserve(cpu_memory_per_node))
+
+
 @dataclass(frozen=True)
 class EstimateInputs:
     """Everything a memory estimate depends on, and nothing else."""
@@ -23,6 +40,14 @@ class EstimateInputs:
     zero_stage: int = 0
     hybrid: bool = False
     min_num_params: int = 0
+    # DeepSpeed's ZeRO knobs (deepspeed/runtime/zero/config.py defaults), read by the
+    # `deepspeed` accounting only
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    prefetch_bucket_size: int = 50_000_000
+    max_live_parameters: int = 1_000_000_000
+    param_persistence_threshold: int = 100_000
+    overlap_comm: bool | None = None  # None: DeepSpeed's default (true at stage 3)
     # the step
     precision: str = "bf16-mixed"
     optimizer: str = "adamw"
@@ -35,6 +60,7 @@ class EstimateInputs:
     sequence_parallel: bool = False
     recompute: str = "none"
     attention: str = "flash"
+    loss: str = "fp32"  # fp32 (torch cross_entropy on upcast logits) | fused (Megatron's kernel)
     dropout: bool = False
     # offload
     offload_params: bool = False
@@ -51,6 +77,7 @@ class EstimateInputs:
     gpu_memory: int | None = None
     cpu_memory_per_node: int | None = None
     on_gpu: bool = True  # CUDA allowances apply
+    checkpointing: bool = False  # `run` writes checkpoints: their staging is host memory
 
     def with_(self, **changes) -> EstimateInputs:
         return replace(self, **changes)
@@ -70,6 +97,12 @@ def inputs_from_job(job: JobSpec, shape: ModelShape | None, limits_known: bool) 
         zero_stage=zero.stage,
         hybrid=zero.hybrid,
         min_num_params=zero.min_num_params,
+        reduce_bucket_size=zero.reduce_bucket_size,
+        allgather_bucket_size=zero.allgather_bucket_size,
+        prefetch_bucket_size=zero.prefetch_bucket_size,
+        max_live_parameters=zero.max_live_parameters,
+        param_persistence_threshold=zero.param_persistence_threshold,
+        overlap_comm=zero.overlap_comm,
         precision=train.precision,
         optimizer=train.optimizer,
         seq_len=train.seq_len,
@@ -81,6 +114,7 @@ def inputs_from_job(job: JobSpec, shape: ModelShape | None, limits_known: bool) 
         sequence_parallel=par.sequence_parallel,
         recompute=train.activation_checkpointing,
         attention=train.attention,
+        loss=train.loss,
         dropout=job.model.dropout > 0,
         offload_params=off.params,
         offload_grads=off.grads,
@@ -88,11 +122,12 @@ def inputs_from_job(job: JobSpec, shape: ModelShape | None, limits_known: bool) 
         gpu_param_budget=off.gpu_param_budget if "gpu_param_budget" in off.model_fields_set
         else min(off.gpu_param_budget, cluster.gpu_memory),
         cpu_memory_budget=off.cpu_memory_budget if "cpu_memory_budget" in off.model_fields_set
-        else min(off.cpu_memory_budget, cluster.cpu_memory_per_node),
+        else default_cpu_budget(cluster.cpu_memory_per_node),
         prefetch_layers=off.prefetch_layers,
         compression=off.cpu_compression,
         strategy=off.strategy,
         pin_memory=off.pin_memory,
         gpu_memory=cluster.gpu_memory if limits_known else None,
         cpu_memory_per_node=cluster.cpu_memory_per_node if limits_known else None,
+        checkpointing=bool(job.checkpoint.dir),
     )

@@ -1,10 +1,11 @@
-"""The whole estimate: every pipeline stage, per-node CPU memory, the offload strategy's
+"""The whole estimate: every pipeline stage, per-node host memory, the offload strategy's
 decisions, and whether the plan fits.
 
-Offload strategy (`[offload] strategy`): when the GPU memory is known, the strategy's
-pressure threshold (conservative 0.9, balanced 0.75, aggressive 0.6, extreme 0.4) is the
-share of it the peak may use. Over it, the planner offloads more, in the order that costs
-the least speed, and stops as soon as the peak is under the threshold:
+Offload strategy (`[offload] strategy`): when the GPU memory is known, the strategy says how
+much of it the peak may use: `conservative` offloads nothing beyond what the job asks,
+`balanced` (the default) only as far as the plan needs to fit (100%), `aggressive` until a
+quarter of the GPU is free (75%), `extreme` until half is (50%). Over it, the planner offloads
+more, in the order that costs the least speed, and stops as soon as the peak is under:
 
 - deepspeed: optimizer states (ZeRO-Offload), then gradients, then parameters layer by
   layer (ZeRO-Infinity, stage 3 only);
@@ -16,13 +17,35 @@ What the job file asks for is never undone; the strategy only adds, and says so.
 
 from __future__ import annotations
 
-from .estimate import Coordinates, DeviceEstimate, Estimate, param_counts, rank_estimate, torch_sequence_parallel_extra
-from .estimate_inputs import EstimateInputs
-from .layout import Layout
+from dataclasses import dataclass, field
+
 from .buffers import CUDA_CONTEXT_BYTES, FRAGMENTATION
+from .estimate import Coordinates, DeviceEstimate, param_counts, rank_estimate, torch_sequence_parallel_extra
+from .estimate_inputs import EstimateInputs
+from .host import PROCESS_HOST_BYTES, PROCESS_HOST_BYTES_CPU, node_host
+from .layout import Layout
 from ..spec.units import format_bytes
 
-PRESSURE = {"conservative": 0.9, "balanced": 0.75, "aggressive": 0.6, "extreme": 0.4}
+# Share of the GPU memory the peak may use under each strategy (None: never offload more).
+PRESSURE = {"conservative": None, "balanced": 1.0, "aggressive": 0.75, "extreme": 0.5}
+
+
+@dataclass
+class Estimate:
+    params: dict[str, int]
+    devices: list[DeviceEstimate]
+    peak_gpu_bytes: int
+    cpu_bytes_per_node: int  # = host["per_node"]
+    fits: bool | None
+    assumptions: dict[str, object] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    decisions: list[str] = field(default_factory=list)
+    cpu_pinned: bool = False  # offloaded states in page-locked memory (pin_memory, on a GPU node)
+    host_moment: str = "training"  # the host moment that needs the most on the busiest node
+    host_breakdown: dict[str, int] = field(default_factory=dict)  # bytes by label on that node
+    # The plan as the offload strategy decided it (what is offloaded, resident layers): what
+    # `shardplan run` executes.
+    inputs: EstimateInputs | None = None
 
 
 def _devices(inputs: EstimateInputs, layout: Layout) -> list[DeviceEstimate]:
@@ -36,11 +59,27 @@ def _devices(inputs: EstimateInputs, layout: Layout) -> list[DeviceEstimate]:
     ]
 
 
-def _cpu_per_node(devices: list[DeviceEstimate], layout: Layout) -> int:
-    """The busiest node's CPU bytes: each rank counts its stage's figure."""
-    per_rank = [devices[stage].cpu["total"] for stage in layout.column("pp")]
+def _host(devices: list[DeviceEstimate], layout: Layout, on_gpu: bool = True) -> tuple[int, str, dict[str, int]]:
+    """The busiest node's host bytes, at its larger moment, with the breakdown: each rank
+    counts its stage's figures (core/host.py). Nodes that hold the same stages need the same,
+    so only distinct mixes of stages are added up."""
+    stages = layout.column("pp")
     gpn = layout.gpus_per_node
-    return max(sum(per_rank[start:start + gpn]) for start in range(0, len(per_rank), gpn))
+    seen: set[tuple[int, ...]] = set()
+    best = (0, "training", {})
+    for start in range(0, len(stages), gpn):
+        mix = tuple(sorted(stages[start:start + gpn]))
+        if mix in seen:
+            continue
+        seen.add(mix)
+        node = node_host([(devices[stage].host, devices[stage].startup) for stage in mix], on_gpu)
+        if node[0] > best[0]:
+            best = node
+    return best
+
+
+def _cpu_per_node(devices: list[DeviceEstimate], layout: Layout, on_gpu: bool = True) -> int:
+    return _host(devices, layout, on_gpu)[0]
 
 
 def _peak(devices: list[DeviceEstimate]) -> int:
@@ -48,7 +87,8 @@ def _peak(devices: list[DeviceEstimate]) -> int:
 
 
 def cpu_limit(inputs: EstimateInputs) -> int:
-    """CPU bytes a node may use: its RAM when known, and the job's cpu_memory_budget."""
+    """Host bytes a node may use: the job's cpu_memory_budget (by default the node's RAM less
+    a reserve, core/estimate_inputs.py), and never more than the RAM when it is known."""
     return min(inputs.cpu_memory_per_node or inputs.cpu_memory_budget, inputs.cpu_memory_budget)
 
 
@@ -59,22 +99,31 @@ def _strategy(inputs: EstimateInputs, layout: Layout,
     if inputs.gpu_memory is None:
         return inputs, []
     threshold = PRESSURE[inputs.strategy]
-    target = int(threshold * inputs.gpu_memory)
-    limit = cpu_limit(inputs)
     peak = _peak(devices)
     share = lambda value: f"{format_bytes(value)} ({value / inputs.gpu_memory:.0%})"
-    head = f"strategy {inputs.strategy} (peak at most {threshold:.0%} of {format_bytes(inputs.gpu_memory)})"
+    if threshold is None:
+        return inputs, []
+    target = int(threshold * inputs.gpu_memory)
+    limit = cpu_limit(inputs)
+    if threshold >= 1:
+        head = f"strategy {inputs.strategy} (offload only as far as the plan needs to fit in {format_bytes(inputs.gpu_memory)})"
+    else:
+        head = (f"strategy {inputs.strategy} (keep the peak under {threshold:.0%} of "
+                f"{format_bytes(inputs.gpu_memory)}, at {format_bytes(target)})")
     if peak <= target:
-        return inputs, [f"{head}: peak {share(peak)}; no further offload"]
-    decisions = [f"{head}: peak {share(peak)} is over"]
-    steps = ["offload_optimizer", "offload_grads"] if inputs.framework != "fsdp2" else []
+        return inputs, []
+    decisions = [f"{head}: without more offload the peak would be {share(peak)}"]
+    # DeepSpeed moves the fp32 gradients with the optimizer (offload_optimizer); the paper
+    # counts gradients on their own.
+    steps = {"deepspeed": ["offload_optimizer"], "zero-paper": ["offload_optimizer", "offload_grads"]}.get(
+        inputs.framework, [])
     for flag in steps:
         if getattr(inputs, flag):
             continue
         trial = inputs.with_(**{flag: True})
         trial_devices = _devices(trial, layout)
         what = flag.removeprefix("offload_").replace("optimizer", "optimizer states").replace("grads", "gradients")
-        cpu = _cpu_per_node(trial_devices, layout)
+        cpu = _cpu_per_node(trial_devices, layout, inputs.on_gpu)
         if cpu > limit:
             decisions.append(f"not offloading {what}: a node would need {format_bytes(cpu)} of CPU memory, "
                              f"over its {format_bytes(limit)} (cpu_memory_budget / cpu_memory_per_node)")
@@ -123,7 +172,7 @@ def _fewest_offloaded_layers(inputs: EstimateInputs, layout: Layout, target: int
     at = lambda resident: _devices(current.with_(resident_layers=resident), layout)
     by_gpu = _search(0, upper, lambda r: _peak(at(r)) <= target)
     # CPU use falls as more layers stay resident: the fewest resident the CPU allows.
-    by_cpu = _search(0, upper, lambda r: _cpu_per_node(at(upper - r), layout) <= limit)
+    by_cpu = _search(0, upper, lambda r: _cpu_per_node(at(upper - r), layout, inputs.on_gpu) <= limit)
     fewest = upper - by_cpu if by_cpu is not None else upper
     wanted = by_gpu if by_gpu is not None else 0  # every layer offloaded when none meets the target
     resident = max(wanted, fewest)
@@ -142,29 +191,32 @@ def assumptions(inputs: EstimateInputs) -> dict[str, object]:
         "pipeline_schedule": inputs.schedule,
         "activation_checkpointing": inputs.recompute,
         "attention": inputs.attention,
+        "loss": inputs.loss,
         "devices_shown": "each stage's fullest rank (tp rank 0, shard index 0)",
+        "peak": "the largest moment of the step (forward, loss, backward, backward end, step); "
+                "buffers that never coexist are never added",
         "cuda_context_bytes": CUDA_CONTEXT_BYTES if inputs.on_gpu else 0,
         "fragmentation_allowance": FRAGMENTATION if inputs.on_gpu else 0,
-        "logits_and_loss": "fp32 log-probabilities kept for backward on the last stage (sb*V/t*4 B), "
-                           "their gradient at the start of backward",
+        "host_process_bytes": PROCESS_HOST_BYTES if inputs.on_gpu else PROCESS_HOST_BYTES_CPU,
+        "logits_and_loss": ("fp32: the loop keeps the 16-bit logits until backward, fp32 log-probabilities are "
+                            "saved, log_softmax's backward holds two fp32 gradients" if inputs.loss == "fp32" else
+                            "fused: an fp32 softmax is saved and becomes its gradient in place"),
         "embedding_output": "token ids (int64) and, with dropout, the embedding dropout mask",
-        "communication_buffers": "fsdp2 stages 0, 2, 3: all-gathered blocks (1 + prefetch_layers), root kept "
-                                 "unsharded, one block's gradients before reduce-scatter; stage 1 (DDP): "
-                                 "gradient buckets are the gradients (gradient_as_bucket_view)",
-        "cpu_memory": "offloaded model states only (pinned when pin_memory and a GPU); "
-                      "the processes' own memory is not included",
+        "host_memory": "per node, the larger of start-up (model built on the CPU before sharding) and training "
+                       "(offloaded states as allocated, pinned buffers rounded up to a power of two, staging), "
+                       "plus a runtime allowance per process",
     }
 
 
 def estimate_memory(inputs: EstimateInputs) -> Estimate:
-    """The estimate of a plan: every pipeline stage's fullest rank, per-node CPU, the fit."""
+    """The estimate of a plan: every pipeline stage's fullest rank, per-node host memory, the fit."""
     layout = Layout(inputs.degrees, inputs.order, inputs.gpus_per_node)
     devices = _devices(inputs, layout)
     decided, decisions = _strategy(inputs, layout, devices)
     if decided is not inputs:
         inputs, devices = decided, _devices(decided, layout)
     peak = _peak(devices)
-    cpu_node = _cpu_per_node(devices, layout)
+    host_node, host_moment, host_breakdown = _host(devices, layout, inputs.on_gpu)
     fits = None
     warnings: list[str] = []
     if inputs.gpu_memory is not None:
@@ -172,9 +224,10 @@ def estimate_memory(inputs: EstimateInputs) -> Estimate:
         if not fits:
             warnings.append(f"the peak device needs {format_bytes(peak)}, more than its {format_bytes(inputs.gpu_memory)}")
         limit = cpu_limit(inputs)
-        if cpu_node > limit:
+        if host_node > limit:
             fits = False
-            warnings.append(f"a node needs {format_bytes(cpu_node)} of CPU memory, over its limit {format_bytes(limit)}")
+            warnings.append(f"a node needs {format_bytes(host_node)} of host memory at {host_moment}, over its "
+                            f"limit {format_bytes(limit)}")
     gathered = torch_sequence_parallel_extra(inputs)
     if gathered:
         warnings.append(f"sequence parallel is counted as Megatron-LM keeps it (Korthikanti et al.); torch's "
@@ -183,8 +236,12 @@ def estimate_memory(inputs: EstimateInputs) -> Estimate:
     if inputs.shape is None:
         warnings.append("no architecture: model states only (activations and the buffers that depend on the "
                         "layers are not estimated)")
-    result = Estimate(param_counts(inputs), devices, peak, cpu_node, fits, assumptions(inputs), warnings, decisions)
-    result.cpu_pinned = inputs.pin_memory and inputs.on_gpu and cpu_node > 0
+        if inputs.offload_params:
+            warnings.append("no architecture: offload.params puts every parameter on the CPU (there are no layers "
+                            "to keep resident)")
+    result = Estimate(param_counts(inputs), devices, peak, host_node, fits, assumptions(inputs), warnings, decisions)
+    result.cpu_pinned = inputs.pin_memory and inputs.on_gpu and any(d.cpu["total"] for d in devices)
+    result.host_moment, result.host_breakdown = host_moment, host_breakdown
     result.inputs = inputs
     result.assumptions["offload"] = {
         "params": inputs.offload_params, "grads": inputs.offload_grads, "optimizer": inputs.offload_optimizer,

@@ -211,7 +211,8 @@ def rank_states(
     groups = (
         ("layers", layer, resident, False),
         ("offloaded layers", layer, rp.num_layers - resident, True),
-        ("all" if flat_count else "embedding/head", root, 1, False),
+        # A bare parameter count has no layers: parameter offload moves all of it.
+        ("all" if flat_count else "embedding/head", root, 1, flat_count and offload.params),
     )
     flat = sharding.framework != "fsdp2" and sharding.stage in (1, 2)
     states = States()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from ..core.memory import Estimate
+from ..core.timeline import MOMENT_HELP
 from ..spec.units import byte_unit, format_bytes, format_count
 
 GPU_KINDS = ("params", "grads", "optimizer", "activations", "buffers")
@@ -43,13 +44,12 @@ def estimate_table(result: Estimate, gpu_memory: int | None, title: str) -> list
     largest = max([result.peak_gpu_bytes] + [d.cpu["total"] for d in result.devices])
     unit, size = byte_unit(largest)  # one unit for the whole table: narrow, comparable columns
     cell = (lambda value: f"{value / size:.2f}") if size > 1 else str
-    headers = ["stage", "ranks", *(SHORT.get(k, k) for k in GPU_KINDS), "GPU", "CPU"]
+    headers = ["stage", "ranks", *(SHORT.get(k, k) for k in GPU_KINDS), "GPU", "peak at", "CPU"]
     rows = []
     for device in result.devices:
         gpu = device.gpu
-        star = "*" if device.phase == "optimizer step" else ""
         rows.append([str(device.stage), _ranks(device.ranks), *(cell(gpu[k]) for k in GPU_KINDS),
-                     cell(gpu["total"]) + star, cell(device.cpu["total"])])
+                     cell(gpu["total"]), device.peak_moment, cell(device.cpu["total"])])
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     scale = gpu_memory or result.peak_gpu_bytes
 
@@ -60,7 +60,7 @@ def estimate_table(result: Estimate, gpu_memory: int | None, title: str) -> list
             text.append(value, style=styles[i])
         return text
 
-    styles = ["", "", *(COLOURS[k] for k in GPU_KINDS), "bold", ""]
+    styles = ["", "", *(COLOURS[k] for k in GPU_KINDS), "bold", "", ""]
     lines = [Text(f"{title} ({unit})", style="bold")]
     header = line(headers, [""] * len(headers))
     header.append("  " + ("of GPU" if gpu_memory else "of peak"))
@@ -70,8 +70,6 @@ def estimate_table(result: Estimate, gpu_memory: int | None, title: str) -> list
         text.append("  ")
         text.append_text(_bar(device.gpu, scale))
         lines.append(text)
-    if any(d.phase == "optimizer step" for d in result.devices):
-        lines.append(Text("* peak during the optimizer step (activations freed)", style="dim"))
     return lines
 
 
@@ -91,11 +89,12 @@ def summary_lines(result: Estimate, gpu_memory: int | None, cpu_memory: int | No
     else:
         lines.append(Text(f"peak GPU {format_bytes(peak)} (no GPU memory stated: set cluster.gpu_memory or "
                           "[cluster] preset to check the fit)"))
-    cpu = f"CPU per node {format_bytes(result.cpu_bytes_per_node)}"
+    cpu = f"host per node {format_bytes(result.cpu_bytes_per_node)} at {result.host_moment}"
     if cpu_memory:
-        cpu += f" of {format_bytes(cpu_memory)} (the node's RAM and cpu_memory_budget, the lower)"
-    if result.cpu_pinned:
-        cpu += " (pinned)"
+        cpu += f" of {format_bytes(cpu_memory)} (cpu_memory_budget: the node's RAM less a reserve unless written)"
+    largest = sorted(result.host_breakdown.items(), key=lambda item: -item[1])[:3]
+    if largest:
+        cpu += ": " + ", ".join(f"{label} {format_bytes(value)}" for label, value in largest)
     lines.append(Text(cpu))
     for decision in result.decisions:
         lines.append(Text(f"offload: {decision}", style="yellow"))
@@ -107,11 +106,22 @@ def summary_lines(result: Estimate, gpu_memory: int | None, cpu_memory: int | No
 def explain_lines(result: Estimate) -> list[Text]:
     lines: list[Text] = []
     for device in result.devices:
-        lines.append(Text(f"stage {device.stage} (peak in {device.phase}):", style="bold"))
+        lines.append(Text(f"stage {device.stage}: peak at {device.peak_moment} "
+                          f"({MOMENT_HELP[device.peak_moment]})", style="bold"))
+        for moment in device.moments:
+            mark = "  <- peak" if moment.name == device.peak_moment else ""
+            lines.append(Text(f"  moment {moment.name}: {format_bytes(moment.total)}{mark}"))
+        lines.append(Text(f"  terms at {device.peak_moment}:"))
         for key, terms in device.terms.items():
             for term in terms:
                 formula = f" = {term.formula}" if term.formula else ""
                 lines.append(Text(f"  {key}: {term.label}{formula} = {format_bytes(term.bytes)}"))
+        if device.host or device.startup:
+            lines.append(Text("  host memory of one rank (the node adds its ranks and a runtime allowance each):"))
+            for moment, terms in (("training", device.host), ("start-up", device.startup)):
+                for term in terms:
+                    formula = f" = {term.formula}" if term.formula else ""
+                    lines.append(Text(f"  host.{moment}: {term.label}{formula} = {format_bytes(term.bytes)}"))
     return lines
 
 
@@ -133,8 +143,9 @@ def estimate_document(result: Estimate, gpu_memory: int | None, explain: bool) -
             "ranks": device.ranks,
             "gpu": device.gpu,
             "cpu": device.cpu,
-            "peak_phase": device.phase,
-            "phase_totals": device.phase_totals,
+            "peak_moment": device.peak_moment,
+            "moments": device.moment_totals,
+            "states": device.states,
             "saved_activations": device.saved_activations,
             "layers": device.num_layers,
             "resident_layers": device.resident_layers,
@@ -144,12 +155,18 @@ def estimate_document(result: Estimate, gpu_memory: int | None, explain: bool) -
                 key: [{"label": t.label, "bytes": t.bytes, "formula": t.formula} for t in terms]
                 for key, terms in device.terms.items()
             }
+            entry["host_terms"] = {
+                moment: [{"label": t.label, "bytes": t.bytes, "formula": t.formula} for t in terms]
+                for moment, terms in (("training", device.host), ("start-up", device.startup))
+            }
         devices.append(entry)
     return {
         "params": result.params,
         "devices": devices,
         "peak_gpu_bytes": result.peak_gpu_bytes,
         "cpu_bytes_per_node": result.cpu_bytes_per_node,
+        "host": {"per_node": result.cpu_bytes_per_node, "moment": result.host_moment,
+                 "breakdown": result.host_breakdown},
         "cpu_pinned": result.cpu_pinned,
         "gpu_memory": gpu_memory,
         "headroom_bytes": None if gpu_memory is None else gpu_memory - result.peak_gpu_bytes,

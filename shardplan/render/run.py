@@ -73,10 +73,11 @@ def run_table(report: dict, model: str) -> Group:
             table.add_row(str(entry["rank"]) if first else "", coords if first else "", kind,
                           format_bytes(est), format_bytes(meas), difference(est, meas),
                           end_section=index == len(KINDS) - 1)
-        if report["device"] == "cuda":
-            est, meas = entry["estimated"]["peak_device"], entry["measured"]["peak_device"] or 0
-            table.add_row("", "", "peak allocated", format_bytes(est), format_bytes(meas), difference(est, meas),
-                          end_section=True)
+        if entry["measured"].get("peak_device") is not None:
+            est, meas = entry["estimated"]["peak_device"], entry["measured"]["peak_device"]
+            what = "peak allocated" if report["device"] == "cuda" else "peak process growth"
+            table.add_row("", "", f"{what} ({entry['estimated'].get('peak_moment', '')})", format_bytes(est),
+                          format_bytes(meas), difference(est, meas), end_section=True)
     steps = report["steps"] or [{"loss": float("nan")}]
     lines = [
         Text(f"loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f} over {len(steps)} steps; "

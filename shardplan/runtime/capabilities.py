@@ -30,6 +30,9 @@ def unsupported(resolved: ResolvedJob) -> list[Problem]:
     elif unbuildable(shape):
         found.append(("model", f"`run` builds GPT-2 and Llama-style models, not {unbuildable(shape)} "
                                f"(model {shape.name or shape.family})"))
+    if job.train.activation_checkpointing == "op":
+        found.append(("train.activation_checkpointing", "torchtitan's operator policy (op) is estimated, not executed "
+                                                        "by `run`: use none, selective or full"))
     if par.cp > 1:
         found.append(("parallel.cp", "context parallelism is not executed by `run`"))
     if par.sequence_parallel and par.tp > 1 and shape is not None and shape.position_embedding == "learned":

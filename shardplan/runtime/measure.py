@@ -133,3 +133,41 @@ class _Saved:
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
+
+
+class ProcessMemory:
+    """The process's resident memory (Linux): its growth from a starting point to the high
+    water mark, the measure of a rank's peak where host and device memory are one (CPU).
+
+    Writing 5 to /proc/self/clear_refs resets the high water mark `VmHWM` to the current
+    resident size (Linux 4.0+, Documentation/filesystems/proc.rst, "clear_refs"); elsewhere
+    nothing is measured."""
+
+    def __init__(self) -> None:
+        self.baseline: int | None = None
+
+    @staticmethod
+    def _status(key: str) -> int | None:
+        try:
+            with open("/proc/self/status", encoding="ascii") as status:
+                for line in status:
+                    if line.startswith(key + ":"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            return None
+        return None
+
+    def start(self) -> None:
+        try:
+            with open("/proc/self/clear_refs", "w", encoding="ascii") as refs:
+                refs.write("5")
+        except OSError:
+            return
+        self.baseline = self._status("VmRSS")
+
+    def growth(self) -> int | None:
+        """Bytes the high water mark rose above the start (None where not measurable)."""
+        if self.baseline is None:
+            return None
+        peak = self._status("VmHWM")
+        return None if peak is None else peak - self.baseline

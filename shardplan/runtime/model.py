@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..spec.model import ModelShape
 from .capabilities import unbuildable
@@ -30,8 +31,10 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_seq_len: int):
         super().__init__()
-        inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+        # Real tables even when the model is built on the meta device (they are small and no
+        # parameter depends on them).
+        inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device="cpu"), inv_freq)
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
@@ -218,13 +221,55 @@ def init_weights(model: nn.Module, seed: int) -> None:
     """Deterministic weights: each parameter from its own generator seeded by (seed, name),
     so every rank and every layout builds the same full model."""
     for name, param in model.named_parameters():
-        generator = torch.Generator().manual_seed(_name_seed(seed, name))
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
-        elif name.endswith(".bias"):
-            param.zero_()
-        else:
-            param.copy_(torch.randn(param.shape, generator=generator) * INIT_STD)
+        init_parameter(param, name, seed)
+
+
+# checkpoint_wrapper inserts this into the names of the parameters it wraps.
+CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
+
+
+@torch.no_grad()
+def init_parameter(param: torch.Tensor, name: str, seed: int) -> None:
+    """Fill `param` with the values `init_weights` gives the whole model's parameter `name`:
+    a tensor-parallel DTensor gets its own piece of that full tensor (the piece
+    `compute_local_shape_and_global_offset` places on this rank)."""
+    name = name.replace(CHECKPOINT_PREFIX, "")
+    local = param.to_local() if isinstance(param, DTensor) else param
+    if name.endswith("norm.weight"):
+        local.fill_(1.0)
+        return
+    if name.endswith(".bias"):
+        local.zero_()
+        return
+    generator = torch.Generator().manual_seed(_name_seed(seed, name))
+    full = torch.randn(tuple(param.shape), generator=generator) * INIT_STD
+    if isinstance(param, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        full = full[tuple(slice(start, start + size) for start, size in zip(offset, shape))]
+    local.copy_(full)
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, seed: int, prefix: str = "", tied_head: bool = False) -> None:
+    """Give `module`'s meta-device parameters CPU storage and their deterministic values
+    (`init_weights` of the whole model, named `prefix` + their name). The model is built on the
+    meta device and materialized a block at a time just before `fully_shard` shards it
+    (torchtitan's pattern), so a rank's host memory holds one block and the root in fp32 at
+    start-up, not the whole model. A pipeline's last stage with tied embeddings takes its head
+    copy's values from the embedding (`tied_head`)."""
+    pending = [name for name, param in module.named_parameters() if param.is_meta]
+    if not pending:
+        return
+    # Tensor-parallel pieces go to their mesh's device (their block is 1/tp of a layer); the
+    # rest to the CPU, from where fully_shard moves each rank's shard.
+    module._apply(lambda t: torch.empty_like(t, device=t.device_mesh.device_type if isinstance(t, DTensor) else "cpu")
+                  if t.is_meta else t)
+    params = dict(module.named_parameters())
+    for name in pending:
+        full_name = prefix + name
+        if tied_head and full_name.replace(CHECKPOINT_PREFIX, "") == "lm_head.weight":
+            full_name = "embed.weight"
+        init_parameter(params[name], full_name, seed)
 
 
 def _name_seed(seed: int, name: str) -> int:

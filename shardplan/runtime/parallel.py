@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..core.precision import MIXED
 from .dist import Runtime
+from .model import materialize
 
 COMPUTE_DTYPES = dict(zip(MIXED, (torch.bfloat16, torch.float16)))  # core.precision.MIXED, in order
 
@@ -53,6 +54,8 @@ class ParallelPlan:
     prefetch_layers: int
     pin_memory: bool
     sequence_parallel: bool = False
+    seed: int = 0  # weights come from (seed, parameter name): runtime/model.py init_parameter
+    tied_head: bool = False  # a last pipeline stage holding its copy of a tied embedding
 
 
 def apply_tensor_parallel(model: nn.Module, runtime: Runtime, sequence_parallel: bool) -> None:
@@ -117,10 +120,16 @@ def apply_fsdp(model: nn.Module, runtime: Runtime, plan: ParallelPlan) -> None:
     offload = CPUOffloadPolicy(pin_memory=plan.pin_memory and runtime.on_gpu)
     reshard = plan.zero_stage in (0, 3)  # stage 0: frees the 16-bit copies after forward
     blocks = _blocks(model)
-    for index, block in enumerate(blocks):
+    # One block at a time: materialized on the CPU (the model is built on the meta device),
+    # then sharded, so the host never holds more than a block and the root in full.
+    for index, (key, block) in enumerate(model.layers.items()):
+        materialize(block, plan.seed, prefix=f"layers.{key}.")
         offloaded = plan.offload_params and index >= plan.resident_layers
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
                     offload_policy=offload if offloaded else OffloadPolicy())
+    for name, child in model.named_children():
+        if name != "layers":
+            materialize(child, plan.seed, prefix=f"{name}.", tied_head=plan.tied_head)
     # The root (embedding, final norm, head) is needed again as soon as backward starts:
     # torch's default (None) keeps it gathered from forward to backward.
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=None if reshard else False, mp_policy=mp_policy)
@@ -170,6 +179,7 @@ def parallelize(model: nn.Module, runtime: Runtime, plan: ParallelPlan) -> nn.Mo
     if plan.zero_stage != 1:
         apply_fsdp(model, runtime, plan)  # fully_shard moves the states to the mesh's device
         return model
+    materialize(model, plan.seed, tied_head=plan.tied_head)  # DDP replicates whole tensors
     model.to(runtime.device)
     if runtime.layout.degrees.dp > 1:
         return apply_ddp(model, runtime)

@@ -51,9 +51,13 @@ def stage_module(full: nn.Module, layers: range, first: bool, last: bool, tie_co
     elif tie_copy:
         # Tied embeddings over several stages: the last stage keeps its own copy of the
         # embedding matrix as the head, kept equal by summing the two gradients (Megatron-LM).
-        head = nn.Linear(full.embed.weight.shape[1], full.embed.weight.shape[0], bias=False)
-        with torch.no_grad():
-            head.weight.copy_(full.embed.weight)
+        weight = full.embed.weight
+        head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+        if not weight.is_meta:
+            with torch.no_grad():
+                head.weight.copy_(weight)
+        # On the meta device the copy's values come from the embedding's when it is
+        # materialized (runtime/model.py `materialize`, tied_head).
         stage.lm_head = head
     return stage
 

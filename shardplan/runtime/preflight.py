@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.estimate import DeviceEstimate
+from ..core.host import node_host
 from ..spec.errors import InfeasibleError
 from ..spec.units import format_bytes
 
@@ -45,7 +46,7 @@ def check(device: DeviceEstimate, on_gpu: bool, device_index: int | None, local_
             finding = f"needs {format_bytes(need)} on its GPU, which has {format_bytes(capacity)}"
     ram = available_ram()
     if ram is not None:
-        per_rank = device.cpu["total"] + (0 if on_gpu else device.gpu["total"])
+        per_rank = node_host([(device.host, device.startup)], on_gpu)[0] + (0 if on_gpu else device.gpu["total"])
         need = per_rank * local_world
         if need > ram and finding is None:
             finding = (f"its node needs {format_bytes(need)} of RAM ({local_world} ranks x "

@@ -22,7 +22,7 @@ from ..spec.errors import RunFailure
 from . import data as data_mod
 from .dist import Runtime
 from .measure import SavedTensorTracker, state_bytes
-from .model import Transformer, init_weights, loss_fn
+from .model import Transformer, loss_fn
 from .parallel import COMPUTE_DTYPES, ParallelPlan, build_optimizer, offloaded_block, parallelize, unwrapped
 from .pipeline import build_schedule, build_stages
 
@@ -32,13 +32,14 @@ PEAK_BF16_FLOPS = {"A100": 312e12, "H100 PCIe": 756e12, "H100": 989e12, "H200": 
 
 
 def build_model(resolved: ResolvedJob) -> nn.Module:
+    """The whole model on the meta device: no memory until `parallelize` materializes it a
+    block at a time (runtime/model.py `materialize`)."""
     job = resolved.job
     try:
-        model = Transformer(resolved.shape, dropout=job.model.dropout, attention=job.train.attention)
+        with torch.device("meta"):
+            return Transformer(resolved.shape, dropout=job.model.dropout, attention=job.train.attention)
     except ValueError as exc:
         raise RunFailure(str(exc)) from None
-    init_weights(model, job.train.seed)
-    return model
 
 
 def _autocast(runtime: Runtime, plan: ParallelPlan):
@@ -63,6 +64,7 @@ class Trainer:
             lr=job.train.lr, recompute=job.train.activation_checkpointing, resident_layers=resident,
             offload_params=offload_params, prefetch_layers=job.offload.prefetch_layers,
             pin_memory=job.offload.pin_memory, sequence_parallel=par.sequence_parallel and par.tp > 1,
+            seed=job.train.seed, tied_head=resolved.shape.tie_embeddings and par.pp > 1,
         )
         self.batching = data_mod.Batching(par.dp, par.micro_batch_size, par.num_microbatches, job.train.seq_len)
         self.source = self._source()
@@ -162,6 +164,7 @@ class Trainer:
                     with _autocast(self.runtime, self.plan):
                         logits = self.model(tokens)
                     loss = self._loss(logits, targets) / m
+                    del logits  # backward needs only the log-probabilities (as torchtitan does)
                     loss.backward()
                 total = total + loss.detach().float()
         self._sync_tied_embeddings()
@@ -196,17 +199,24 @@ def global_loss(local: torch.Tensor, trainer: Trainer) -> float:
     return float(value) / (d.dp * d.tp * d.cp)
 
 
-def rank_estimates(device: DeviceEstimate) -> dict[str, int]:
-    """This rank's estimate (devices GPU + CPU together), and the device peak to compare with
-    torch.cuda.max_memory_allocated: the GPU total less the allowances for the CUDA context
-    and fragmentation, which the allocator does not count."""
+def rank_estimates(device: DeviceEstimate, on_gpu: bool) -> dict[str, int]:
+    """This rank's estimate (devices GPU + CPU together), and the peak to compare with what
+    the rank measures: on a GPU, torch.cuda.max_memory_allocated against the peak moment less
+    the allowances for the CUDA context and fragmentation, which the allocator does not count;
+    on the CPU, where host and device memory are one, the process's growth from before the
+    model is built against the larger of the start-up copy and the peak moment with the host
+    terms beside it."""
     allowances = sum(t.bytes for t in device.terms["gpu.buffers"] if "(allowance)" in t.label)
+    peak = device.gpu["total"] - allowances
+    if not on_gpu:
+        peak = max(sum(t.bytes for t in device.startup), peak + sum(t.bytes for t in device.host))
     return {
-        "params": device.gpu["params"] + device.cpu["params"],
-        "grads": device.gpu["grads"] + device.cpu["grads"],
-        "optimizer": device.gpu["optimizer"] + device.cpu["optimizer"],
+        "params": device.states["params"] + device.cpu["params"],
+        "grads": device.states["grads"] + device.cpu["grads"],
+        "optimizer": device.states["optimizer"] + device.cpu["optimizer"],
         "activations": device.saved_activations,
-        "peak_device": device.gpu["total"] - allowances,
+        "peak_device": peak,
+        "peak_moment": device.peak_moment,
         "resident_layers": device.resident_layers,
     }
 

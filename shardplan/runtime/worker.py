@@ -25,7 +25,7 @@ from ..render.run import progress_bar, run_table
 from ..spec.errors import RunFailure, ShardplanError
 from . import checkpoint, faults, preflight
 from .dist import Runtime, start, stop
-from .measure import SavedTensorTracker
+from .measure import ProcessMemory, SavedTensorTracker
 from .train import Trainer, global_loss, mfu, rank_estimates
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -123,8 +123,11 @@ def _train(resolved: ResolvedJob, runtime: Runtime, limits_known: bool, options:
     resume = _resume_point(resolved, options, plan)
     if resume is not None and resume[1]["step"] >= job.train.steps:
         return _already_complete(resume[0], resume[1]["step"], job.train.steps, rank0, options)
+    process = ProcessMemory()
     if runtime.on_gpu:
         torch.cuda.reset_peak_memory_stats(runtime.device)
+    else:
+        process.start()  # on CPU, host and device memory are one: the process's growth
     Phase.current = "building the model"
     trainer = Trainer(resolved, runtime, inputs.offload_params, mine.resident_layers)
     first_step, resumed = 0, None
@@ -141,7 +144,7 @@ def _train(resolved: ResolvedJob, runtime: Runtime, limits_known: bool, options:
     report = _loop(resolved, runtime, trainer, first_step, plan, options)
     report["resumed_from"] = resumed
     report["offload_decisions"] = decided.decisions
-    report["ranks"] = _gather(runtime, trainer, report.pop("_tracker"), report.pop("_states"), mine)
+    report["ranks"] = _gather(runtime, trainer, report.pop("_tracker"), report.pop("_states"), mine, process)
     if not rank0:
         return None
     if options.table:
@@ -227,10 +230,10 @@ def _progress(rank0: bool, table: bool, total: int, completed: int):
     return None
 
 
-def _gather(runtime, trainer, tracker, states, mine) -> list[dict]:
+def _gather(runtime, trainer, tracker, states, mine, process) -> list[dict]:
     measured = {kind: sum(states[kind].values()) for kind in ("params", "grads", "optimizer")}
     measured["activations"] = tracker.peak
-    measured["peak_device"] = torch.cuda.max_memory_allocated(runtime.device) if runtime.on_gpu else None
+    measured["peak_device"] = torch.cuda.max_memory_allocated(runtime.device) if runtime.on_gpu else process.growth()
     measured["resident_layers"] = trainer.resident_blocks()
     entry = {
         "rank": runtime.rank,
@@ -238,7 +241,7 @@ def _gather(runtime, trainer, tracker, states, mine) -> list[dict]:
         "measured": measured,
         "measured_by_device": states,
         "weight_copies": tracker.copies_peak,
-        "estimated": rank_estimates(mine),
+        "estimated": rank_estimates(mine, runtime.on_gpu),
     }
     entries = [None] * runtime.world
     Phase.current = "gathering the measurements"

@@ -123,6 +123,10 @@ class ZeroSpec(Table):
     param_persistence_threshold: Count = Field(
         100_000, description="parameters this small stay gathered, stage 3 (DeepSpeed stage3_param_persistence_threshold)"
     )
+    overlap_comm: Optional[bool] = Field(
+        None, description="DeepSpeed overlap_comm: reduce gradients during backward in two alternating "
+        "buckets; default DeepSpeed's (true at stage 3, false below)"
+    )
     framework: Literal["fsdp2", "deepspeed", "zero-paper"] = Field(
         "fsdp2", description="whose memory accounting: fsdp2 (what `shardplan run` executes), deepspeed "
         "(what DeepSpeed's code allocates) or zero-paper (the ZeRO paper's formulas)"
@@ -147,7 +151,10 @@ class OffloadSpec(Table):
     params: bool = Field(False, description="keep parameters on the CPU (needs ZeRO stage 3)")
     grads: bool = Field(False, description="move gradients to the CPU")
     optimizer: bool = Field(False, description="keep optimizer states on the CPU (step runs there)")
-    cpu_memory_budget: Size = Field(2**35, description="CPU memory this job may use per node")
+    cpu_memory_budget: Size = Field(
+        2**35, description="CPU memory this job may use per node; when not written: the node's RAM "
+        "(cluster.cpu_memory_per_node) less a reserve of 10% (at least 8 GiB)"
+    )
     gpu_param_budget: Size = Field(2**31, description="parameter bytes kept on the GPU; blocks beyond stay on the CPU")
     prefetch_layers: Dim = Field(1, description="blocks fetched ahead of the one computing")
     async_prefetch: bool = Field(True, description="prefetch on a side stream")
@@ -174,8 +181,13 @@ class TrainSpec(Table):
     global_batch_size: int = Field(
         0, ge=0, le=2**31, description="sequences per optimizer step; 0: dp * micro_batch_size * num_microbatches"
     )
-    activation_checkpointing: Literal["none", "selective", "full"] = Field(
-        "none", description="activation recomputation"
+    activation_checkpointing: Literal["none", "selective", "op", "full"] = Field(
+        "none", description="activation recomputation: none, selective (Korthikanti et al.: attention core), "
+        "op (torchtitan's operator policy: keep every other matmul's output), full (each layer)"
+    )
+    loss: Literal["fp32", "fused"] = Field(
+        "fp32", description="cross entropy: fp32 (torch on upcast logits: transformers, torchtitan, `run`) or "
+        "fused (Megatron-LM's vocab-parallel kernel: fp32 softmax kept, gradient in place)"
     )
     attention: Literal["flash", "eager"] = Field(
         "flash", description="flash keeps no score matrix; eager keeps it for backward"

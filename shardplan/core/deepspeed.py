@@ -1,0 +1,387 @@
+"""`framework = "deepspeed"`: GPU and host memory as DeepSpeed's code allocates it (v0.19).
+
+Sources, DeepSpeed v0.19.5 (deepspeed/runtime/...):
+
+- ZeRO stage 1 and 2, zero/stage_1_and_2.py. Each optimizer parameter group is flattened into
+  one 16-bit buffer padded to a multiple of 2*dp elements (`flatten_dense_tensors_aligned`,
+  nccl_start_alignment_factor = 2; lines 415-470) that the model's parameters view; the rank's
+  1/dp of it gets an fp32 master copy (`single_partition_of_fp32_groups`, line 487) whose Adam
+  moments the optimizer keeps. With contiguous gradients (the default) backward copies each
+  gradient into an IPG bucket of `reduce_bucket_size` elements (`setup_buckets`, lines
+  2467-2490; two buckets with `overlap_comm`), reduces it, and keeps this rank's part in
+  `grads_in_partition`, sized by the full numel of every parameter that overlaps the
+  partition (`copy_grads_in_partition`, lines 1643-1662). The buckets are released at the
+  end of every backward (`_release_ipg_buffers`, line 939). Stage 1 without overlap_comm
+  keeps every parameter's full gradient until the accumulation boundary (`process_gradients`
+  reduces only under partition_gradients or overlap_comm). The step flattens the partition's
+  gradients and casts them to fp32 (`step`, lines 2331-2335).
+- ZeRO-Offload (stage 1/2 with offload_optimizer): the fp32 master partition, a 16-bit staging
+  copy of it (lines 492-504) and the fp32 gradient partition (`initialize_optimizer_states`,
+  lines 819-823) live in host memory, pinned when `pin_memory`; DeepSpeedCPUAdam's moments in
+  plain host memory; one gradient-sized staging buffer of the largest parameter on each side
+  (`temp_grad_buffer_for_cpu_offload` / `_for_gpu_offload`, lines 582-590); with gradient
+  accumulation one pinned 16-bit buffer per parameter of the partition (line 1500).
+- ZeRO stage 3, zero/stage3.py and zero/partitioned_param_coordinator.py: each parameter is
+  partitioned to ceil(numel/dp) elements, except those under
+  `stage3_param_persistence_threshold`, which stay whole; the gradient partitions live in one
+  flat buffer allocated at start (lines 706-721; pinned on the host with offload_optimizer);
+  one IPG bucket of `reduce_bucket_size` (line 702); the step casts one sub-group (at most
+  `sub_group_size` = 1e9 elements, zero/config.py) of gradients to fp32 at a time
+  (`_prepare_fp32_grad_for_sub_group`, lines 2369-2378). A module's parameters are gathered
+  whole when it runs (`fetch_sub_module`, lines 310-350): `stage3_max_live_parameters` only
+  bounds the prefetch, which fetches whole parameters until `stage3_prefetch_bucket_size`
+  elements are in flight (lines 452-467).
+- Stage 0 with 16-bit training, runtime/fp16/fused_optimizer.py (FP16_Optimizer, used for fp16
+  and, as DDP_BFLOAT16, for bf16; engine.py lines 1967-1975, 2021-2023): a flat 16-bit copy the
+  parameters view, an fp32 master copy and its Adam moments; the step casts every gradient to
+  fp32 and concatenates them (lines 286-294), two fp32 copies at once.
+
+Pinned host memory comes from torch's caching host allocator, which rounds every allocation up
+to the next power of two (torch 2.13, ATen/core/CachingHostAllocator.h, `allocate`: "Round up
+the allocation to the nearest power of two"; the threshold defaults to no limit).
+
+Optimizer parameter groups follow the weight-decay split that Megatron-LM
+(`get_params_for_weight_decay_optimization`) and transformers' Trainer both make: matrices in
+one group, biases and norm weights in another; each group is a flat buffer of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .precision import FP32, HALF
+from .stages import LocalParam, RankParams
+from .terms import Term
+from .timeline import BACKWARD, BACKWARD_END, FORWARD, LOSS, STEP
+
+ALIGNMENT_FACTOR = 2  # nccl_start_alignment_factor (stage_1_and_2.py): flat buffers pad to 2*dp
+SUB_GROUP_SIZE = 1_000_000_000  # zero/config.py `sub_group_size` default (stage 3 steps per sub-group)
+BACKWARD_MOMENTS = (LOSS, BACKWARD)
+
+
+def pinned_bytes(size: int) -> int:
+    """Bytes torch's caching host allocator reserves for a pinned allocation of `size` bytes:
+    the next power of two (CachingHostAllocator.h, `allocate`)."""
+    return 1 << (size - 1).bit_length() if size > 1 else size
+
+
+@dataclass(frozen=True)
+class DeepSpeedPlan:
+    """The narrow inputs of one rank under DeepSpeed."""
+
+    stage: int
+    degree: int  # ranks in the data-parallel (ZeRO) group
+    index: int  # this rank's place in it
+    precision: str
+    optimizer: str
+    offload_optimizer: bool = False
+    offload_params: bool = False  # stage 3 only (ZeRO-Infinity)
+    pin: bool = True  # pin_memory, on a machine with an accelerator
+    reduce_bucket_size: int = 500_000_000
+    prefetch_bucket_size: int = 50_000_000
+    max_live_parameters: int = 1_000_000_000
+    persistence_threshold: int = 100_000
+    overlap_comm: bool | None = None  # None: DeepSpeed's default, true at stage 3 only
+    accumulating: bool = False  # gradient accumulation or pipeline microbatches
+
+    @property
+    def overlap(self) -> bool:
+        return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
+
+    @property
+    def model_bytes(self) -> int:
+        """The model's dtype: 16-bit under mixed precision (pure bf16 runs as bf16 mixed
+        precision), fp32 otherwise."""
+        return FP32 if self.precision == "fp32" else HALF
+
+    @property
+    def master(self) -> bool:
+        """An fp32 master copy exists: 16-bit training, and ZeRO 1/2 even in fp32 (its
+        `single_partition_of_fp32_groups` is a clone of the partition, line 487)."""
+        return self.precision != "fp32" or self.stage in (1, 2)
+
+    @property
+    def moments(self) -> int:
+        """fp32 optimizer moments per master element: Adam's two, SGD none."""
+        return 2 if self.optimizer.startswith("adamw") else 0
+
+
+@dataclass
+class DeepSpeedMemory:
+    """One rank's memory under DeepSpeed: persistent GPU and host terms by kind, the GPU
+    buffers of each moment, gradients alive at each moment, and the host's own terms."""
+
+    gpu: dict[str, list[Term]]  # params, grads, optimizer held through the step
+    cpu: dict[str, list[Term]]  # the same kinds in host memory (exact bytes)
+    grads_at: dict[str, list[Term]]  # GPU gradient terms alive at each moment
+    buffers_at: dict[str, list[Term]]  # GPU buffers of each moment
+    host: list[Term]  # host memory as allocated (pinned rounding, staging buffers)
+
+
+def ordered_params(rp: RankParams) -> list[LocalParam]:
+    """The rank's parameters in module order: embeddings, the layers, final norm and head."""
+    first = [p for p in rp.root if p.info.part in ("embedding", "position")]
+    last = [p for p in rp.root if p.info.part not in ("embedding", "position")]
+    return first + list(rp.layer) * rp.num_layers + last
+
+
+def weight_decay_groups(params: list[LocalParam]) -> list[list[LocalParam]]:
+    """Matrices (weight decay) and vectors (biases, norms: no decay), each in module order."""
+    groups = [[p for p in params if len(p.shape) >= 2], [p for p in params if len(p.shape) < 2]]
+    return [g for g in groups if g]
+
+
+@dataclass(frozen=True)
+class FlatGroup:
+    """One flattened parameter group under ZeRO 1/2 on this rank."""
+
+    numel: int  # real elements
+    padded: int  # the flat buffer, padded to a multiple of 2*dp
+    partition: int  # this rank's part of it
+    in_partition: int  # full numel of every parameter overlapping this rank's part
+    largest: int  # the group's largest parameter
+
+
+@lru_cache(maxsize=1024)
+def flat_groups(rp: RankParams, degree: int, index: int) -> tuple[FlatGroup, ...]:
+    groups = []
+    for group in weight_decay_groups(ordered_params(rp)):
+        numel = sum(p.numel for p in group)
+        align = ALIGNMENT_FACTOR * degree
+        padded = -(-numel // align) * align
+        partition = padded // degree
+        start, end = index * partition, (index + 1) * partition
+        offset = overlapping = 0
+        for p in group:
+            if offset < end and offset + p.numel > start:
+                overlapping += p.numel
+            offset += p.numel
+        groups.append(FlatGroup(numel, padded, partition, overlapping, max(p.numel for p in group)))
+    return tuple(groups)
+
+
+def _tied_embedding(rp: RankParams) -> int:
+    """Elements of a token embedding that this rank also uses as its output head (0 if none)."""
+    if not rp.has_head or any(p.info.part == "head" for p in rp.root):
+        return 0
+    return sum(p.numel for p in rp.root if p.info.part == "embedding")
+
+
+def _module_of(name: str) -> str:
+    """The module owning a parameter; a mixture-of-experts layer's experts are one module,
+    as transformers' fused expert modules hold every expert's projections."""
+    if ".experts." in name:
+        return name.split(".experts.")[0] + ".experts"
+    return name.rsplit(".", 1)[0]
+
+
+@lru_cache(maxsize=1024)
+def largest_modules(rp: RankParams) -> tuple[int, int, int]:
+    """(largest module of a layer, largest root module (embedding / head), their max), in
+    elements: what ZeRO-3 gathers whole when that module runs."""
+    def largest(params: tuple[LocalParam, ...]) -> int:
+        modules: dict[str, int] = {}
+        for p in params:
+            key = _module_of(p.info.name)
+            modules[key] = modules.get(key, 0) + p.numel
+        return max(modules.values(), default=0)
+
+    layer = largest(rp.layer) if rp.num_layers else 0
+    root = largest(rp.root)
+    return layer, root, max(layer, root)
+
+
+def _term(label: str, elements: int, unit: int, why: str) -> Term:
+    return Term(label, elements * unit, lambda: f"{why} = {elements:,} elements * {unit} B")
+
+
+def _pinned(label: str, size: int, pin: bool, why: str) -> Term:
+    if not pin:
+        return Term(label, size, why)
+    held = pinned_bytes(size)
+    return Term(f"{label} (pinned)", held,
+                lambda: f"{why}: {size:,} B rounded up to a power of two = {held:,} B")
+
+
+def _stage12(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
+    groups = flat_groups(rp, plan.degree, plan.index)
+    model = plan.model_bytes
+    gpu: dict[str, list[Term]] = {"params": [], "grads": [], "optimizer": []}
+    cpu: dict[str, list[Term]] = {"params": [], "grads": [], "optimizer": []}
+    host: list[Term] = []
+    padded = sum(g.padded for g in groups)
+    partition = sum(g.partition for g in groups)
+    numel = sum(g.numel for g in groups)
+    in_partition = sum(g.in_partition for g in groups)
+    gpu["params"].append(_term("flat 16-bit parameters" if model == HALF else "flat parameters", padded, model,
+                               f"{len(groups)} groups padded to 2*dp"))
+    optimizer = [_term("fp32 master partition", partition, FP32, f"1/{plan.degree} of the flat buffer")] if plan.master else []
+    if plan.moments:
+        optimizer.append(_term("Adam moments", partition, plan.moments * FP32, f"{plan.moments} fp32 moments of the partition"))
+    grads_at: dict[str, list[Term]] = {m: [] for m in (FORWARD, LOSS, BACKWARD, BACKWARD_END, STEP)}
+    buffers_at: dict[str, list[Term]] = {m: [] for m in grads_at}
+    buckets = 2 if plan.overlap else 1
+    bucket = _term(f"IPG bucket{'s' if buckets > 1 else ''} (reduce_bucket_size)", buckets * plan.reduce_bucket_size,
+                   model, f"{buckets} * {plan.reduce_bucket_size:,}")
+    for moment in BACKWARD_MOMENTS:
+        buffers_at[moment].append(bucket)
+    largest = max(g.largest for g in groups)
+    tied = _tied_embedding(rp)
+    if tied:
+        # One tensor used twice: autograd holds the head's gradient until the embedding's
+        # backward adds its own, and only then does DeepSpeed's hook copy it to a bucket.
+        held_grad = _term("tied embedding gradient (held until the embedding's backward)", tied, model,
+                          "the head's share, in autograd's input buffer")
+        for moment in BACKWARD_MOMENTS:
+            buffers_at[moment].append(held_grad)
+    if plan.offload_optimizer:
+        cpu["optimizer"] = optimizer
+        cpu["grads"].append(_term("fp32 gradient partition", partition, FP32, "single_partition_of_fp32_groups[i].grad"))
+        for g in groups:
+            host.append(_pinned("fp32 master partition", g.partition * FP32, plan.pin, f"group of {g.numel:,}"))
+            host.append(_pinned("16-bit staging copy of the partition", g.partition * model, plan.pin,
+                                f"group of {g.numel:,}"))
+            host.append(_pinned("fp32 gradient partition", g.partition * FP32, plan.pin, f"group of {g.numel:,}"))
+        if plan.moments:
+            host.append(_term("Adam moments (DeepSpeedCPUAdam)", partition, plan.moments * FP32, "partition"))
+        host.append(_pinned("gradient staging buffer (largest parameter)", largest * model, plan.pin,
+                            "temp_grad_buffer_for_cpu_offload"))
+        staging = _term("gradient staging buffer (largest parameter)", largest, model, "temp_grad_buffer_for_gpu_offload")
+        for moment in grads_at:
+            buffers_at[moment].append(staging)
+        if plan.accumulating:
+            # One pinned buffer per parameter of the partition, each rounded on its own; the
+            # parameters overlapping the partition bound them.
+            host.append(Term("accumulated gradients (one pinned buffer per parameter)",
+                             _per_param_pinned(rp, plan, groups, model),
+                             "accumulated_grads_in_cpu: each parameter in the partition, 16-bit, rounded"))
+        return DeepSpeedMemory(gpu, cpu, grads_at, buffers_at, host)
+    gpu["optimizer"] = optimizer
+    # Gradients: the partition's part (stage 2, or stage 1 with overlap_comm), or every full
+    # gradient until the boundary (stage 1).
+    partitioned = plan.stage == 2 or plan.overlap
+    held = _term("gradients overlapping the partition (grads_in_partition)", in_partition, model,
+                 "full numel of the parameters in this rank's part")
+    full = _term("gradients of every parameter (stage 1: reduced at the boundary)", numel, model, "all local gradients")
+    during = held if partitioned else full
+    gpu["grads"].append(during)
+    for moment in (LOSS, BACKWARD, BACKWARD_END):
+        grads_at[moment].append(during)
+    if plan.accumulating:
+        grads_at[FORWARD].append(during)
+    grads_at[STEP].append(held)
+    buffers_at[STEP].append(_term("flattened gradient partition", partition, model, "flatten(averaged_gradients)"))
+    buffers_at[STEP].append(_term("fp32 gradient partition", partition, FP32, "single_grad_partition"))
+    return DeepSpeedMemory(gpu, cpu, grads_at, buffers_at, host)
+
+
+def _per_param_pinned(rp: RankParams, plan: DeepSpeedPlan, groups: tuple[FlatGroup, ...], model: int) -> int:
+    total = 0
+    for group, flat in zip(weight_decay_groups(ordered_params(rp)), groups):
+        start, end = plan.index * flat.partition, (plan.index + 1) * flat.partition
+        offset = 0
+        for p in group:
+            if offset < end and offset + p.numel > start:
+                total += pinned_bytes(p.numel * model) if plan.pin else p.numel * model
+            offset += p.numel
+    return total
+
+
+def _stage3(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
+    model = plan.model_bytes
+    params = ordered_params(rp)
+    persistent = [p for p in params if p.numel < plan.persistence_threshold]
+    partition = sum(-(-p.numel // plan.degree) for p in params)
+    whole = sum(p.numel for p in persistent)
+    gpu: dict[str, list[Term]] = {"params": [], "grads": [], "optimizer": []}
+    cpu: dict[str, list[Term]] = {"params": [], "grads": [], "optimizer": []}
+    host: list[Term] = []
+    moments = (FORWARD, LOSS, BACKWARD, BACKWARD_END, STEP)
+    grads_at: dict[str, list[Term]] = {m: [] for m in moments}
+    buffers_at: dict[str, list[Term]] = {m: [] for m in moments}
+    parts = _term("16-bit parameter partitions", partition, model, f"each parameter padded to a multiple of {plan.degree}, / dp")
+    (cpu if plan.offload_params else gpu)["params"].append(parts)
+    if whole:
+        gpu["params"].append(_term("persistent parameters (under stage3_param_persistence_threshold)", whole, model,
+                                   f"{len(persistent)} small tensors kept whole"))
+    grad_parts = _term("gradient partitions (grad_partitions_flat_buffer)", partition, model, "one flat buffer")
+    place = cpu if plan.offload_optimizer else gpu
+    place["grads"].append(grad_parts)
+    if not plan.offload_optimizer:
+        for moment in moments:
+            grads_at[moment].append(grad_parts)
+    optimizer = []
+    if plan.master:
+        optimizer.append(_term("fp32 master partition", partition, FP32, "fp32_partitioned_groups_flat"))
+    if plan.moments:
+        optimizer.append(_term("Adam moments", partition, plan.moments * FP32, f"{plan.moments} fp32 moments"))
+    place["optimizer"] = optimizer
+    sub_group = min(SUB_GROUP_SIZE, partition)
+    if plan.offload_optimizer:
+        host.append(_pinned("gradient partitions", partition * model, plan.pin, "grad_partitions_flat_buffer"))
+        for size in _sub_groups(partition):
+            host.append(_pinned("fp32 master sub-group", size * FP32, plan.pin, f"sub-group of {size:,}"))
+            host.append(_pinned("fp32 gradient sub-group", size * FP32, plan.pin, f"sub-group of {size:,}"))
+        if plan.moments:
+            host.append(_term("Adam moments (DeepSpeedCPUAdam)", partition, plan.moments * FP32, "partition"))
+    else:
+        buffers_at[STEP].append(_term("fp32 gradients of one sub-group", sub_group, FP32 + model,
+                                      "flatten (16-bit) then cast (fp32), min(sub_group_size, partition)"))
+    if plan.offload_params:
+        host.append(_pinned("16-bit parameter partitions", partition * model, plan.pin, "param_groups_fp16_flat_cpu_memory"))
+    bucket = _term("IPG bucket (reduce_bucket_size)", plan.reduce_bucket_size, model, "allocated at start")
+    layer_module, root_module, _ = largest_modules(rp)
+    prefetch = min(plan.prefetch_bucket_size, plan.max_live_parameters)
+    for moment in moments:
+        buffers_at[moment].append(bucket)
+    for moment, module, what in ((FORWARD, max(layer_module, root_module), "the largest module"),
+                                 (LOSS, root_module or layer_module, "the output head"),
+                                 (BACKWARD, layer_module or root_module, "a layer's largest module")):
+        if module:
+            buffers_at[moment].append(_term(f"gathered module ({what}, whole)", module, model,
+                                            "fetch_sub_module gathers every parameter of the running module"))
+        if prefetch:
+            buffers_at[moment].append(_term("prefetched parameters", prefetch, model,
+                                            "min(stage3_prefetch_bucket_size, stage3_max_live_parameters)"))
+    if module := (layer_module or root_module):
+        buffers_at[BACKWARD].append(_term("the gathered module's 16-bit gradients", module, model,
+                                          "produced whole, then reduce-scattered"))
+    return DeepSpeedMemory(gpu, cpu, grads_at, buffers_at, host)
+
+
+def _sub_groups(partition: int) -> list[int]:
+    full, rest = divmod(partition, SUB_GROUP_SIZE)
+    return [SUB_GROUP_SIZE] * full + ([rest] if rest else [])
+
+
+def _stage0(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
+    model = plan.model_bytes
+    numel = rp.numel
+    moments = (FORWARD, LOSS, BACKWARD, BACKWARD_END, STEP)
+    grads_at: dict[str, list[Term]] = {m: [] for m in moments}
+    buffers_at: dict[str, list[Term]] = {m: [] for m in moments}
+    gpu = {"params": [_term("parameters (flat)", numel, model, "every local parameter")], "grads": [], "optimizer": []}
+    if plan.master:
+        gpu["optimizer"].append(_term("fp32 master copy", numel, FP32, "fp32_groups_flat"))
+    if plan.moments:
+        gpu["optimizer"].append(_term("Adam moments", numel, plan.moments * FP32, f"{plan.moments} fp32 moments"))
+    grads = _term("gradients", numel, model, "every local gradient")
+    gpu["grads"].append(grads)
+    for moment in (LOSS, BACKWARD, BACKWARD_END, STEP):
+        grads_at[moment].append(grads)
+    if plan.accumulating:
+        grads_at[FORWARD].append(grads)
+    if plan.master:
+        buffers_at[STEP].append(_term("fp32 gradients (each cast, then concatenated)", numel, 2 * FP32,
+                                      "p.grad.to(fp32) for every parameter, then _flatten_dense_tensors"))
+    return DeepSpeedMemory(gpu, {"params": [], "grads": [], "optimizer": []}, grads_at, buffers_at, [])
+
+
+def deepspeed_memory(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
+    """One rank's memory under DeepSpeed at `plan.stage`."""
+    if plan.stage == 3:
+        return _stage3(rp, plan)
+    if plan.stage in (1, 2):
+        return _stage12(rp, plan)
+    return _stage0(rp, plan)

@@ -1,0 +1,124 @@
+"""Host (CPU) memory a node really needs: two moments, start-up and training, per rank; a
+node adds its ranks up and needs the larger moment.
+
+- Start-up: the copy of the model a framework builds on the CPU before sharding it. `shardplan
+  run` (the fsdp2 accounting) builds the model on the meta device and materializes it a block
+  at a time just before `fully_shard` shards it, then the root (runtime/model.py
+  `materialize`, torchtitan's pattern): a rank holds one layer or the root in full at once;
+  code driving DeepSpeed at ZeRO stage 0-2
+  builds the rank's part in fp32 (Megatron-LM, transformers' `from_pretrained` without a
+  dtype) before `deepspeed.initialize` moves it; ZeRO-3 partitions while constructing
+  (`deepspeed.zero.Init`, which transformers enables under ZeRO-3), so nothing whole is built.
+- Training: offloaded model states as allocated (pinned buffers rounded up to a power of two
+  by torch's caching host allocator, core/deepspeed.py `pinned_bytes`), the CPU optimizer
+  step's temporaries, checkpoint staging, DeepSpeed's own host buffers (core/deepspeed.py).
+- Both: a per-process allowance for the runtime itself.
+"""
+
+from __future__ import annotations
+
+from .deepspeed import SUB_GROUP_SIZE, flat_groups, ordered_params, pinned_bytes
+from .estimate_inputs import EstimateInputs
+from .precision import FP32, ElementBytes
+from .stages import RankParams
+from .terms import Term
+
+# Host memory of one training process beside its tensors: Python, torch and the CUDA, cuDNN,
+# cuBLAS and NCCL libraries mapped into it, the CUDA driver's host-side state, NCCL's host
+# buffers and the data loader. A stated allowance, not a measurement of a job. Without an
+# accelerator the process is torch and gloo alone: 266 MiB resident after
+# `init_process_group("gloo")` and an all-reduce (torch 2.13 CPU build, measured with
+# /proc/self/status VmHWM), rounded up.
+PROCESS_HOST_BYTES = 2 * 2**30
+PROCESS_HOST_BYTES_CPU = 512 * 2**20
+
+STARTUP, TRAINING = "start-up", "training"
+
+
+def process_allowance(on_gpu: bool = True) -> Term:
+    if on_gpu:
+        return Term("runtime per process (allowance)", PROCESS_HOST_BYTES,
+                    "Python, torch, CUDA/NCCL libraries and driver state: 2 GiB per process")
+    return Term("runtime per process (allowance)", PROCESS_HOST_BYTES_CPU,
+                "Python, torch and gloo without an accelerator: 512 MiB per process")
+
+
+def startup_host(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes) -> list[Term]:
+    """The model copy built on this rank's CPU before sharding."""
+    if inputs.framework == "fsdp2":
+        largest = max(rp.layer_numel if rp.num_layers else 0, rp.root_numel)
+        unit = eb.params
+        return [Term("one layer or the root, materialized before fully_shard (`run`)", largest * unit,
+                     lambda: f"max(layer {rp.layer_numel:,}, root {rp.root_numel:,}) parameters * {unit} B")] if largest else []
+    if inputs.zero_stage == 3:
+        return []  # deepspeed.zero.Init partitions while the model is built
+    numel = rp.numel
+    return [Term("the rank's model part built in fp32 before deepspeed.initialize", numel * FP32,
+                 lambda: f"{numel:,} parameters * {FP32} B")] if numel else []
+
+
+def rank_host(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, degree: int, resident: int,
+              cpu: dict[str, list[Term]]) -> list[Term]:
+    """Host memory of one rank's offloaded states while training, under fsdp2 or the paper.
+
+    fsdp2 (`CPUOffloadPolicy`): each offloaded sharded parameter is pinned on its own
+    (`FSDPParam`: `pin_memory()` per parameter) and so is each gradient it receives
+    (copied device-to-host with `non_blocking=True`, which allocates pinned memory); each
+    takes the power of two above its size. AdamW's moments are `zeros_like` of the parameter
+    (not pinned), and its step's temporary runs on the CPU too."""
+    if inputs.framework != "fsdp2":
+        return [Term(t.label, t.bytes, t.source) for kind in ("params", "grads", "optimizer") for t in cpu[kind]]
+    offloaded = rp.num_layers - resident if inputs.offload_params else 0
+    flat = inputs.shape is None and inputs.offload_params  # a bare count offloads as one block
+    if not offloaded and not flat:
+        return []
+    pin = inputs.pin_memory and inputs.on_gpu
+    tensors = rp.root if flat else rp.layer
+    count = 1 if flat else offloaded
+    terms = []
+    for kind, unit in (("params", eb.params), ("grads", eb.grads)):
+        if inputs.compression != "none" and kind == "params":
+            terms += cpu["params"]
+            continue
+        sizes = [p.padded_shard_numel(degree) * unit for p in tensors]
+        held = count * sum(pinned_bytes(size) if pin else size for size in sizes)
+        label = f"offloaded {kind}" + (" (pinned, each rounded up to a power of two)" if pin else "")
+        terms.append(Term(label, held, lambda sizes=sizes: f"{count} blocks * sum over {len(sizes)} tensors"))
+    terms += cpu["optimizer"]
+    optimizer_bytes = sum(t.bytes for t in cpu["optimizer"])
+    if inputs.optimizer == "adamw" and optimizer_bytes:
+        temporary = optimizer_bytes // 2
+        terms.append(Term("AdamW step temporary on the CPU", temporary, "one moment's size"))
+    return terms
+
+
+def checkpoint_staging(inputs: EstimateInputs, rp: RankParams, degree: int) -> list[Term]:
+    """Writing a checkpoint copies each tensor of the rank's state to the host as it is
+    written (torch.save; torch.distributed.checkpoint's FileSystemWriter), one at a time:
+    the largest single fp32 state tensor bounds it."""
+    if not inputs.checkpointing or rp.numel == 0:
+        return []
+    if inputs.framework == "deepspeed" and inputs.zero_stage in (1, 2):
+        largest = max(g.partition for g in flat_groups(rp, degree, 0))  # one flat fp32 partition
+    elif inputs.framework == "deepspeed" and inputs.zero_stage == 3:
+        largest = min(SUB_GROUP_SIZE, sum(-(-p.numel // degree) for p in ordered_params(rp)))
+    else:
+        shard = degree if inputs.zero_stage >= 2 or inputs.framework != "fsdp2" else 1
+        largest = max(p.padded_shard_numel(shard) for p in (*rp.layer, *rp.root))
+    return [Term("checkpoint staging (the largest state tensor while written)", largest * FP32,
+                 lambda: f"{largest:,} elements * {FP32} B")]
+
+
+def node_host(per_rank: list[tuple[list[Term], list[Term]]], on_gpu: bool = True) -> tuple[int, str, dict[str, int]]:
+    """A node's host need from its ranks' (training, start-up) terms: (bytes at the larger
+    moment, its name, bytes by label)."""
+    best = (0, TRAINING, {})
+    for moment, index in ((TRAINING, 0), (STARTUP, 1)):
+        breakdown: dict[str, int] = {}
+        for terms in per_rank:
+            for term in terms[index] + [process_allowance(on_gpu)]:
+                breakdown[term.label] = breakdown.get(term.label, 0) + term.bytes
+        total = sum(breakdown.values())
+        if total > best[0] or (total == best[0] and not best[2]):
+            best = (total, moment, breakdown)
+    return best
