@@ -223,13 +223,12 @@ def test_run_refuses_a_shared_norm_before_starting(write):
 # --- the same corpus with --json: stdout carries the CONTRACT's error document ---------
 
 def _line(problem: dict) -> str:
-    """A problem of the error document written as its stderr line (spec/errors.py Problem)."""
+    """An error of the error document written as its stderr line (spec/errors.py Problem)."""
     where = ""
     if problem["file"]:
         where = f"{problem['file']}:{problem['line']}: " if problem["line"] else f"{problem['file']}: "
-    kind = "warning: " if problem.get("severity") == "warning" else ""
     path = f"{problem['path']}: " if problem["path"] else ""
-    return f"{where}{kind}{path}{problem['message']}"
+    return f"{where}{path}{problem['message']}"
 
 
 def _check_json(argv: list[str], needle: str) -> None:
@@ -238,10 +237,10 @@ def _check_json(argv: list[str], needle: str) -> None:
     doc = result.json  # stdout is one JSON document and nothing else
     assert doc["schema_version"] == 1 and doc["error"]["exit_code"] == 2, doc
     problems = doc["error"]["problems"]
-    assert problems and all({"file", "line", "path", "message"} <= set(p) for p in problems), problems
+    assert problems and all(set(p) == {"file", "line", "path", "message"} for p in problems), problems
     assert any(needle in _line(p) for p in problems), problems
-    errors = [line for line in result.err_lines if "warning:" not in line]
-    assert len(errors) == len([p for p in problems if p.get("severity", "error") == "error"]), (errors, problems)
+    errors = [line for line in result.err_lines if "warning:" not in line and "note:" not in line]
+    assert [_line(p) for p in problems] == errors or len(problems) == len(errors) == 1, (errors, problems)
 
 
 @pytest.mark.parametrize("command", JOB_COMMANDS, ids=lambda c: c[0])

@@ -97,12 +97,12 @@ def _usage_problem(exc, command: str):
 
 def _fail(lines: list[str], code: int, json_out: bool, problems: list | None = None) -> int:
     """Diagnostics on stderr and, with `--json`, the CONTRACT's error document on stdout."""
-    from ..render.output import emit_diagnostics, emit_error_document
+    from ..render.output import emit_diagnostics, emit_json, error_document
 
     emit_diagnostics(lines)
     if json_out:
         try:
-            emit_error_document(code, problems if problems is not None else lines)
+            emit_json(error_document(problems if problems is not None else lines, code))
         except BrokenPipeError:  # stdout's reader is gone (`| head`): the exit code still says it
             _quiet_stdout()
     return code

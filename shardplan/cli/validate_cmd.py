@@ -8,7 +8,7 @@ import typer
 
 from ..core.params import count_params
 from ..io.job import ResolvedJob
-from ..render.output import emit_diagnostics, emit_json, emit_line
+from ..render.output import emit_diagnostics, emit_json, emit_line, error_document
 from ..render.summary import job_summary_line
 from ..spec.errors import EXIT_BAD_INPUT, InputError
 from .options import JsonFlag, PlanFlags, plan_flags
@@ -54,7 +54,7 @@ def validate(
         if not json_out:
             emit_line(job_summary_line(file, summary))
     if json_out:  # invalid: the report, and the CONTRACT's error document in the same object
-        error = {"error": {"exit_code": EXIT_BAD_INPUT, "problems": [p.to_json() for p in errors]}} if errors else {}
+        error = error_document(errors, EXIT_BAD_INPUT) if errors else {}
         emit_json({"valid": not errors, "files": reports, **error})
     if errors:
         raise typer.Exit(EXIT_BAD_INPUT)

@@ -78,16 +78,6 @@ def emit_json(document: dict) -> None:
     sys.stdout.write("\n")
 
 
-def emit_error_document(exit_code: int, problems: Iterable[object]) -> None:
-    """The CONTRACT's error document on stdout (`--json` with bad input): one entry per
-    problem, `file`, `line` and `path` null or empty where the problem has none."""
-    entries = []
-    for problem in problems:
-        to_json = getattr(problem, "to_json", None)
-        entries.append(to_json() if to_json else {"file": None, "line": None, "path": "", "message": str(problem)})
-    emit_json({"error": {"exit_code": exit_code, "problems": entries}})
-
-
 def emit_diagnostics(lines: Iterable[object]) -> None:
     """One plain line per problem on stderr (no markup, no wrapping: scripts read it)."""
     for line in lines:
@@ -139,7 +129,16 @@ def write_document(document: dict) -> None:
     sys.stdout.write(dumps_document(document))
 
 
-def error_document(problems: list, exit_code: int) -> dict:
-    """CONTRACT's error document for `--json` (stdout), beside the usual lines on stderr."""
-    rows = [{"file": p.file, "line": p.line, "path": p.path, "message": p.message} for p in problems]
+def error_document(problems: Iterable[object], exit_code: int) -> dict:
+    """CONTRACT's error document for `--json` (stdout), beside the usual lines on stderr: one
+    entry per error (warnings and notes stay on stderr); a plain line of text has no file,
+    line or path."""
+    rows = []
+    for problem in problems:
+        if getattr(problem, "severity", "error") != "error":
+            continue
+        if hasattr(problem, "path"):
+            rows.append({"file": problem.file, "line": problem.line, "path": problem.path, "message": problem.message})
+        else:
+            rows.append({"file": None, "line": None, "path": "", "message": str(problem)})
     return {"error": {"exit_code": exit_code, "problems": rows}}
