@@ -554,3 +554,19 @@ def test_stage_fqns_cover_every_layer_once(layers, stages, first, last):
     parts = stage_fqns(counts)
     names = [n for part in parts for n in part if n.startswith("layers.")]
     assert names == [f"layers.{i}" for i in range(layers)]
+
+
+def test_torchtitan_operator_policy_round_trips(write):
+    # torchtitan's selective recomputation with selective_ac_option = "op" is its operator
+    # policy (torchtitan/config/job_config.py, ActivationCheckpoint): shardplan's "op".
+    job = write("op.toml", '[model]\npreset = "llama-3-8b"\n[parallel]\ndp = 8\n[zero]\nstage = 3\n'
+                           '[train]\nactivation_checkpointing = "op"\n')
+    exported = run_cli("export", job, "--to", "torchtitan")
+    assert exported.code == 0, exported.err
+    assert 'mode = "selective"' in exported.out and 'selective_ac_option = "op"' in exported.out
+    titan = write("titan.toml", exported.out)
+    imported = run_cli("import", titan, "--set", "model.preset=llama-3-8b")
+    assert imported.code == 0, imported.err
+    assert 'activation_checkpointing = "op"' in imported.out
+    korthikanti = run_cli("export", job, "--to", "torchtitan", "--set", "train.activation_checkpointing=selective")
+    assert "written as its operator policy" in korthikanti.err

@@ -3,7 +3,7 @@
 Megatron-LM's argument parser (megatron/training/arguments.py) is not on the package index,
 so tests/data/interop/megatron_arguments.json records, for every argument the exporter can
 write, where Megatron defines it (file:line at the commit named in the file), whether it
-takes a value and its choices; tools/megatron_arguments.py made it with Megatron's parser.
+takes a value and its choices, read off Megatron-LM's parser at that commit.
 """
 
 from __future__ import annotations

@@ -82,9 +82,10 @@ def to_accelerate(plan: Plan) -> Exported:
                                                           f"keeps {off.gpu_param_budget} bytes of layers on the GPU"))
         if not off.pin_memory and off.params:
             notes.append(Note("offload.pin_memory", "accelerate's CPUOffloadPolicy always pins; false is not exported"))
-        if train.activation_checkpointing == "selective":
+        if train.activation_checkpointing in ("selective", "op"):
             notes.append(Note("train.activation_checkpointing", "accelerate recomputes whole transformer blocks; "
-                                                                "'selective' is written as fsdp_activation_checkpointing"))
+                                                                f"{train.activation_checkpointing!r} is written as "
+                                                                "fsdp_activation_checkpointing"))
     else:
         if any((off.params, off.grads, off.optimizer)):
             notes.append(Note("offload", "accelerate offloads to the CPU only under FSDP or DeepSpeed"))

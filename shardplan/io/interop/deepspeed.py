@@ -97,8 +97,8 @@ def to_deepspeed(plan: Plan) -> Exported:
         config["activation_checkpointing"] = {
             "partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": False,
         }
-        if train.activation_checkpointing == "selective":
-            notes.append(Note("train.activation_checkpointing", "deepspeed cannot express 'selective': "
+        if train.activation_checkpointing in ("selective", "op"):
+            notes.append(Note("train.activation_checkpointing", f"deepspeed cannot express {train.activation_checkpointing!r}: "
                                                                 "the activation_checkpointing section is written, and the "
                                                                 "model's code chooses what deepspeed.checkpointing recomputes"))
     if job.model.source is not None:

@@ -92,8 +92,11 @@ def to_megatron(plan: Plan) -> Exported:
                                                  "written as bf16 mixed precision"))
     elif train.precision == "fp16-mixed":
         add("--fp16")
-    if train.activation_checkpointing == "selective":
+    if train.activation_checkpointing in ("selective", "op"):
         add("--recompute-granularity", "selective")
+        if train.activation_checkpointing == "op":
+            notes.append(Note("train.activation_checkpointing", "megatron has no operator policy like torchtitan's; "
+                                                                "written as its selective (attention-core) recomputation"))
     elif train.activation_checkpointing == "full":
         add("--recompute-granularity", "full")
         add("--recompute-method", "uniform")

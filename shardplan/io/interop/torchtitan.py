@@ -122,9 +122,15 @@ def to_torchtitan(plan: Plan) -> Exported:
     config["optimizer"] = {"name": "AdamW", "lr": train.lr}
     config["training"] = _training(plan, notes)
     config["parallelism"] = _parallelism(plan, notes)
-    ac = {"mode": train.activation_checkpointing}
-    if train.activation_checkpointing == "selective":
-        ac["selective_ac_option"] = "op"  # per-op selective recomputation (keeps the matmul outputs)
+    recompute = train.activation_checkpointing
+    ac = {"mode": "selective" if recompute == "op" else recompute}
+    if recompute in ("op", "selective"):
+        # torchtitan's selective recomputation is its operator policy: shardplan's "op".
+        ac["selective_ac_option"] = "op"
+    if recompute == "selective":
+        notes.append(Note("train.activation_checkpointing", "torchtitan has no attention-core recomputation "
+                                                            "(Korthikanti et al.); written as its operator policy, "
+                                                            "train.activation_checkpointing = \"op\""))
     config["activation_checkpoint"] = ac
     if ckpt.dir:
         config["checkpoint"] = {"enable": True, "folder": ckpt.dir, "interval": ckpt.every,
@@ -249,15 +255,20 @@ def from_torchtitan(data: dict, dp: int | None = None, num_layers: int | None = 
     par.unread()
     ac = Reader(tables["activation_checkpoint"], "activation_checkpoint", out)
     mode = ac.choice("mode", ("none", "selective", "full", "memory_budget")) if ac.has("mode") else DEFAULTS["ac_mode"]
+    option = ac.str("selective_ac_option") if ac.has("selective_ac_option") else None
     if mode == "memory_budget":
-        out.note(ac.key("mode"), "a memory budget is read as selective recomputation")
-        mode = "selective"
+        out.note(ac.key("mode"), "a memory budget is read as the operator policy (\"op\")")
+        mode = "op"
+    elif mode == "selective" and option in (None, "op"):
+        mode = "op"  # torchtitan's default selective option is its operator policy
+    elif mode == "selective" and option == "1":
+        mode = "full"  # every layer recomputed in full
+    elif mode == "selective":
+        out.note(ac.key("selective_ac_option"), f"{option!r} (every {option}th layer recomputed in full) is read "
+                                                "as no recomputation: the estimate keeps more than the run does")
+        mode = "none"
     if mode:
         out.set("train.activation_checkpointing", mode, ac.key("mode"))
-    option = ac.str("selective_ac_option") if ac.has("selective_ac_option") else None
-    if mode == "selective" and option not in (None, "op"):
-        out.note(ac.key("selective_ac_option"), f"{option!r} (full recomputation of every {option}th layer) "
-                                                "is read as selective recomputation")
     ac.unread()
     ckpt = Reader(tables["checkpoint"], "checkpoint", out)
     if ckpt.bool("enable"):
