@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 
 from .common import Count, Dim, Table
 from .errors import Problem
+from .names import SHAPE_KEYS, SOURCE_KEYS  # noqa: F401 (re-exported)
 
 Family = Literal["gpt2", "llama", "mistral", "mixtral", "qwen2", "gemma", "falcon", "phi3"]
 Norm = Literal["layernorm", "rmsnorm"]
@@ -54,15 +55,6 @@ FFN_MULTIPLIER_DEFAULT = {"gpt2": 4, "falcon": 4}
 # layer), low enough that planning stays interactive.
 MAX_LAYERS = 100_000
 MAX_EXPERTS = 4096
-
-SHAPE_KEYS = (
-    "family", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-    "ffn_hidden_size", "vocab_size", "max_seq_len", "tie_embeddings", "norm", "activation",
-    "position_embedding", "qkv_bias", "out_bias", "mlp_bias", "shared_layer_norm",
-    "num_experts", "experts_per_token",
-)
-SOURCE_KEYS = ("preset", "hf_config", "params")
-
 
 class ModelSpec(Table):
     """The model to plan for: a preset, a Hugging Face config.json, a parameter count, or a shape."""
