@@ -97,6 +97,7 @@ class Miss:
     cpu_bytes_per_node: int
     short_bytes: int  # beyond the GPU memory or the host limit
     reason: str
+    at_least: bool = False  # only the model states were counted: short by at least this much
 
 
 @dataclass
@@ -107,6 +108,7 @@ class SearchResult:
     misses: list[Miss] = field(default_factory=list)
     seconds: float = 0.0
     offloaded: bool = False  # the plans needed offload: nothing fit without
+    fitting: int = 0  # plans that fit and were timed
 
 
 def divisors(n: int) -> list[int]:
@@ -191,8 +193,20 @@ def batch_options(dp: int, pp: int, schedule: str, space: Space, fixed: Fixed) -
     return out
 
 
+def _hybrid_even(degrees: Degrees, order: str, gpus_per_node: int) -> bool:
+    """Hybrid sharding splits every shard group evenly over its nodes (core/layout.py)."""
+    from .estimate import _hybrid_degree
+    from ..spec.errors import PlanError
+
+    try:
+        _hybrid_degree(degrees, order, gpus_per_node)
+    except PlanError:
+        return False
+    return True
+
+
 def sharding_options(degrees: Degrees, nodes: int, space: Space, fixed: Fixed,
-                     framework: str, gpus_per_node: int = 8) -> list[tuple[int, bool]]:
+                     framework: str, gpus_per_node: int = 8, order: str = "tp-cp-dp-pp") -> list[tuple[int, bool]]:
     """(ZeRO stage, hybrid): stage 1 runs under DDP, which cannot wrap tensor-parallel
     parameters (`run`); DeepSpeed's pipeline engine takes stages 0 and 1 only; hybrid
     sharding needs stage 2 or 3 and more than one node."""
@@ -206,7 +220,8 @@ def sharding_options(degrees: Degrees, nodes: int, space: Space, fixed: Fixed,
         # ranks apart in the default order) leaves the node.
         spans = degrees.dp * degrees.cp > 1 and degrees.dp * degrees.cp * degrees.tp > gpus_per_node
         hybrids = [fixed.hybrid] if fixed.hybrid is not None else ([False, True] if stage >= 2 and spans else [False])
-        out += [(stage, h) for h in hybrids if not (h and (stage < 2 or nodes == 1))]
+        out += [(stage, h) for h in hybrids
+                if not (h and (stage < 2 or nodes == 1 or not _hybrid_even(degrees, order, gpus_per_node)))]
     return out
 
 
@@ -237,11 +252,12 @@ def forward_bound(inputs: EstimateInputs) -> int:
 
 
 def candidates(base: EstimateInputs, space: Space, fixed: Fixed, rejected: Counter,
-               bound: bool = True) -> Iterator[list[EstimateInputs]]:
+               bound: bool = True, too_big: Callable[[EstimateInputs, int, int], None] | None = None,
+               ) -> Iterator[list[EstimateInputs]]:
     """Every structurally valid plan of the space, cheapest checks first, rejections counted:
     in lists that differ only in the micro batch (ascending, the accumulation making the
     global batch). `bound`: skip the (structure, sharding) groups whose model states alone
-    exceed the GPU."""
+    exceed the GPU, counting their plans and telling `too_big(plan, states, plans)`."""
     shape = base.shape
     assert shape is not None
     gpn = base.gpus_per_node
@@ -257,17 +273,21 @@ def candidates(base: EstimateInputs, space: Space, fixed: Fixed, rejected: Count
             if not batches:
                 rejected["the global batch does not divide into microbatches"] += 1
                 continue
-            for stage, hybrid in sharding_options(degrees, nodes, space, fixed, base.framework, gpn):
+            for stage, hybrid in sharding_options(degrees, nodes, space, fixed, base.framework, gpn, base.order):
                 keep = fixed.offload is not None  # the job's own offload stays as written
                 bare = base.with_(degrees=degrees, schedule=schedule, virtual=virtual, stage_split=split,
                                   zero_stage=stage, hybrid=hybrid, micro_batch=1, num_microbatches=batches[0][1],
                                   sequence_parallel=False, recompute="full",
                                   offload_params=base.offload_params and keep, offload_grads=base.offload_grads and keep,
                                   offload_optimizer=base.offload_optimizer and keep, strategy="conservative")
-                if bound and base.gpu_memory is not None and states_bound(bare) > base.gpu_memory:
-                    rejected["model states exceed the GPU memory"] += len(batches) * len(sps) * len(
-                        _options(fixed.recompute, list(RECOMPUTE)))
-                    continue
+                if bound and base.gpu_memory is not None:
+                    states = states_bound(bare)
+                    if states > base.gpu_memory:
+                        plans = len(batches) * len(sps) * len(_options(fixed.recompute, list(RECOMPUTE)))
+                        rejected[STATES] += plans
+                        if too_big is not None:
+                            too_big(bare, states, plans)
+                        continue
                 for recompute, sp in product(_options(fixed.recompute, list(RECOMPUTE)), sps):
                     yield [bare.with_(recompute=recompute, sequence_parallel=sp, micro_batch=mbs, num_microbatches=m)
                            for mbs, m in batches]
@@ -281,11 +301,14 @@ def _with_offload(inputs: EstimateInputs, strategy: str) -> EstimateInputs:
 
 PRUNED = "slower than the plans found (lower bound of the step time)"
 SMALLER = "GPU memory (a smaller micro batch already does not fit)"
+STATES = "model states exceed the GPU memory"
+FORWARD = "GPU memory (states and stage 0's activations)"
 
 
 class _Walk:
     """The search's state: the best plans so far, rejections, near misses, each group's
-    largest fitting micro batch."""
+    largest fitting micro batch. Every plan the walk reaches counts once in `evaluated` and
+    once either under a rejection reason or in `fitting` (tests/test_plan_cli.py)."""
 
     def __init__(self, base: EstimateInputs, top_k: int, timer, progress, refine=None):
         share = PRESSURE.get(base.strategy)  # the job's strategy keeps its headroom
@@ -299,27 +322,39 @@ class _Walk:
         self.misses: list[Miss] = []
         self.order = 0
         self.fits: dict[int, int] = {}  # group -> index of its largest fitting micro batch (-1: none)
+        self.checked: dict[tuple[int, int], tuple[bool, int, int, str]] = {}  # (group, index) -> memory()
 
     def kth(self) -> float | None:
         return -self.best[0][0] if len(self.best) == self.top_k else None
 
-    def memory(self, inputs: EstimateInputs) -> tuple[bool, int, int]:
-        """(fits, peak, host) of a plan; near misses are kept."""
+    def miss(self, inputs: EstimateInputs, peak: int, host: int, short: int, reason: str) -> None:
+        self.misses.append(Miss(inputs, peak, host, short, reason))
+        if len(self.misses) > 4 * self.top_k:
+            self.misses.sort(key=lambda m: m.short_bytes)
+            del self.misses[2 * self.top_k:]
+
+    def too_big(self, inputs: EstimateInputs, states: int, plans: int) -> None:
+        """A group whose model states alone exceed the GPU: a miss by at least that much."""
+        self.misses.append(Miss(inputs, states, 0, states - (self.capacity or 0), "GPU memory", at_least=True))
+
+    def memory(self, inputs: EstimateInputs) -> tuple[bool, int, int, str]:
+        """(fits, peak, host, why not) of a plan; near misses are kept."""
         if self.capacity is not None and max(forward_bound(inputs), states_bound(inputs)) > self.capacity:
-            self.result.rejected["GPU memory (states and stage 0's activations)"] += 1
-            return False, 0, 0
+            return False, 0, 0, FORWARD
         peak, host = plan_figures(inputs)
         over_gpu = peak - self.capacity if self.capacity is not None else 0
         over_host = host - self.limit
         if over_gpu > 0 or over_host > 0:
             reason = "GPU memory" if over_gpu > 0 else "host memory"
-            self.result.rejected[reason] += 1
-            self.misses.append(Miss(inputs, peak, host, max(over_gpu, over_host), reason))
-            if len(self.misses) > 4 * self.top_k:
-                self.misses.sort(key=lambda m: m.short_bytes)
-                del self.misses[2 * self.top_k:]
-            return False, peak, host
-        return True, peak, host
+            self.miss(inputs, peak, host, max(over_gpu, over_host), reason)
+            return False, peak, host, reason
+        return True, peak, host, ""
+
+    def checked_memory(self, group: int, index: int, inputs: EstimateInputs) -> tuple[bool, int, int, str]:
+        key = (group, index)
+        if key not in self.checked:
+            self.checked[key] = self.memory(inputs)
+        return self.checked[key]
 
     def largest_fitting(self, group: int, plans: list[EstimateInputs]) -> int:
         """Memory grows with the micro batch at a fixed accumulation rule (activations and the
@@ -330,30 +365,35 @@ class _Walk:
             low, high, best = 0, len(plans) - 1, -1
             while low <= high:
                 middle = (low + high) // 2
-                if self.memory(plans[middle])[0]:
+                if self.checked_memory(group, middle, plans[middle])[0]:
                     best, low = middle, middle + 1
                 else:
                     high = middle - 1
             self.fits[group] = best
         return self.fits[group]
 
+    def reject(self, reason: str, count: int = 1) -> None:
+        self.result.rejected[reason] += count
+
     def rank(self, inputs: EstimateInputs, asked: EstimateInputs | None = None, figures=None) -> None:
         kth = self.kth()
         if self.refine is not None and kth is not None and self.refine(inputs) > kth:
-            self.result.rejected[PRUNED] += 1
+            self.reject(PRUNED)
             return
         peak, host = figures if figures is not None else plan_figures(inputs)
         seconds = self.timer(inputs)
         self.order += 1
+        self.result.fitting += 1
         item = (-seconds, -peak, -self.order, inputs, peak, host, asked or inputs)
         if len(self.best) < self.top_k:
             heapq.heappush(self.best, item)
         elif item > self.best[0]:
             heapq.heapreplace(self.best, item)
 
-    def tick(self) -> None:
-        self.result.evaluated += 1
-        if self.progress and self.result.evaluated % 256 == 0:
+    def tick(self, count: int = 1) -> None:
+        before = self.result.evaluated
+        self.result.evaluated += count
+        if self.progress and before // 256 != self.result.evaluated // 256:
             self.progress(self.result.evaluated)
 
 
@@ -381,25 +421,27 @@ def search(base: EstimateInputs, space: Space, fixed: Fixed, timer: Callable[[Es
     start = time.perf_counter()
     walk = _Walk(base, top_k, timer, progress, refine)
     result = walk.result
-    groups = list(candidates(base, space, fixed, result.rejected))
+    groups = list(candidates(base, space, fixed, result.rejected, too_big=walk.too_big))
+    result.evaluated = sum(result.rejected.values())  # the plans the structure and states rejected
     keyed = _keyed(groups, bound)
     for position, (lower, g, i, inputs) in enumerate(keyed):
         kth = walk.kth()
         if bound is not None and kth is not None and lower > kth:
-            result.rejected[PRUNED] += len(keyed) - position
-            result.evaluated += len(keyed) - position
+            walk.reject(PRUNED, len(keyed) - position)
+            walk.tick(len(keyed) - position)
             break
         walk.tick()
         plans = groups[g]
-        single = inputs.num_microbatches == 1 and i == len(plans) - 1
-        if single:
-            fits, peak, host = walk.memory(inputs)
+        if inputs.num_microbatches == 1 and i == len(plans) - 1:  # the single-microbatch plan, alone
+            fits, peak, host, reason = walk.checked_memory(g, i, inputs)
             if fits:
                 walk.rank(inputs, figures=(peak, host))
+            else:
+                walk.reject(reason)
             continue
         limit = walk.largest_fitting(g, plans[:-1] if plans[-1].num_microbatches == 1 else plans)
         if i > limit:
-            result.rejected[SMALLER] += 1
+            walk.reject(walk.checked[(g, i)][3] if (g, i) in walk.checked else SMALLER)
             continue
         walk.rank(inputs)
     if not walk.best and fixed.offload is None and space.offload and base.strategy != "conservative":
@@ -407,19 +449,23 @@ def search(base: EstimateInputs, space: Space, fixed: Fixed, timer: Callable[[Es
         # cheapest first, only as far as each plan needs. Offload adds time, so the same bound
         # still holds.
         result.offloaded = True
-        strategy = base.strategy if base.strategy != "conservative" else "balanced"
+        strategy = base.strategy
         groups = list(candidates(base, space, fixed, Counter(), bound=False))
-        for position, (lower, g, i, inputs) in enumerate(_keyed(groups, bound)):
+        keyed = _keyed(groups, bound)
+        for position, (lower, g, i, inputs) in enumerate(keyed):
             kth = walk.kth()
             if bound is not None and kth is not None and lower > kth:
-                result.rejected[PRUNED] += 1
-                continue
+                walk.reject(PRUNED, len(keyed) - position)
+                walk.tick(len(keyed) - position)
+                break
             walk.tick()
             asked = _with_offload(inputs, strategy)
             offloaded = resolve(asked) if resolve is not None else asked
-            fits, peak, host = walk.memory(offloaded)
+            fits, peak, host, reason = walk.memory(offloaded)
             if fits:
                 walk.rank(offloaded, asked, figures=(peak, host))
+            else:
+                walk.reject(reason)
     ranked = sorted(walk.best, reverse=True)
     result.plans = [Found(inputs, peak, host, -neg, asked) for neg, _, _, inputs, peak, host, asked in ranked]
     result.misses = sorted(walk.misses, key=lambda m: m.short_bytes)[:top_k]

@@ -58,12 +58,20 @@ class PlanOutcome:
         """Nothing fits: the closest misses and what would take them under the GPU."""
         lines = [f"plan: no plan of {self.world} GPUs fits (evaluated {self.result.evaluated}; "
                  + ", ".join(f"{n} {reason}" for reason, n in self.result.rejected.most_common()) + ")"]
-        for miss in self.result.misses[:3]:
+        shown = set()
+        for miss in self.result.misses:
             d = miss.inputs.degrees
+            key = (d, miss.inputs.zero_stage, miss.at_least or (miss.inputs.recompute, miss.inputs.micro_batch))
+            if key in shown:
+                continue
+            shown.add(key)
+            if len(shown) > 3:
+                break
             what = "GPU" if miss.reason == "GPU memory" else "host"
+            detail = ("the model states alone are " if miss.at_least else
+                      f"{miss.inputs.recompute} recomputation, micro batch {miss.inputs.micro_batch}: ")
             lines.append(f"plan: closest: dp {d.dp} tp {d.tp} pp {d.pp} cp {d.cp}, ZeRO {miss.inputs.zero_stage}, "
-                         f"{miss.inputs.recompute} recomputation, micro batch {miss.inputs.micro_batch}: "
-                         f"{format_bytes(miss.short_bytes)} over the {what} memory")
+                         f"{detail}{format_bytes(miss.short_bytes)} over the {what} memory")
         lines += [f"plan: {note}" for note in self.notes]
         return lines
 
@@ -190,17 +198,28 @@ def run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None, 
         entries.append(PlanEntry(estimate.inputs, plan_tables(found.asked, batch), estimate, timing))
     outcome = PlanOutcome(resolved, document, world, batch, job.cluster.gpu_memory, entries, result, fixed, hardware)
     if not entries:
-        outcome.notes += _what_it_would_take(base, space, fixed, timer)
+        outcome.notes += _what_it_would_take(base, space, fixed, timer, bound, refine, resolve)
     return outcome
 
 
-def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer) -> list[str]:
-    """Nothing fits: the fewest GPUs (up to 8x) with which something would, at this batch."""
-    for factor in (2, 4, 8):
-        world = space.world * factor
+def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer, bound, refine,
+                        resolve) -> list[str]:
+    """Nothing fits: what would, at this global batch. Offload first when the job's strategy
+    forbids it (the same GPUs), then the fewest GPUs, up to 64 times as many."""
+    notes = []
+
+    def fits(inputs: EstimateInputs, world: int, dp_fixed: bool) -> bool:
         bigger = Space(world=world, global_batch=space.global_batch, runnable=space.runnable, offload=space.offload)
-        result = search(base.with_(degrees=Degrees(dp=world)), bigger,
-                        Fixed(**{**fixed.__dict__, "dp": None}), timer, top_k=1)
-        if result.plans:
-            return [f"with {world} GPUs (--gpus {world}) a plan fits at this global batch"]
-    return ["not even 8 times the GPUs fit this global batch: lower the micro batch, the sequence length, or the model"]
+        keep = fixed if dp_fixed else Fixed(**{**fixed.__dict__, "dp": None})
+        return bool(search(inputs.with_(degrees=Degrees(dp=world)), bigger, keep, timer, top_k=1,
+                           resolve=resolve, bound=bound, refine=refine).plans)
+
+    if base.strategy == "conservative" and fixed.offload is None and space.offload:
+        if fits(base.with_(strategy="balanced"), space.world, True):
+            notes.append(f'with offload (--set offload.strategy=balanced) a plan fits {space.world} GPUs')
+    for factor in (2, 4, 8, 16, 32, 64):
+        world = space.world * factor
+        if fits(base, world, False):
+            return notes + [f"with {world} GPUs (--gpus {world}) a plan fits at this global batch"]
+    return notes + [f"not even {64 * space.world} GPUs fit this global batch: lower the sequence length, "
+                    "or plan a smaller model"]

@@ -18,8 +18,12 @@ def _schedule(inputs) -> str:
         return "-"
     text = inputs.schedule + (f" v{inputs.virtual}" if inputs.virtual > 1 else "")
     first, last = inputs.stage_split
-    if first or last:
-        text += f" ends {first or '='}/{last or '='}"
+    if first or last:  # uneven end stages: the layers of the first, the others, the last
+        from ..core.pipeline import split_layers
+
+        counts = split_layers(inputs.shape.num_layers, d.pp, first, last)
+        middle = f"/{max(counts[1:-1])}" if d.pp > 2 else ""
+        text += f", layers {counts[0]}{middle}/{counts[-1]}"
     return text
 
 
@@ -61,7 +65,7 @@ def print_plans(console, outcome) -> None:
     name = outcome.resolved.model_name or "model"
     lines = [Text(f"{name}: plans for {outcome.world} GPUs ({outcome.hardware.name}, "
                   f"{format_bytes(outcome.gpu_memory)} each), global batch {outcome.global_batch} x "
-                  f"{outcome.entries[0].inputs.seq_len if outcome.entries else '-'} tokens, fastest first",
+                  f"{outcome.resolved.job.train.seq_len} tokens, fastest first",
                   style="bold")]
     if outcome.entries:
         headers, rows = plan_rows(outcome)
@@ -102,6 +106,7 @@ def plan_document(outcome) -> dict:
     return {
         "plans": plans,
         "evaluated": result.evaluated,
+        "fitting": result.fitting,
         "rejected": dict(result.rejected),
         "seconds": result.seconds,
         "world_size": outcome.world,
