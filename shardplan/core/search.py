@@ -236,11 +236,12 @@ def states_bound(inputs: EstimateInputs) -> int:
     return max(_states(inputs, 0), _states(inputs, inputs.degrees.pp - 1))
 
 
-def forward_bound(inputs: EstimateInputs) -> int:
+def forward_bound(inputs: EstimateInputs, states: int | None = None) -> int:
     """Stage 0's states and the saved activations of its first chunk's layers at the least it
     holds them (1F1B-like schedules: min(pp, microbatches) microbatches; otherwise one): both
-    are in stage 0's `forward` moment, so a lower bound of the plan's peak."""
-    states = _states(inputs, 0)
+    are in stage 0's `forward` moment, so a lower bound of the plan's peak. `states`: stage
+    0's, when known."""
+    states = _states(inputs, 0) if states is None else states
     if inputs.shape is None:
         return states
     eb = element_bytes(inputs.framework, inputs.precision, inputs.optimizer)
@@ -323,6 +324,7 @@ class _Walk:
         self.order = 0
         self.fits: dict[int, int] = {}  # group -> index of its largest fitting micro batch (-1: none)
         self.checked: dict[tuple[int, int], tuple[bool, int, int, str]] = {}  # (group, index) -> memory()
+        self.state_cache: dict[tuple, tuple[int, int]] = {}
 
     def kth(self) -> float | None:
         return -self.best[0][0] if len(self.best) == self.top_k else None
@@ -337,10 +339,24 @@ class _Walk:
         """A group whose model states alone exceed the GPU: a miss by at least that much."""
         self.misses.append(Miss(inputs, states, 0, states - (self.capacity or 0), "GPU memory", at_least=True))
 
+    def states(self, inputs: EstimateInputs) -> tuple[int, int]:
+        """Stage 0's and the last stage's GPU model states, shared by the plans that differ
+        only in what the states do not depend on (micro batch, recomputation, sequence
+        parallel; accumulation only as one microbatch or more)."""
+        key = (inputs.degrees, inputs.zero_stage, inputs.hybrid, inputs.schedule, inputs.virtual, inputs.stage_split,
+               inputs.num_microbatches == 1, inputs.strategy, inputs.offload_params, inputs.offload_grads,
+               inputs.offload_optimizer, inputs.resident_layers)
+        found = self.state_cache.get(key)
+        if found is None:
+            found = self.state_cache[key] = (_states(inputs, 0), _states(inputs, inputs.degrees.pp - 1))
+        return found
+
     def memory(self, inputs: EstimateInputs) -> tuple[bool, int, int, str]:
         """(fits, peak, host, why not) of a plan; near misses are kept."""
-        if self.capacity is not None and max(forward_bound(inputs), states_bound(inputs)) > self.capacity:
-            return False, 0, 0, FORWARD
+        if self.capacity is not None:
+            first, last = self.states(inputs)
+            if max(forward_bound(inputs, first), first, last) > self.capacity:
+                return False, 0, 0, FORWARD
         peak, host = plan_figures(inputs)
         over_gpu = peak - self.capacity if self.capacity is not None else 0
         over_host = host - self.limit
