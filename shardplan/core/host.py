@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from .deepspeed import SUB_GROUP_SIZE, flat_groups, ordered_params, pinned_bytes
 from .estimate_inputs import EstimateInputs
-from .offload import INT8_BLOCK, MOMENTS, frees_device_grads
+from .offload import CODE_BYTES, INT8_BLOCK, MOMENTS, frees_device_grads
 from .precision import FP32, ElementBytes
 from .stages import RankParams, chunk_size
 from .states import HOST_GRADS, MASTER, HostGroup
@@ -126,7 +126,7 @@ def engine_buffers(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, deg
     shard = degree if inputs.zero_stage >= 2 else 1
     largest = max(chunk_size(p.rows, shard, 0) * p.row_numel for p in (*rp.layer, *rp.root))
     biggest = max(g.elements for g in groups)
-    padded = max(g.blocks * INT8_BLOCK if inputs.compression == "int8" else g.elements for g in groups)
+    padded = max(g.blocks * INT8_BLOCK if inputs.compression in CODE_BYTES else g.elements for g in groups)
     terms = []
 
     def slots(label: str, unit: int) -> Term:

@@ -14,9 +14,9 @@ Modes, on each rank's local shards (docs/estimate.md, "Offload"):
   in place, without a master copy when the parameters are fp32.
 
 Host optimizer states are fp32 (exp_avg, exp_avg_sq for AdamW; none for SGD), plus AdamW's
-4-byte `step` per tensor, or compressed (`offload.cpu_compression`): bf16/fp16 take 2 bytes
-per element; int8 one byte per element padded to whole blocks of `INT8_BLOCK` per tensor,
-plus one fp32 scale per block (runtime/offload_codec.py).
+4-byte `step` per tensor, or compressed (`offload.cpu_compression`): bf16 takes 2 bytes per
+element; int8 one byte and fp16 two per element, padded to whole blocks of `INT8_BLOCK` per
+tensor, plus one fp32 scale per block (fp16 needs the scale for its range: runtime/offload_codec.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from .precision import FP32, HALF
 # Elements per int8 block: torchao's AdamW8bit default (torchao/optim/adam.py, block_size=256),
 # the layout the 8-bit optimizers of bitsandbytes and torchao store.
 INT8_BLOCK = 256
-SCALE_BYTES = FP32  # one fp32 absmax per int8 block
+SCALE_BYTES = FP32  # one fp32 absmax per block
+CODE_BYTES = {"int8": 1, "fp16": HALF}  # block-wise stores: bytes per element
 
 MOMENTS = {"adamw": 2, "adamw8bit": 2, "sgd": 0}  # state tensors per parameter tensor
 
@@ -40,20 +41,20 @@ def moment_bytes(elements: int, num_blocks: int, compression: str, optimizer: st
     """Bytes of the optimizer moments of `elements` elements (`num_blocks` int8 blocks over
     their tensors) as the engine stores them on the host."""
     count = MOMENTS.get(optimizer, 2)
-    if compression == "int8":
-        return count * num_blocks * (INT8_BLOCK + SCALE_BYTES)
-    if compression in ("bf16", "fp16"):
+    if compression in CODE_BYTES:
+        return count * num_blocks * (INT8_BLOCK * CODE_BYTES[compression] + SCALE_BYTES)
+    if compression == "bf16":
         return count * elements * HALF
     return count * elements * FP32
 
 
 def describe_moments(elements: int, num_blocks: int, compression: str, optimizer: str) -> str:
     count = MOMENTS.get(optimizer, 2)
-    if compression == "int8":
-        return (f"{count} moments * {num_blocks:,} blocks * ({INT8_BLOCK} B codes + {SCALE_BYTES} B scale), "
-                f"int8 block-wise")
-    unit = HALF if compression in ("bf16", "fp16") else FP32
-    what = f" ({compression}, stochastic rounding)" if unit == HALF else " (fp32)"
+    if compression in CODE_BYTES:
+        return (f"{count} moments * {num_blocks:,} blocks * ({INT8_BLOCK} * {CODE_BYTES[compression]} B codes + "
+                f"{SCALE_BYTES} B scale), {compression} block-wise")
+    unit = HALF if compression == "bf16" else FP32
+    what = " (bf16, stochastic rounding)" if unit == HALF else " (fp32)"
     return f"{count} moments * {elements:,} elements * {unit} B{what}"
 
 

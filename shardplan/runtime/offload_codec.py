@@ -9,8 +9,12 @@
   Each tensor's codes are padded to whole blocks, so blocks never span two tensors.
 - `bf16`: stochastic rounding of the fp32 state to bf16 (torchao's `_fp32_to_bf16_sr`, the
   rounding its bf16 AdamW uses);
-- `fp16`: stochastic rounding to fp16, written here (torchao has none): round towards the
-  upper fp16 neighbour with probability (x - lower) / (upper - lower).
+- `fp16`: fp16 covers too few decades for Adam's second moment (squared gradients of 1e-3
+  are 1e-9 after the first step's (1 - beta2) = 1e-3, below fp16's smallest subnormal, 6e-8,
+  and a zero there turns the update m / (sqrt(v) + eps) into m / 1e-8): it is stored per
+  block like int8, scaled so the block's absmax is 2^15 (torchao's fp8 optimizer states
+  scale per block the same way), then rounded stochastically, written here (torchao has no
+  fp16 rounding): towards the upper neighbour with probability (x - lower) / (upper - lower).
 
 Stochastic rounding draws from the process RNG inside `torch.random.fork_rng`, seeded from
 (seed, rank, step, group): runs are reproducible and the training RNG is left untouched.
@@ -31,9 +35,16 @@ from ..core.offload import INT8_BLOCK
 SIGNED = {"exp_avg": True, "exp_avg_sq": False}  # the second moment is never negative
 
 
+FP16_TOP = 2.0**15  # where a block's absmax lands in fp16: a power of two, so scaling is exact
+TINY = 1e-30  # absmax floor of an all-zero block (its values encode to 0)
+
+
 def padded(numel: int, compression: str) -> int:
-    """Elements a tensor of `numel` takes in the store: int8 codes fill whole blocks."""
-    return -(-numel // INT8_BLOCK) * INT8_BLOCK if compression == "int8" else numel
+    """Elements a tensor of `numel` takes in the store: block-wise codes fill whole blocks."""
+    return -(-numel // INT8_BLOCK) * INT8_BLOCK if compression in BLOCKWISE else numel
+
+
+BLOCKWISE = ("int8", "fp16")
 
 
 @lru_cache(maxsize=1)
@@ -58,22 +69,24 @@ class StoredState:
     def __init__(self, numel: int, compression: str, name: str):
         self.compression = compression
         self.signed = SIGNED.get(name, True)
-        if compression == "int8":
-            self.codes = torch.zeros(numel, dtype=torch.uint8)
+        if compression in BLOCKWISE:
+            self.codes = torch.zeros(numel, dtype=torch.uint8 if compression == "int8" else torch.float16)
             self.scales = torch.zeros(numel // INT8_BLOCK, dtype=torch.float32)  # zero scales decode to 0
-        elif compression in ("bf16", "fp16"):
-            self.codes = torch.zeros(numel, dtype=torch.bfloat16 if compression == "bf16" else torch.float16)
+        elif compression == "bf16":
+            self.codes = torch.zeros(numel, dtype=torch.bfloat16)
         else:
             self.codes = torch.zeros(numel, dtype=torch.float32)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.codes, self.scales] if self.compression == "int8" else [self.codes]
+        return [self.codes, self.scales] if self.compression in BLOCKWISE else [self.codes]
 
     def decode(self, out: torch.Tensor) -> None:
         """Write the fp32 values into `out` (same number of elements)."""
         if self.compression == "int8":
             qmap = _qmap(self.signed)
             out.copy_(_torchao().dequant_with_qmap(self.codes, qmap, self.scales))
+        elif self.compression == "fp16":
+            out.view(-1, INT8_BLOCK).copy_(self.codes.view(-1, INT8_BLOCK).float() * self.scales.view(-1, 1))
         else:
             out.copy_(self.codes)
 
@@ -89,8 +102,11 @@ class StoredState:
                 torch.manual_seed(seed)
                 self.codes.copy_(_torchao()._fp32_to_bf16_sr(values))
         elif self.compression == "fp16":
+            blocked = values.view(-1, INT8_BLOCK)
+            scales = blocked.abs().amax(dim=1).clamp(min=TINY) / FP16_TOP
             generator = torch.Generator().manual_seed(seed)
-            self.codes.copy_(fp16_stochastic(values, generator))
+            self.codes.view(-1, INT8_BLOCK).copy_(fp16_stochastic(blocked / scales.view(-1, 1), generator))
+            self.scales.copy_(scales)
         else:
             self.codes.copy_(values)
 
