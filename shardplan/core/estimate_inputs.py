@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from ..spec.job import JobSpec
 from ..spec.model import ModelShape
@@ -78,6 +78,14 @@ class EstimateInputs:
     cpu_memory_per_node: int | None = None
     on_gpu: bool = True  # CUDA allowances apply
     checkpointing: bool = False  # `run` writes checkpoints: their staging is host memory
+
+    def __hash__(self) -> int:
+        # Planner caches key on this frozen value: hash its fields once, not at every lookup.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
 
     def with_(self, **changes) -> EstimateInputs:
         return replace(self, **changes)
