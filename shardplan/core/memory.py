@@ -36,6 +36,7 @@ from .estimate import (
 from .estimate_inputs import EstimateInputs
 from .host import PROCESS_HOST_BYTES, PROCESS_HOST_BYTES_CPU, node_host, process_allowance
 from .layout import Layout
+from .offload import ENGINE_OPTIMIZERS
 from ..spec.units import format_bytes
 
 # Share of the GPU memory the peak may use under each strategy (None: never offload more).
@@ -180,6 +181,8 @@ def _strategy(inputs: EstimateInputs, layout: Layout,
     # DeepSpeed moves the fp32 gradients with the optimizer (offload_optimizer); the paper and
     # the fsdp2 engine count gradients on their own.
     steps = {"deepspeed": ["offload_optimizer"]}.get(inputs.framework, ["offload_optimizer", "offload_grads"])
+    if inputs.framework == "fsdp2" and inputs.optimizer not in ENGINE_OPTIMIZERS:
+        steps = []  # the offload engine of `run` steps these optimizers only
     for flag in steps:
         if getattr(inputs, flag):
             continue
@@ -191,6 +194,10 @@ def _strategy(inputs: EstimateInputs, layout: Layout,
             decisions.append(f"not offloading {what}: a node would need {format_bytes(cpu)} of CPU memory, "
                              f"over its {format_bytes(limit)} (cpu_memory_budget / cpu_memory_per_node)")
             return inputs, decisions
+        if _peak(trial_devices) >= peak:
+            # Freed gradients only help a peak at the step: in backward a block's are in flight.
+            decisions.append(f"not offloading {what}: the peak would not fall ({share(_peak(trial_devices))})")
+            continue
         inputs, peak = trial, _peak(trial_devices)
         decisions.append(f"offload {what}: peak {share(peak)}")
         if peak <= target:

@@ -30,6 +30,7 @@ SCALE_BYTES = FP32  # one fp32 absmax per block
 CODE_BYTES = {"int8": 1, "fp16": HALF}  # block-wise stores: bytes per element
 
 MOMENTS = {"adamw": 2, "adamw8bit": 2, "sgd": 0}  # state tensors per parameter tensor
+ENGINE_OPTIMIZERS = ("adamw", "sgd")  # what the engine steps on the CPU (runtime/offload.py)
 
 
 def blocks(numel: int) -> int:
