@@ -68,7 +68,7 @@ CASES = [
 ]
 # Gradient accumulation (2 microbatches of 2, the same global batch): the device gradient
 # copied once after the last microbatch ("o"), or freed after each and summed on the host ("go").
-ACCUMULATING = [(1, "o"), (2, "go"), (3, "go")]
+ACCUMULATING = [(1, "o"), (2, "o"), (3, "go")]
 
 # fp32: the engine runs torch's fused CPU AdamW where the reference runs the single-tensor
 # loop; the arithmetic differs only in rounding.

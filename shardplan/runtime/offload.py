@@ -133,8 +133,9 @@ class _Group:
         numel = sum(e.numel for e in entries)
         self.stored_numel = sum(padded(e.numel, config.compression) for e in entries)
         masters = [e for e in entries if e.has_master]
-        self.master = copies.empty(numel, torch.float32) if masters else None
         on_device = [e for e in entries if not e.on_host]
+        # Pinned only where it is copied to the device (the estimate rounds those alone).
+        self.master = copies.empty(numel, torch.float32, pinned=bool(on_device)) if masters else None
         grad_dtype = on_device[0].dtype if on_device else torch.float32
         self.grads = copies.empty(numel, grad_dtype) if on_device else None
         self.states = {name: StoredState(self.stored_numel, config.compression, name)
@@ -163,8 +164,8 @@ class _Staging:
     is done and its sum taken."""
 
     def __init__(self, slots: int, numel: int, dtype: torch.dtype, copies: Copies):
-        self.copies = copies
-        self.buffers = [copies.empty(numel, dtype) for _ in range(slots)]
+        self.copies, self.slots, self.numel, self.dtype = copies, slots, numel, dtype
+        self.buffers: list[torch.Tensor] = []  # allocated on first use: only accumulation needs them
         self.pending: list[tuple[_Entry, object] | None] = [None] * slots
         self.next = 0
 
@@ -176,6 +177,8 @@ class _Staging:
             self.pending[index] = None
 
     def copy(self, entry: _Entry, grad: torch.Tensor) -> None:
+        if not self.buffers:
+            self.buffers = [self.copies.empty(self.numel, self.dtype) for _ in range(self.slots)]
         index = self.next
         self.next = (index + 1) % len(self.buffers)
         self._settle(index)
@@ -184,6 +187,8 @@ class _Staging:
         self.pending[index] = (entry, self.copies.record(self.copies.d2h))
 
     def drain(self) -> None:
+        if not self.buffers:
+            return
         for offset in range(len(self.buffers)):
             self._settle((self.next + offset) % len(self.buffers))
 
