@@ -52,7 +52,9 @@ def plans(draw):
         recompute=draw(st.sampled_from(["none", "selective", "op", "full"])),
         attention=draw(st.sampled_from(["flash", "eager"])), dropout=draw(st.booleans()),
         loss=draw(st.sampled_from(["fp32", "fused"])),
-        offload_params=offload_params, offload_optimizer=draw(st.booleans()), gpu_param_budget=2**20,
+        offload_params=offload_params, offload_optimizer=(optimizer := draw(st.booleans())),
+        offload_grads=optimizer and draw(st.booleans()),
+        compression=draw(st.sampled_from(["none", "bf16", "fp16", "int8"])), gpu_param_budget=2**20,
         strategy="conservative", on_gpu=draw(st.booleans()), checkpointing=draw(st.booleans()),
         gpu_memory=80 * 2**30, cpu_memory_per_node=2**40,
     )

@@ -9,8 +9,11 @@ more, in the order that costs the least speed, and stops as soon as the peak is 
 
 - deepspeed: optimizer states (ZeRO-Offload), then gradients, then parameters layer by
   layer (ZeRO-Infinity, stage 3 only);
-- fsdp2: parameters layer by layer (stage 3 only), each offloaded layer taking its gradients
-  and optimizer states along (`CPUOffloadPolicy`).
+- fsdp2: optimizer states with fp32 master weights (the offload engine of `run`, core/offload.py),
+  then gradients, then parameters layer by layer (stage 3 only), each offloaded layer taking
+  its gradients and optimizer states along (`CPUOffloadPolicy`). Moving optimizer states costs
+  the CPU step and one copy of gradients and parameters per step; moving parameters costs
+  copies in every forward and backward: the cheaper first.
 
 What the job file asks for is never undone; the strategy only adds, and says so.
 """
@@ -34,6 +37,7 @@ from .estimate_inputs import EstimateInputs
 from .figures import rank_figures
 from .host import PROCESS_HOST_BYTES, PROCESS_HOST_BYTES_CPU, node_host, process_allowance
 from .layout import Layout
+from .offload import ENGINE_OPTIMIZERS
 from ..spec.units import format_bytes
 
 # Share of the GPU memory the peak may use under each strategy (None: never offload more).
@@ -175,10 +179,11 @@ def _strategy(inputs: EstimateInputs, layout: Layout,
     if peak <= target:
         return inputs, []
     decisions = [f"{head}: without more offload the peak would be {share(peak)}"]
-    # DeepSpeed moves the fp32 gradients with the optimizer (offload_optimizer); the paper
-    # counts gradients on their own.
-    steps = {"deepspeed": ["offload_optimizer"], "zero-paper": ["offload_optimizer", "offload_grads"]}.get(
-        inputs.framework, [])
+    # DeepSpeed moves the fp32 gradients with the optimizer (offload_optimizer); the paper and
+    # the fsdp2 engine count gradients on their own.
+    steps = {"deepspeed": ["offload_optimizer"]}.get(inputs.framework, ["offload_optimizer", "offload_grads"])
+    if inputs.framework == "fsdp2" and inputs.optimizer not in ENGINE_OPTIMIZERS:
+        steps = []  # the offload engine of `run` steps these optimizers only
     for flag in steps:
         if getattr(inputs, flag):
             continue
@@ -190,6 +195,10 @@ def _strategy(inputs: EstimateInputs, layout: Layout,
             decisions.append(f"not offloading {what}: a node would need {format_bytes(cpu)} of CPU memory, "
                              f"over its {format_bytes(limit)} (cpu_memory_budget / cpu_memory_per_node)")
             return inputs, decisions
+        if _peak(trial_devices) >= peak:
+            # Freed gradients only help a peak at the step: in backward a block's are in flight.
+            decisions.append(f"not offloading {what}: the peak would not fall ({share(_peak(trial_devices))})")
+            continue
         inputs, peak = trial, _peak(trial_devices)
         decisions.append(f"offload {what}: peak {share(peak)}")
         if peak <= target:
@@ -202,7 +211,7 @@ def _strategy(inputs: EstimateInputs, layout: Layout,
     if resident == layers:
         decisions.append(f"offloading layers would take more CPU memory than the {format_bytes(limit)} limit")
         return inputs, decisions
-    along = " with their gradients and optimizer states" if inputs.framework == "fsdp2" else ""
+    along = " with their gradients and optimizer states" if inputs.framework == "fsdp2" and not inputs.offload_optimizer else ""
     decisions.append(f"offload the parameters of {layers - resident} of {layers} layers{along}: peak {share(peak)}")
     if cpu_bound:
         decisions.append(f"stopped by the CPU limit ({format_bytes(limit)} per node)")
@@ -308,5 +317,6 @@ def estimate_memory(inputs: EstimateInputs) -> Estimate:
     result.assumptions["offload"] = {
         "params": inputs.offload_params, "grads": inputs.offload_grads, "optimizer": inputs.offload_optimizer,
         "resident_layers": [d.resident_layers for d in devices],
+        "cpu_compression": inputs.compression if inputs.framework == "fsdp2" else "none",
     }
     return result
