@@ -12,11 +12,12 @@ from collections import Counter
 
 import pytest
 from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from shardplan.core.degrees import Degrees
 from shardplan.core.estimate_inputs import EstimateInputs, default_cpu_budget
 from shardplan.core.hardware import TimeConstants
-from shardplan.core.memory import cpu_limit, estimate_memory, plan_figures
+from shardplan.core.memory import cpu_limit, estimate_memory, plan_figures, resolve_offload
 from shardplan.core.search import Fixed, Space, candidates, forward_bound, search, states_bound
 from shardplan.core.step_time import step_time, step_time_bound, step_time_refined_bound
 from test_plan_figures import SHAPES, plans
@@ -105,6 +106,16 @@ def test_bounds_never_exceed_what_they_bound(inputs):
     peak = plan_figures(inputs)[0]
     assert states_bound(inputs) <= peak
     assert forward_bound(inputs) <= peak
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans(), st.sampled_from(["balanced", "aggressive", "extreme"]), st.integers(4, 400))
+def test_numeric_offload_decision_is_the_estimates(inputs, strategy, memory_mib):
+    """The planner resolves the offload strategy from the numeric figures; the decision is the
+    one `estimate_memory` takes from its explained figures."""
+    inputs = inputs.with_(strategy=strategy, gpu_memory=memory_mib * MiB, offload_params=False,
+                          offload_optimizer=False, cpu_memory_per_node=2**36, cpu_memory_budget=2**35)
+    assert resolve_offload(inputs) == estimate_memory(inputs).inputs
 
 
 def test_found_plans_carry_the_estimates_figures():

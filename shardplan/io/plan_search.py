@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..core.degrees import Degrees
 from ..core.estimate_inputs import EstimateInputs, inputs_from_job
-from ..core.memory import Estimate, estimate_memory
+from ..core.memory import Estimate, estimate_memory, resolve_offload
 from ..core.search import Fixed, SearchResult, Space, search
 from ..spec.errors import InputError, Problem
 from ..spec.units import format_bytes
@@ -176,7 +176,7 @@ def run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None, 
         return step_time(inputs, hardware, lora=lora).step_seconds
 
     def resolve(inputs: EstimateInputs) -> EstimateInputs:
-        return estimate_memory(inputs).inputs
+        return resolve_offload(inputs)
 
     def bound(inputs: EstimateInputs) -> float:
         return step_time_bound(inputs, hardware, lora=lora)
