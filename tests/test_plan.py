@@ -78,6 +78,29 @@ def test_branch_and_bound_returns_the_exhaustive_ranking(name, world, batch, run
     assert pruned.rejected["slower than the plans found (lower bound of the step time)"] > pruned.evaluated / 2
 
 
+def test_offload_search_returns_the_exhaustive_ranking():
+    """Nothing fits without offload: the search's second phase (each plan offloaded as the
+    balanced strategy decides, the micro batches' fit found by binary search, the floor and
+    time bounds) returns what timing every offloaded plan returns."""
+    base = small_base("llama", 8, 560 * MiB).with_(strategy="balanced")
+    space = Space(world=8, global_batch=32)
+    timer, bound, refine = timers()
+    fitting = []
+    for group in candidates(base, space, Fixed(), Counter(), bound=False):
+        for plan in group:
+            resolved = resolve_offload(plan.with_(strategy="balanced"))
+            peak, host = plan_figures(resolved)
+            if peak <= base.gpu_memory and host <= cpu_limit(base):
+                fitting.append((timer(resolved), peak))
+    fitting.sort()
+    assert len(fitting) >= 5
+    result = search(base, space, Fixed(), timer, top_k=5, resolve=resolve_offload, bound=bound, refine=refine)
+    assert result.offloaded
+    assert [p.seconds for p in result.plans] == pytest.approx([f[0] for f in fitting[:5]], rel=1e-12)
+    assert [p.peak_gpu_bytes for p in result.plans] == [f[1] for f in fitting[:5]]
+    assert all(p.inputs.offload_optimizer or p.inputs.offload_params for p in result.plans)
+
+
 @pytest.mark.parametrize("name,world,batch,runnable,memory", SPACES)
 def test_memory_grows_with_the_micro_batch(name, world, batch, runnable, memory):
     """The binary search over a group's micro batches rests on this: at a fixed plan, a larger
@@ -93,6 +116,23 @@ def test_memory_grows_with_the_micro_batch(name, world, batch, runnable, memory)
         assert peaks == sorted(peaks), [(p.micro_batch, peak) for p, peak in zip(plans_, peaks)]
         checked += len(peaks) > 1
     assert checked > 50
+
+
+@pytest.mark.parametrize("memory", [650 * MiB, 800 * MiB])
+def test_fit_after_offload_is_a_prefix_of_micro_batches(memory):
+    """The second phase's binary search rests on this: after the balanced strategy's offload,
+    the micro batches that fit are still the smallest ones."""
+    base = small_base("llama", 8, memory).with_(strategy="balanced")
+    checked = 0
+    for group in candidates(base, Space(world=8, global_batch=32), Fixed(), Counter(), bound=False):
+        plans_ = [p for p in group if p.num_microbatches > 1]
+        fits = []
+        for plan in plans_:
+            peak, host = plan_figures(resolve_offload(plan))
+            fits.append(peak <= memory and host <= cpu_limit(base))
+        assert fits == sorted(fits, reverse=True), fits
+        checked += len(set(fits)) > 1
+    assert checked > 5
 
 
 @settings(max_examples=300, deadline=None)

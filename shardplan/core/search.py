@@ -32,6 +32,7 @@ from typing import Callable, Iterator
 from ..spec.model import ModelShape
 from .degrees import Degrees
 from .estimate import Coordinates, _activation_shape, _layer_bytes, _rank_params
+from .buffers import CUDA_CONTEXT_BYTES, FRAGMENTATION
 from .figures import rank_states_bytes
 from .estimate_inputs import EstimateInputs
 from .memory import PRESSURE, cpu_limit, plan_figures
@@ -294,6 +295,19 @@ def candidates(base: EstimateInputs, space: Space, fixed: Fixed, rejected: Count
                            for mbs, m in batches]
 
 
+def offload_floor(inputs: EstimateInputs) -> int:
+    """A lower bound of the plan's peak under any offload the strategy may add: its model
+    states with the optimizer, gradients and (stage 3) every layer's parameters on the host,
+    which only lowers the states a stage keeps on the GPU, plus stage 0's saved activations,
+    which offload does not move."""
+    most = inputs.with_(offload_optimizer=True, offload_grads=True, offload_params=inputs.zero_stage == 3,
+                        resident_layers=0 if inputs.zero_stage == 3 else inputs.resident_layers)
+    tensors = max(forward_bound(most), states_bound(most))
+    # Every moment adds the CUDA context and the allocator's allowance to its tensors
+    # (core/figures.py, rank_figures).
+    return tensors + (CUDA_CONTEXT_BYTES + int(tensors * FRAGMENTATION) if inputs.on_gpu else 0)
+
+
 def _with_offload(inputs: EstimateInputs, strategy: str) -> EstimateInputs:
     """The plan left to the offload strategy (core/memory.py), which adds the offload modes
     the runtime executes, cheapest first, only as far as the plan needs to fit."""
@@ -304,6 +318,7 @@ PRUNED = "slower than the plans found (lower bound of the step time)"
 SMALLER = "GPU memory (a smaller micro batch already does not fit)"
 STATES = "model states exceed the GPU memory"
 FORWARD = "GPU memory (states and stage 0's activations)"
+OFFLOAD_FLOOR = "GPU memory even with every offload (activations and what stays on the GPU)"
 
 
 class _Walk:
@@ -372,16 +387,18 @@ class _Walk:
             self.checked[key] = self.memory(inputs)
         return self.checked[key]
 
-    def largest_fitting(self, group: int, plans: list[EstimateInputs]) -> int:
+    def largest_fitting(self, group: int, plans: list[EstimateInputs], check=None) -> int:
         """Memory grows with the micro batch at a fixed accumulation rule (activations and the
         loss's transients scale with it, the rest does not change; tests/test_plan.py): the
         fitting micro batches are a prefix, found by binary search. A list's last plan with a
-        single microbatch is left out: it frees its gradients in forward and is tried alone."""
+        single microbatch is left out: it frees its gradients in forward and is tried alone.
+        `check(group, index, plan)` -> (fits, ...): `checked_memory` unless given."""
+        check = check or self.checked_memory
         if group not in self.fits:
             low, high, best = 0, len(plans) - 1, -1
             while low <= high:
                 middle = (low + high) // 2
-                if self.checked_memory(group, middle, plans[middle])[0]:
+                if check(group, middle, plans[middle])[0]:
                     best, low = middle, middle + 1
                 else:
                     high = middle - 1
@@ -465,8 +482,23 @@ def search(base: EstimateInputs, space: Space, fixed: Fixed, timer: Callable[[Es
         # cheapest first, only as far as each plan needs. Offload adds time, so the same bound
         # still holds.
         result.offloaded = True
-        strategy = base.strategy
         groups = list(candidates(base, space, fixed, Counter(), bound=False))
+        walk.fits.clear()
+        offloaded: dict[tuple[int, int], tuple] = {}  # (group, index) -> (fits, peak, host, why, plan, asked)
+
+        def with_offload(group: int, index: int, inputs: EstimateInputs) -> tuple:
+            """The plan after the strategy's offload and its memory; the same rule of growth
+            with the micro batch holds after offload (tests/test_plan.py)."""
+            key = (group, index)
+            if key not in offloaded:
+                if walk.capacity is not None and offload_floor(inputs) > walk.capacity:
+                    offloaded[key] = (False, 0, 0, OFFLOAD_FLOOR, inputs, inputs)
+                else:
+                    asked = _with_offload(inputs, base.strategy)
+                    plan = resolve(asked) if resolve is not None else asked
+                    offloaded[key] = (*walk.memory(plan), plan, asked)
+            return offloaded[key]
+
         keyed = _keyed(groups, bound)
         for position, (lower, g, i, inputs) in enumerate(keyed):
             kth = walk.kth()
@@ -475,11 +507,16 @@ def search(base: EstimateInputs, space: Space, fixed: Fixed, timer: Callable[[Es
                 walk.tick(len(keyed) - position)
                 break
             walk.tick()
-            asked = _with_offload(inputs, strategy)
-            offloaded = resolve(asked) if resolve is not None else asked
-            fits, peak, host, reason = walk.memory(offloaded)
+            plans = groups[g]
+            if not (inputs.num_microbatches == 1 and i == len(plans) - 1):
+                limit = walk.largest_fitting(g, plans[:-1] if plans[-1].num_microbatches == 1 else plans,
+                                             with_offload)
+                if i > limit:
+                    walk.reject(offloaded[(g, i)][3] if (g, i) in offloaded else SMALLER)
+                    continue
+            fits, peak, host, reason, plan, asked = with_offload(g, i, inputs)
             if fits:
-                walk.rank(offloaded, asked, figures=(peak, host))
+                walk.rank(plan, asked, figures=(peak, host))
             else:
                 walk.reject(reason)
     ranked = sorted(walk.best, reverse=True)
