@@ -25,6 +25,7 @@ CASES = {
     "llama-3-8b, 8 x H100, seq 8192, batch 64": ("llama-3-8b", "h100-80gb", 8192, 8, 64),
     "llama-3-70b, 64 x A100 80GB, seq 4096, batch 512": ("llama-3-70b", "a100-80gb", 4096, 64, 512),
     "llama-3.1-405b, 2048 x H100, seq 8192, batch 2048": ("llama-3.1-405b", "h100-80gb", 8192, 2048, 2048),
+    "llama-3-70b, 16 x A100 80GB, seq 4096, batch 64 (needs offload)": ("llama-3-70b", "a100-80gb", 4096, 16, 64),
 }
 
 
@@ -72,14 +73,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         print("whole command (median wall seconds of a fresh process; ratio to `validate` of the same job)")
         for name, (model, cluster, seq, gpus, batch) in CASES.items():
-            path = str(Path(folder) / f"{model}.toml")
+            path = str(Path(folder) / f"{model}-{gpus}.toml")
             Path(path).write_text(job_text(model, cluster, seq))
             base = wall(["validate", path], args.repeat)
             plan = wall(["plan", path, "--gpus", str(gpus), "--global-batch", str(batch)], args.repeat)
             print(f"  {name}: plan {plan:.2f} s, validate {base:.2f} s, ratio {plan / base:.2f}x")
         print("search alone (in process): branch and bound against no bound")
         for name, (model, cluster, seq, gpus, batch) in CASES.items():
-            path = str(Path(folder) / f"{model}.toml")
+            path = str(Path(folder) / f"{model}-{gpus}.toml")
             seconds, evaluated, timed = in_process(path, gpus, batch, True)
             line = f"  {name}: {seconds:.2f} s, {evaluated:,} plans, {timed:,} timed"
             if not args.skip_exhaustive:

@@ -56,8 +56,8 @@ class PlanOutcome:
 
     def miss_lines(self) -> list[str]:
         """Nothing fits: the closest misses and what would take them under the GPU."""
-        lines = [f"plan: no plan of {self.world} GPUs fits (evaluated {self.result.evaluated}; "
-                 + ", ".join(f"{n} {reason}" for reason, n in self.result.rejected.most_common()) + ")"]
+        lines = [f"plan: no plan of {self.world} GPUs fits (evaluated {self.result.evaluated:,}; "
+                 + ", ".join(f"{n:,} {reason}" for reason, n in self.result.rejected.most_common()) + ")"]
         shown = set()
         for miss in self.result.misses:
             d = miss.inputs.degrees
@@ -68,7 +68,7 @@ class PlanOutcome:
             if len(shown) > 3:
                 break
             what = "GPU" if miss.reason == "GPU memory" else "host"
-            detail = ("the model states alone are " if miss.at_least else
+            detail = ("its parameters and optimizer states alone are " if miss.at_least else
                       f"{miss.inputs.recompute} recomputation, micro batch {miss.inputs.micro_batch}: ")
             lines.append(f"plan: closest: dp {d.dp} tp {d.tp} pp {d.pp} cp {d.cp}, ZeRO {miss.inputs.zero_stage}, "
                          f"{detail}{format_bytes(miss.short_bytes)} over the {what} memory")
