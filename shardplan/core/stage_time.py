@@ -131,14 +131,19 @@ def stage_cost(layers: int, layer: LayerCosts, first: bool, last: bool, edges: E
     weight = {BACKWARD: weight_seconds} if split_backward else {}
     compute_f = forward[FORWARD]
     compute_b = backward[BACKWARD] + backward[RECOMPUTE] + (weight_seconds if split_backward else 0.0)
-    if sharded.overlap:
-        forward[DATA_PARALLEL] = overlapped(compute_f, sharded.forward, c)
-        backward[DATA_PARALLEL] = overlapped(compute_b, sharded.backward, c)
-    else:
-        forward[DATA_PARALLEL], backward[DATA_PARALLEL] = sharded.forward, sharded.backward
-    # Offloaded parameters are prefetched from the host while earlier layers compute.
-    forward[OFFLOAD] = overlapped(compute_f, streamed[0], c)
-    backward[OFFLOAD] = overlapped(compute_b, streamed[1], c)
+    # Offloaded parameters come from the host before they are gathered, and gradients go to
+    # the host once reduced: per tensor the host copy and the collective run one after the
+    # other, both prefetched behind the compute. Together they hide as one stream of their
+    # summed seconds; the host traffic is charged what it adds to the collectives' exposure,
+    # so a faster GPU never makes the action longer (tests/test_time_model.py).
+    for side, compute, dp_seconds, host_seconds in ((forward, compute_f, sharded.forward, streamed[0]),
+                                                    (backward, compute_b, sharded.backward, streamed[1])):
+        if sharded.overlap:
+            side[DATA_PARALLEL] = overlapped(compute, dp_seconds, c)
+            side[OFFLOAD] = overlapped(compute, dp_seconds + host_seconds, c) - side[DATA_PARALLEL]
+        else:
+            side[DATA_PARALLEL] = dp_seconds
+            side[OFFLOAD] = overlapped(compute, host_seconds, c)
     return StageCost(forward, backward, weight)
 
 

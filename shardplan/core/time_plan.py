@@ -303,7 +303,11 @@ def tail(plan: TimePlan, pp_rank: int, elements: list[int], last_backward: float
     if cpu or inputs.offload_grads:
         moved = cpu if cpu else opt
         if stage < 2:  # reduced once per step: the copy to the host follows it
-            offload += overlapped(last_backward, moved * eb.grads / host, c)
+            copy = moved * eb.grads / host
+            if plan.overlap:  # the reduction and the copy after it, behind the last backward
+                offload += overlapped(last_backward, reduce + copy, c) - overlapped(last_backward, reduce, c)
+            else:
+                offload += overlapped(last_backward, copy, c)
         if not cpu:  # gradients on the host, optimizer on the GPU: they come back
             offload += moved * eb.grads / host
     if cpu:
