@@ -29,6 +29,15 @@ from .activations import (
 from .buffers import allowance_terms, fsdp2_buffers, no_buffers, step_buffers
 from .deepspeed import DeepSpeedPlan, deepspeed_memory
 from .estimate_inputs import EstimateInputs
+from .finetune import (
+    deepspeed_frozen_buffers,
+    frozen_bytes,
+    frozen_terms,
+    lora_ddp_buffers,
+    lora_fsdp2_buffers,
+    trainable_params,
+)
+from .lora import lora_counts
 from .host import checkpoint_staging, rank_host, startup_host
 from .params import ParamInfo, count_params
 from .precision import MIXED, ElementBytes, element_bytes, uses_autocast
@@ -109,7 +118,8 @@ def _rank_params(inputs: EstimateInputs, at: Coordinates) -> RankParams:
     d = inputs.degrees
     if inputs.shape is None:
         return flat_rank_params(inputs.params or 0, d.tp, d.pp, at.tp_rank, at.pp_rank)
-    return rank_params(inputs.shape, d.pp, inputs.virtual, at.pp_rank, d.tp, at.tp_rank, inputs.stage_split)
+    return rank_params(inputs.shape, d.pp, inputs.virtual, at.pp_rank, d.tp, at.tp_rank, inputs.stage_split,
+                       inputs.lora)
 
 
 def resident_layers(rp: RankParams, eb: ElementBytes, inputs: EstimateInputs, degree: int) -> int:
@@ -121,6 +131,9 @@ def resident_layers(rp: RankParams, eb: ElementBytes, inputs: EstimateInputs, de
     if inputs.resident_layers is not None:
         return min(rp.num_layers, inputs.resident_layers)
     layer_bytes = sum(p.padded_shard_numel(degree) for p in rp.layer) * eb.params
+    if inputs.lora is not None:
+        layer_bytes = (sum(frozen_bytes(p, inputs.lora, True, degree) for p in rp.layer)
+                       + sum(p.padded_shard_numel(degree) for p in rp.adapters) * eb.params)
     if layer_bytes == 0:
         return rp.num_layers
     return min(rp.num_layers, inputs.gpu_param_budget // layer_bytes)
@@ -134,6 +147,7 @@ def _activation_shape(inputs: EstimateInputs, eb: ElementBytes) -> ActivationSha
         sequence_parallel=inputs.sequence_parallel and d.tp > 1, recompute=inputs.recompute,
         attention=inputs.attention, dropout=inputs.dropout, act_bytes=eb.compute,
         autocast=uses_autocast(inputs.framework, inputs.zero_stage, inputs.precision), loss=inputs.loss,
+        lora=inputs.lora,
     )
 
 
@@ -197,9 +211,16 @@ def activation_terms(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes,
     per_layer = sum(t.bytes for t in stored_layer_terms(act))
     stages = [pp_rank + chunk * d.pp for chunk in range(len(rp.chunk_layers))] or [pp_rank]
     last_stage = d.pp * max(1, len(rp.chunk_layers)) - 1
+    # Under LoRA the first layer's input comes from the frozen embedding without a gradient:
+    # it keeps less than the others (core/lora_activations.py).
+    first_layer = sum(t.bytes for t in stored_layer_terms(act, grad_in=False)) if act.lora else per_layer
 
     def edges(stage: int) -> list[Term]:
-        return (embedding_terms(act) if stage == 0 else []) + (head_terms(act) if stage == last_stage else [])
+        terms = embedding_terms(act) if stage == 0 else []
+        if stage == 0 and first_layer != per_layer and rp.chunk_layers and rp.chunk_layers[0]:
+            terms.append(Term("first layer, no gradient into it (LoRA)", first_layer - per_layer,
+                              lambda: f"{first_layer:,} B instead of {per_layer:,} B"))
+        return terms + (head_terms(act) if stage == last_stage else [])
 
     stage_bytes = {}
     for stage, layers in zip(stages, rp.chunk_layers or (0,)):
@@ -243,8 +264,44 @@ def _deepspeed(inputs: EstimateInputs, rp: RankParams, degree: int, index: int) 
     return _RankMemory(ds.gpu, ds.cpu, ds.grads_at, ds.buffers_at), ds.host
 
 
+def _with_frozen(memory: _RankMemory, gpu: list[Term], cpu: list[Term]) -> _RankMemory:
+    memory.gpu["params"] = gpu + memory.gpu["params"]
+    memory.cpu["params"] = cpu + memory.cpu["params"]
+    return memory
+
+
+def _lora(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, degree: int, index: int,
+          resident: int) -> tuple[_RankMemory, list[Term]]:
+    """LoRA: the framework's rules over the adapters, the frozen base beside them
+    (core/finetune.py), and the buffers of the base as it is gathered and dequantized."""
+    assert inputs.lora is not None
+    trainable = trainable_params(rp)
+    if inputs.framework == "deepspeed":
+        memory, host = _deepspeed(inputs, trainable, degree, index)
+        gpu, cpu = frozen_terms(rp, inputs.lora, inputs.zero_stage == 3, degree, rp.num_layers, "deepspeed")
+        for moment, terms in deepspeed_frozen_buffers(rp, inputs.lora, inputs.zero_stage).items():
+            memory.buffers_at[moment] += terms
+        return _with_frozen(memory, gpu, cpu), host
+    memory = _torch_or_paper(inputs, trainable, eb, degree, index, resident, buffers=False)
+    sharded = inputs.zero_stage >= 2 if inputs.framework == "fsdp2" else inputs.zero_stage == 3
+    partition = "fsdp2" if inputs.framework == "fsdp2" else "deepspeed"
+    gpu, cpu = frozen_terms(rp, inputs.lora, sharded, degree, resident, partition)
+    if inputs.framework == "fsdp2" and inputs.shape is not None:
+        if inputs.zero_stage == 1:
+            buffers = lora_ddp_buffers(rp, eb) if inputs.precision in MIXED else no_buffers()
+        else:
+            buffers = lora_fsdp2_buffers(rp, eb, inputs.lora, inputs.zero_stage, degree, inputs.prefetch_layers)
+        for moment, terms in buffers.items():
+            memory.buffers_at[moment] = terms + memory.buffers_at[moment]
+    memory = _with_frozen(memory, gpu, cpu)
+    host = rank_host(inputs, trainable, eb, degree, resident, memory.cpu) if inputs.framework == "fsdp2" else []
+    if inputs.framework == "fsdp2":
+        host += cpu
+    return memory, host
+
+
 def _torch_or_paper(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, degree: int, index: int,
-                    resident: int) -> _RankMemory:
+                    resident: int, buffers: bool = True) -> _RankMemory:
     """fsdp2 (what `run` executes) and zero-paper (the paper's model states, no framework
     buffers). fsdp2 frees gradients between steps (`zero_grad(set_to_none=True)`): they are
     alive in forward and backward only when microbatches accumulate into them; DDP's (stage 1)
@@ -258,7 +315,7 @@ def _torch_or_paper(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, de
     always = inputs.zero_stage == 1 or inputs.num_microbatches > 1
     grads_at = {m: grads if always or m in (BACKWARD_END, STEP) else [] for m in MOMENTS}
     buffers_at = no_buffers()
-    if inputs.shape is not None:
+    if inputs.shape is not None and buffers:
         buffers_at = fsdp2_buffers(rp, eb, inputs.zero_stage, degree, inputs.prefetch_layers, inputs.precision in MIXED)
     gpu_optimizer_elements = sum(t.bytes for t in states.gpu["optimizer"]) // max(eb.optimizer, 1)
     buffers_at[STEP] += step_buffers(gpu_optimizer_elements, eb, inputs.optimizer)
@@ -321,7 +378,9 @@ def rank_estimate(inputs: EstimateInputs, at: Coordinates, ranks: list[int]) -> 
     rp = _rank_params(inputs, at)
     degree = shard_degree(inputs)
     resident = resident_layers(rp, eb, inputs, degree)
-    if inputs.framework == "deepspeed":
+    if inputs.lora is not None and inputs.shape is not None:
+        memory, host = _lora(inputs, rp, eb, degree, at.shard_index, resident)
+    elif inputs.framework == "deepspeed":
         memory, host = _deepspeed(inputs, rp, degree, at.shard_index)
     else:
         memory = _torch_or_paper(inputs, rp, eb, degree, at.shard_index, resident)
@@ -348,4 +407,7 @@ def param_counts(inputs: EstimateInputs) -> dict[str, int]:
         total = inputs.params or 0
         return {"total": total, "embedding": 0, "active": total, "trainable": total}
     counts = count_params(inputs.shape)
+    if inputs.lora is not None:
+        lora = lora_counts(inputs.shape, inputs.lora)
+        return {"total": lora.total, "embedding": counts.embedding, "active": lora.active, "trainable": lora.trainable}
     return {"total": counts.total, "embedding": counts.embedding, "active": counts.active, "trainable": counts.total}

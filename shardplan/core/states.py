@@ -24,6 +24,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from .precision import ElementBytes
+from .quantized import adamw8bit_bytes
 from .shards import chunk_size as flat_chunk_size
 from .stages import LocalParam, RankParams, chunk_size
 from .terms import Term
@@ -103,9 +104,10 @@ def zero_optimizer_partition(numels: list[int], degree: int) -> list[int]:
     return owners
 
 
-def _zero1_optimizer(rp: RankParams, sharding: Sharding) -> tuple[int, int, int, int]:
+def _zero1_optimizer(rp: RankParams, sharding: Sharding, eb: ElementBytes) -> tuple[int, int, int, int]:
     """(layer elements, layer tensors, root elements, root tensors) whose optimizer state
-    this rank holds under ZeroRedundancyOptimizer; layers are summed over all of them."""
+    this rank holds under ZeroRedundancyOptimizer; layers are summed over all of them (8-bit
+    moments: their bytes, and no tensors)."""
     first = [p for p in rp.root if p.info.part in ("embedding", "position")]
     last = [p for p in rp.root if p.info.part not in ("embedding", "position")]
     ordered = first + list(rp.layer) * rp.num_layers + last
@@ -114,14 +116,17 @@ def _zero1_optimizer(rp: RankParams, sharding: Sharding) -> tuple[int, int, int,
     for position, (p, owner) in enumerate(zip(ordered, owners)):
         if owner != sharding.index and p.numel >= sharding.min_num_params:
             continue
+        amount, counted = (adamw8bit_bytes(p.numel, eb.params), 0) if eb.states8 else (p.numel, 1)
         if len(first) <= position < len(first) + len(rp.layer) * rp.num_layers:
-            layer_elements, layer_tensors = layer_elements + p.numel, layer_tensors + 1
+            layer_elements, layer_tensors = layer_elements + amount, layer_tensors + counted
         else:
-            root_elements, root_tensors = root_elements + p.numel, root_tensors + 1
+            root_elements, root_tensors = root_elements + amount, root_tensors + counted
     return layer_elements, layer_tensors, root_elements, root_tensors
 
 
-def _fsdp2_elements(params: tuple[LocalParam, ...], sharding: Sharding) -> TensorStates:
+def _fsdp2_elements(params: tuple[LocalParam, ...], sharding: Sharding, eb: ElementBytes) -> TensorStates:
+    """Elements stored per kind; with 8-bit moments (`eb.states8`) `optimizer` is their exact
+    bytes, steps included, tensor by tensor (AdamW8bit quantizes only some tensors)."""
     stored = grads = optimizer = tensors = 0
     degree, index = sharding.degree, sharding.index
     for p in params:
@@ -130,13 +135,13 @@ def _fsdp2_elements(params: tuple[LocalParam, ...], sharding: Sharding) -> Tenso
             padded = p.padded_shard_numel(degree)
             stored += padded
             grads += padded
-            optimizer += chunk_size(p.rows, degree, index) * p.row_numel
-            tensors += 1
+            local = chunk_size(p.rows, degree, index) * p.row_numel
         else:
             stored += p.numel
             grads += p.numel
-            optimizer += p.numel
-            tensors += 1
+            local = p.numel
+        optimizer += adamw8bit_bytes(local, eb.params) if eb.states8 else local
+        tensors += 0 if eb.states8 else 1
     return TensorStates(stored, grads, optimizer, tensors)
 
 
@@ -149,7 +154,7 @@ def _deepspeed_zero3(params: tuple[LocalParam, ...], sharding: Sharding) -> Tens
     return result
 
 
-def _elements(rp: RankParams, sharding: Sharding) -> tuple[TensorStates, TensorStates]:
+def _elements(rp: RankParams, sharding: Sharding, eb: ElementBytes) -> tuple[TensorStates, TensorStates]:
     """(one layer, root) elements on this rank. Under fsdp2 stage 1 the layer figures are
     an average: ZeroRedundancyOptimizer gives whole tensors to ranks, not equal shares of
     each layer, so only the total over all layers is exact."""
@@ -159,9 +164,9 @@ def _elements(rp: RankParams, sharding: Sharding) -> tuple[TensorStates, TensorS
         layer = TensorStates(rp.layer_numel, rp.layer_numel, rp.layer_numel, 0)
         root = TensorStates(rp.root_numel, rp.root_numel, rp.root_numel, 0)
         return layer, root
-    layer, root = _fsdp2_elements(rp.layer, sharding), _fsdp2_elements(rp.root, sharding)
+    layer, root = _fsdp2_elements(rp.layer, sharding, eb), _fsdp2_elements(rp.root, sharding, eb)
     if sharding.stage == 1 and sharding.degree > 1:
-        layer_elements, layer_tensors, root_elements, root_tensors = _zero1_optimizer(rp, sharding)
+        layer_elements, layer_tensors, root_elements, root_tensors = _zero1_optimizer(rp, sharding, eb)
         layers = max(rp.num_layers, 1)
         # Spread the layers' total evenly so that num_layers * per-layer is exact.
         layer = TensorStates(layer.params, layer.grads, layer_elements // layers, layer_tensors // layers)
@@ -196,6 +201,12 @@ def _term(kind: str, label: str, count: int, elements: int, unit: float, steps: 
     return Term(label, count * (int(elements * unit) + step_bytes), formula)
 
 
+def _states8_term(label: str, count: int, amount: int) -> Term:
+    """8-bit moments, their block scales and maps, and the steps: exact bytes per tensor."""
+    why = "AdamW8bit: per tensor 2 * (N codes + N/256 * 4 B scales + 1,024 B map) + 4 B step, or plain moments under 4,096 elements"
+    return Term(label, count * amount, lambda: f"{count} * {amount:,} B ({why})" if count > 1 else f"{amount:,} B ({why})")
+
+
 def rank_states(
     rp: RankParams,
     eb: ElementBytes,
@@ -203,7 +214,7 @@ def rank_states(
     offload: Offload = Offload(),
 ) -> States:
     """Model states of one rank, split between GPU and CPU."""
-    layer, root = _elements(rp, sharding)
+    layer, root = _elements(rp, sharding, eb)
     resident = rp.num_layers
     if offload.params and offload.resident_layers is not None:
         resident = min(rp.num_layers, offload.resident_layers)
@@ -235,6 +246,9 @@ def rank_states(
             if cpu and kind == "params" and offload.compression != "none":
                 cost, label = COMPRESSED_BYTES[offload.compression], f"{label} ({offload.compression})"
             steps = elements.tensors if kind == "optimizer" else 0
-            term = _term(kind, f"{label} {kind}", count, amount, cost, steps, eb)
+            if kind == "optimizer" and eb.states8 and sharding.framework == "fsdp2":
+                term = _states8_term(f"{label} {kind}", count, amount)
+            else:
+                term = _term(kind, f"{label} {kind}", count, amount, cost, steps, eb)
             (states.cpu if cpu else states.gpu)[kind].append(term)
     return states
