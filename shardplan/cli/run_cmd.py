@@ -28,7 +28,7 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def _require_torch() -> None:
+def _require_torch(job) -> None:
     # find_spec, not import: the parent that starts torchrun never needs torch itself (1 s).
     # numpy too: torch.distributed's object collectives (checkpoint planning, gathering the
     # measurements) call Tensor.numpy() and fail mid-run without it.
@@ -36,6 +36,18 @@ def _require_torch() -> None:
     if missing:
         raise InputError(Problem("", f"`shardplan run` needs {' and '.join(missing)}: pip install torch==2.13.0 "
                                      "&& pip install 'shardplan[run]'"))
+    # Fine-tuning's libraries (the `finetune` extra): peft for LoRA, torchao for NF4 and 8-bit AdamW.
+    needed = []
+    if job.lora is not None:
+        needed.append(("peft", "lora"))
+        if job.lora.base_dtype == "nf4":
+            needed.append(("torchao", "lora.base_dtype"))
+    if job.train.optimizer == "adamw8bit":
+        needed.append(("torchao", "train.optimizer"))
+    lacking = [(name, key) for name, key in needed if importlib.util.find_spec(name) is None]
+    if lacking:
+        raise InputError([Problem(key, f"`shardplan run` needs {name} for this: pip install 'shardplan[finetune]'")
+                          for name, key in lacking])
 
 
 def _worker_args(file: str, flags: PlanFlags, options: dict) -> list[str]:
@@ -151,7 +163,7 @@ def run(
     from ..runtime.capabilities import require_supported
 
     require_supported(resolved)
-    _require_torch()
+    _require_torch(resolved.job)
     if not under_torchrun():
         world = resolved.world
         if nproc is not None and nproc != world:

@@ -48,22 +48,24 @@ def lora_layer_terms(act: ActivationShape, grad_in: bool = True) -> list[Term]:
         if elements:
             terms.append(Term(label, elements * unit, lambda: f"{formula} = {elements:,} * {unit} B"))
 
-    def adapter_inputs(names: list[str], width: int, what: str, formula: str) -> None:
-        """A's input for the targets among `names`, reading one tensor of `width` per token."""
+    def adapter_inputs(names: list[str], width: int, what: str, formula: str, grad: bool) -> None:
+        """A's input for the targets among `names`, reading one tensor of `width` per token
+        (`grad`: that tensor carries a gradient, so a dropout on it keeps its mask)."""
         chosen = [n for n in names if n in targets]
         if not chosen:
             return
         if lora.dropout:
             for name in chosen:
                 add(f"{name} LoRA dropout output", sb * width, e, f"sb*{formula}")
-                add(f"{name} LoRA dropout mask", sb * width, MASK_BYTES, f"sb*{formula}")
+                if grad:
+                    add(f"{name} LoRA dropout mask", sb * width, MASK_BYTES, f"sb*{formula}")
         else:
             add(f"{what} (read by the {'/'.join(chosen)} adapters)", sb * width, e, f"sb*{formula}")
 
     # Attention.
     if grad_in:
         add("attention norm input", sb * h // rep, act.residual_bytes, "sbh" + (f"/{rep}" if rep > 1 else ""))
-    adapter_inputs(["q_proj", "k_proj", "v_proj"], h // gdiv, "QKV input (norm output)", "h")
+    adapter_inputs(["q_proj", "k_proj", "v_proj"], h // gdiv, "QKV input (norm output)", "h", grad_in)
     attention = grad_in or bool(targets & {"q_proj", "k_proj", "v_proj"})
     if attention:
         add("Q, K", sb * (q_width + kv_width), e, "sb(h_q + h_kv)/t")
@@ -81,7 +83,7 @@ def lora_layer_terms(act: ActivationShape, grad_in: bool = True) -> list[Term]:
     if (attention and act.attention == "flash") or ("o_proj" in targets and not lora.dropout):
         add("attention projection input", sb * q_width, e, "sb*h_q/t")
     if "o_proj" in targets and lora.dropout:
-        adapter_inputs(["o_proj"], q_width, "", "h_q/t")
+        adapter_inputs(["o_proj"], q_width, "", "h_q/t", attention)
     attention_grad = attention or "o_proj" in targets
     if act.dropout and attention_grad:
         add("attention dropout mask (residual)", sb * h // rep, MASK_BYTES, "sbh")
@@ -90,7 +92,7 @@ def lora_layer_terms(act: ActivationShape, grad_in: bool = True) -> list[Term]:
     if mlp_in:
         add("MLP norm input", sb * h // rep, act.residual_bytes, "sbh" + (f"/{rep}" if rep > 1 else ""))
     up_names = ["gate_proj", "up_proj"] if shape.gated else ["up_proj"]
-    adapter_inputs(up_names, h // gdiv, "MLP input (norm output)", "h")
+    adapter_inputs(up_names, h // gdiv, "MLP input (norm output)", "h", mlp_in)
     up_grad = mlp_in or "up_proj" in targets
     if shape.gated:
         gate_grad = mlp_in or "gate_proj" in targets
@@ -104,7 +106,7 @@ def lora_layer_terms(act: ActivationShape, grad_in: bool = True) -> list[Term]:
         if up_grad:
             add("MLP activation input", sb * ffn, e, "sb*f/t")
         hidden_grad = up_grad
-    adapter_inputs(["down_proj"], ffn, "MLP down input", "f/t")
+    adapter_inputs(["down_proj"], ffn, "MLP down input", "f/t", hidden_grad)
     if act.dropout and (hidden_grad or "down_proj" in targets):
         add("MLP dropout mask (residual)", sb * h // rep, MASK_BYTES, "sbh")
     # B's inputs: the rank-r intermediates.

@@ -34,7 +34,9 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel
 
 from ..core.precision import MIXED
+from ..spec.job import LoraSpec
 from .dist import Runtime
+from .lora import adamw8bit_class, store_base
 from .model import materialize
 
 COMPUTE_DTYPES = dict(zip(MIXED, (torch.bfloat16, torch.float16)))  # core.precision.MIXED, in order
@@ -56,6 +58,7 @@ class ParallelPlan:
     sequence_parallel: bool = False
     seed: int = 0  # weights come from (seed, parameter name): runtime/model.py init_parameter
     tied_head: bool = False  # a last pipeline stage holding its copy of a tied embedding
+    lora: LoraSpec | None = None  # LoRA / QLoRA: the base frozen and stored as it says
 
 
 def apply_tensor_parallel(model: nn.Module, runtime: Runtime, sequence_parallel: bool) -> None:
@@ -115,6 +118,8 @@ def apply_fsdp(model: nn.Module, runtime: Runtime, plan: ParallelPlan) -> None:
     # Hybrid sharding (HSDP) and stage 0: a 2-D (replicate, shard) mesh.
     dp_mesh = runtime.mesh[("dp_replicate", "dp_shard")] if runtime.dp_split else runtime.mesh["dp"]
     compute = COMPUTE_DTYPES.get(plan.precision)
+    if plan.lora is not None and plan.precision == "fp32":
+        compute = torch.float32  # the bf16 frozen base is gathered in fp32 for fp32 compute
     mp_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else MixedPrecisionPolicy()
     # pin_memory only where an accelerator exists (TORCH-NOTES: pinning raises on CPU).
     offload = CPUOffloadPolicy(pin_memory=plan.pin_memory and runtime.on_gpu)
@@ -124,12 +129,16 @@ def apply_fsdp(model: nn.Module, runtime: Runtime, plan: ParallelPlan) -> None:
     # then sharded, so the host never holds more than a block and the root in full.
     for index, (key, block) in enumerate(model.layers.items()):
         materialize(block, plan.seed, prefix=f"layers.{key}.")
+        if plan.lora is not None:
+            store_base(block, plan.lora, in_layers=True)
         offloaded = plan.offload_params and index >= plan.resident_layers
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
                     offload_policy=offload if offloaded else OffloadPolicy())
     for name, child in model.named_children():
         if name != "layers":
             materialize(child, plan.seed, prefix=f"{name}.", tied_head=plan.tied_head)
+            if plan.lora is not None:
+                store_base(child, plan.lora, in_layers=False)
     # The root (embedding, final norm, head) is needed again as soon as backward starts:
     # torch's default (None) keeps it gathered from forward to backward.
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=None if reshard else False, mp_policy=mp_policy)
@@ -150,7 +159,12 @@ def apply_ddp(model: nn.Module, runtime: Runtime) -> nn.Module:
 
 
 def build_optimizer(params: list[nn.Parameter], runtime: Runtime, plan: ParallelPlan) -> torch.optim.Optimizer:
-    kind = torch.optim.AdamW if plan.optimizer == "adamw" else torch.optim.SGD
+    """The optimizer over the trainable parameters (under LoRA: the adapters)."""
+    params = [p for p in params if p.requires_grad]
+    if plan.optimizer == "adamw8bit":
+        kind = adamw8bit_class()
+    else:
+        kind = torch.optim.AdamW if plan.optimizer == "adamw" else torch.optim.SGD
     if plan.zero_stage == 1 and runtime.layout.degrees.dp > 1:
         return ZeroRedundancyOptimizer(params, optimizer_class=kind, process_group=runtime.group("dp"), lr=plan.lr)
     return kind(params, lr=plan.lr)

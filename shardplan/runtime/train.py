@@ -21,6 +21,7 @@ from ..io.job import ResolvedJob
 from ..spec.errors import RunFailure
 from . import data as data_mod
 from .dist import Runtime
+from .lora import add_adapters
 from .measure import SavedTensorTracker, state_bytes
 from .model import Transformer, loss_fn
 from .parallel import COMPUTE_DTYPES, ParallelPlan, build_optimizer, offloaded_block, parallelize, unwrapped
@@ -37,9 +38,12 @@ def build_model(resolved: ResolvedJob) -> nn.Module:
     job = resolved.job
     try:
         with torch.device("meta"):
-            return Transformer(resolved.shape, dropout=job.model.dropout, attention=job.train.attention)
+            model = Transformer(resolved.shape, dropout=job.model.dropout, attention=job.train.attention)
     except ValueError as exc:
         raise RunFailure(str(exc)) from None
+    if job.lora is not None:
+        add_adapters(model, job.lora)
+    return model
 
 
 def _autocast(runtime: Runtime, plan: ParallelPlan):
@@ -64,7 +68,7 @@ class Trainer:
             lr=job.train.lr, recompute=job.train.activation_checkpointing, resident_layers=resident,
             offload_params=offload_params, prefetch_layers=job.offload.prefetch_layers,
             pin_memory=job.offload.pin_memory, sequence_parallel=par.sequence_parallel and par.tp > 1,
-            seed=job.train.seed, tied_head=resolved.shape.tie_embeddings and par.pp > 1,
+            seed=job.train.seed, tied_head=resolved.shape.tie_embeddings and par.pp > 1, lora=job.lora,
         )
         self.batching = data_mod.Batching(par.dp, par.micro_batch_size, par.num_microbatches, job.train.seq_len)
         self.source = self._source()
