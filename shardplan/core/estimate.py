@@ -132,7 +132,7 @@ def resident_layers(rp: RankParams, eb: ElementBytes, inputs: EstimateInputs, de
         return min(rp.num_layers, inputs.resident_layers)
     layer_bytes = sum(p.padded_shard_numel(degree) for p in rp.layer) * eb.params
     if inputs.lora is not None:
-        layer_bytes = (sum(frozen_bytes(p, inputs.lora, True, degree) for p in rp.layer)
+        layer_bytes = (sum(frozen_bytes(p, inputs.lora, degree, "fsdp2") for p in rp.layer)
                        + sum(p.padded_shard_numel(degree) for p in rp.adapters) * eb.params)
     if layer_bytes == 0:
         return rp.num_layers
@@ -278,14 +278,17 @@ def _lora(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, degree: int,
     trainable = trainable_params(rp)
     if inputs.framework == "deepspeed":
         memory, host = _deepspeed(inputs, trainable, degree, index)
-        gpu, cpu = frozen_terms(rp, inputs.lora, inputs.zero_stage == 3, degree, rp.num_layers, "deepspeed")
+        held = "partition" if inputs.zero_stage == 3 else "whole"
+        gpu, cpu = frozen_terms(rp, inputs.lora, degree, rp.num_layers, held)
         for moment, terms in deepspeed_frozen_buffers(rp, inputs.lora, inputs.zero_stage).items():
             memory.buffers_at[moment] += terms
         return _with_frozen(memory, gpu, cpu), host
     memory = _torch_or_paper(inputs, trainable, eb, degree, index, resident, buffers=False)
-    sharded = inputs.zero_stage >= 2 if inputs.framework == "fsdp2" else inputs.zero_stage == 3
-    partition = "fsdp2" if inputs.framework == "fsdp2" else "deepspeed"
-    gpu, cpu = frozen_terms(rp, inputs.lora, sharded, degree, resident, partition)
+    if inputs.framework == "fsdp2":  # fully_shard at stages 0, 2, 3 (stage 0: one-rank shards); DDP at 1
+        held, over = ("whole", 1) if inputs.zero_stage == 1 else ("fsdp2", degree if inputs.zero_stage >= 2 else 1)
+    else:
+        held, over = ("partition", degree) if inputs.zero_stage == 3 else ("whole", 1)
+    gpu, cpu = frozen_terms(rp, inputs.lora, over, resident, held)
     if inputs.framework == "fsdp2" and inputs.shape is not None:
         if inputs.zero_stage == 1:
             buffers = lora_ddp_buffers(rp, eb) if inputs.precision in MIXED else no_buffers()

@@ -39,24 +39,28 @@ def trainable_params(rp: RankParams) -> RankParams:
     return RankParams(rp.num_layers, rp.chunk_layers, rp.adapters, (), rp.has_head)
 
 
-def frozen_bytes(p: LocalParam, lora: LoraPlan, sharded: bool, degree: int, partition: str = "fsdp2") -> int:
-    """Bytes one rank stores of the frozen parameter `p`: whole, FSDP2's padded dim-0 shard, or
-    DeepSpeed stage 3's flat partition of ceil(numel / degree)."""
-    if not sharded or degree == 1:
-        return nf4_bytes(p.numel) if stores_nf4(p.info, lora) else p.numel * BASE_BYTES
-    numel = p.padded_shard_numel(degree) if partition == "fsdp2" else -(-p.numel // degree)
-    if stores_nf4(p.info, lora):
+def frozen_bytes(p: LocalParam, lora: LoraPlan, degree: int, how: str) -> int:
+    """Bytes one rank stores of the frozen parameter `p`, held `how`: "whole" (as built, every
+    rank the same), "fsdp2" (FSDP2's padded dim-0 shard over `degree` ranks, 1 at stage 0: an
+    NF4 tensor then holds fresh copies of its pieces) or "partition" (DeepSpeed stage 3's flat
+    ceil(numel / degree))."""
+    nf4 = stores_nf4(p.info, lora)
+    if how == "whole":
+        return nf4_bytes(p.numel) if nf4 else p.numel * BASE_BYTES
+    numel = p.padded_shard_numel(degree) if how == "fsdp2" else -(-p.numel // degree)
+    if nf4:
         return nf4_sharded_bytes(numel) + nf4_shared_bytes()
     return numel * BASE_BYTES
 
 
-def frozen_terms(rp: RankParams, lora: LoraPlan, sharded: bool, degree: int, resident: int,
-                 partition: str = "fsdp2") -> tuple[list[Term], list[Term]]:
-    """(GPU, host) terms of the frozen base on this rank; layers past `resident` on the host."""
-    layer = sum(frozen_bytes(p, lora, sharded, degree, partition) for p in rp.layer)
-    root = sum(frozen_bytes(p, lora, sharded, degree, partition) for p in rp.root)
+def frozen_terms(rp: RankParams, lora: LoraPlan, degree: int, resident: int,
+                 held: str) -> tuple[list[Term], list[Term]]:
+    """(GPU, host) terms of the frozen base on this rank, held as `frozen_bytes` says; layers
+    past `resident` on the host."""
+    layer = sum(frozen_bytes(p, lora, degree, held) for p in rp.layer)
+    root = sum(frozen_bytes(p, lora, degree, held) for p in rp.root)
     how = "NF4 layer linears, bf16 elsewhere" if lora.nf4 else "bf16"
-    cut = f", sharded over {degree}" if sharded and degree > 1 else ""
+    cut = f", sharded over {degree}" if held != "whole" and degree > 1 else ""
     gpu, cpu = [], []
     for label, count, place in (("layers", resident, gpu), ("offloaded layers", rp.num_layers - resident, cpu)):
         if count and layer:
@@ -144,7 +148,7 @@ def deepspeed_frozen_buffers(rp: RankParams, lora: LoraPlan, stage: int) -> dict
     at: dict[str, list[Term]] = {m: [] for m in MOMENTS}
     if stage != 3 or not rp.num_layers:
         return at
-    layer = sum(frozen_bytes(p, lora, False, 1) for p in rp.layer)
+    layer = sum(frozen_bytes(p, lora, 1, "whole") for p in rp.layer)
     gathered = Term("gathered frozen layer (stage 3)", layer, f"{layer:,} B, one layer whole")
     for moment in (FORWARD, BACKWARD):
         at[moment].append(gathered)

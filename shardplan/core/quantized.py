@@ -12,7 +12,8 @@ e bytes:
     scaler_mean          e                the mean subtracted before quantizing the scalers
     nf4                  16 * e           the code book, one per tensor
 
-FSDP2 shards the first three along dim 0 (torchao's `aten.split` and `new_zeros` for NF4Tensor);
+`to_nf4` takes the factors as a column of a (factors, 256) tensor made contiguous: a single
+factor is contiguous already, so it keeps the whole 256-entry storage. FSDP2 shards the first three along dim 0 (torchao's `aten.split` and `new_zeros` for NF4Tensor);
 each shard keeps a reference to the tensor's own mean and code book.
 
 8-bit AdamW (Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization", section 2:
@@ -57,8 +58,12 @@ def nf4_sharded_bytes(numel: int, e: int = NF4_SOURCE_BYTES) -> int:
 
 
 def nf4_bytes(numel: int, e: int = NF4_SOURCE_BYTES) -> int:
-    """Bytes of one NF4 tensor of `numel` elements (all five inner tensors)."""
-    return nf4_sharded_bytes(numel, e) + nf4_shared_bytes(e)
+    """Bytes of one NF4 tensor of `numel` elements as `to_nf4` builds it (all five inner
+    tensors). A tensor FSDP2 has sharded (any shard group, one rank included) holds fresh
+    copies instead: `nf4_sharded_bytes` of its shard plus `nf4_shared_bytes`."""
+    factors = numel // (NF4_BLOCK * NF4_SCALER_BLOCK)
+    one_factor = NF4_SCALER_BLOCK * e - e if factors == 1 else 0  # the column's whole storage
+    return nf4_sharded_bytes(numel, e) + nf4_shared_bytes(e) + one_factor
 
 
 def nf4_dequant_bytes(numel: int, e: int = NF4_SOURCE_BYTES) -> int:
