@@ -27,6 +27,10 @@ PLANNING_COMMANDS = [
     ["estimate", "--params", "7.5B", "--dp", "64", "--zero", "3", "--framework", "deepspeed"],
     ["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "zero-bubble"],
     ["schedule", "llama-2-70b-3d", "--schedule", "interleaved-1f1b", "--virtual", "2"],
+    *(["export", "llama-2-70b-3d", "--to", target] for target in ("deepspeed", "torchtitan", "accelerate", "megatron")),
+    ["import", "tests/data/interop/ds_zero_infinity.json", "--dp", "8", "--set", "model.preset=gpt2-xl"],
+    ["import", "tests/data/interop/torchtitan_llama3_8b.toml"],
+    ["import", "tests/data/interop/accelerate_fsdp2.yaml", "--set", "model.preset=llama-3-8b"],
 ]
 
 
@@ -53,6 +57,13 @@ def test_runs_without_torch(args, blocked_env):
 
 def test_importing_the_cli_does_not_import_torch(blocked_env):
     code = "import sys, shardplan.cli.app; assert 'torch' not in sys.modules, 'torch imported'"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=blocked_env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_starting_the_cli_does_not_import_yaml(blocked_env):
+    """PyYAML is read only by `export --to accelerate` and `import`."""
+    code = "import sys, shardplan.cli.app; assert 'yaml' not in sys.modules, 'yaml imported'"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=blocked_env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
 

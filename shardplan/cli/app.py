@@ -22,6 +22,8 @@ from ..spec.errors import EXIT_BAD_INPUT, EXIT_RUNTIME, ShardplanError
 from ..render.output import emit_diagnostics
 from . import (
     estimate_cmd,
+    export_cmd,
+    import_cmd,
     layout_cmd,
     presets_cmd,
     run_cmd,
@@ -61,7 +63,8 @@ def _main(
 
 
 # One module per command, in the order `--help` lists them.
-for _module in (validate_cmd, layout_cmd, shards_cmd, estimate_cmd, schedule_cmd, run_cmd, presets_cmd, schema_cmd):
+for _module in (validate_cmd, layout_cmd, shards_cmd, estimate_cmd, schedule_cmd, run_cmd, export_cmd, import_cmd,
+                presets_cmd, schema_cmd):
     _module.register(app)
 
 

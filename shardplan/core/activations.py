@@ -24,7 +24,7 @@ log-sum-exp per head and token), and context parallel (cp) divides the tokens of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 from ..spec.model import ModelShape
 from .lora import LoraPlan
@@ -67,6 +67,14 @@ class ActivationShape:
     loss: str = "fp32"
     # LoRA: the base is frozen, adapters train (core/lora_activations.py)
     lora: LoraPlan | None = None
+
+    def __hash__(self) -> int:
+        # Planner caches key on this frozen value: hash its fields once, not at every lookup.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
 
     @property
     def residual_bytes(self) -> int:
@@ -218,16 +226,16 @@ def recompute_working_terms(act: ActivationShape) -> list[Term]:
     under full recomputation, all but the kept operators' outputs under the operator policy,
     the score matrices under selective recomputation of eager attention."""
     if act.recompute == "op":
-        full = sum(t.bytes for t in layer_terms(ActivationShape(**{**act.__dict__, "recompute": "none"})))
+        full = sum(t.bytes for t in layer_terms(replace(act, recompute="none")))
         kept = sum(t.bytes for t in op_saved_terms(act))
         working = max(0, full - kept)
         return [Term("recomputed layer, less the kept outputs (one at a time)", working,
                      lambda: f"{full:,} B of one layer - {kept:,} B kept")]
     if act.recompute == "full":
-        full = layer_terms(ActivationShape(**{**act.__dict__, "recompute": "none"}))
+        full = layer_terms(replace(act, recompute="none"))
         return [Term("recomputed layer (one at a time)", sum(t.bytes for t in full), "one layer, no recomputation")]
     if act.recompute == "selective" and act.attention == "eager":
-        eager = layer_terms(ActivationShape(**{**act.__dict__, "recompute": "none"}))
+        eager = layer_terms(replace(act, recompute="none"))
         scores = [t for t in eager if "softmax" in t.label or "attention dropout" in t.label and "residual" not in t.label]
         return [Term("recomputed attention scores (one layer)", sum(t.bytes for t in scores), "score terms of one layer")]
     return []

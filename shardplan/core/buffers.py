@@ -24,6 +24,8 @@ The allowances for the CUDA context and allocator fragmentation are stated const
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from .precision import FP32, ElementBytes
 from .stages import LocalParam, RankParams
 from .terms import Term
@@ -62,6 +64,19 @@ def no_buffers() -> dict[str, list[Term]]:
 def fsdp2_buffers(rp: RankParams, eb: ElementBytes, stage: int, degree: int, prefetch: int,
                   mixed: bool) -> dict[str, list[Term]]:
     """Transient buffers of one rank running FSDP2 (stages 0, 2, 3) or DDP (stage 1), by moment."""
+    cached = _fsdp2_buffers(rp, eb, stage, degree, prefetch, mixed)
+    return {moment: list(terms) for moment, terms in cached.items()}
+
+
+@lru_cache(maxsize=2048)
+def _fsdp2_buffers(rp: RankParams, eb: ElementBytes, stage: int, degree: int, prefetch: int,
+                   mixed: bool) -> dict[str, tuple[Term, ...]]:
+    at = _fsdp2_buffer_lists(rp, eb, stage, degree, prefetch, mixed)
+    return {moment: tuple(terms) for moment, terms in at.items()}
+
+
+def _fsdp2_buffer_lists(rp: RankParams, eb: ElementBytes, stage: int, degree: int, prefetch: int,
+                        mixed: bool) -> dict[str, list[Term]]:
     c = eb.compute
     at = no_buffers()
     if stage == 1:

@@ -139,6 +139,7 @@ def resident_layers(rp: RankParams, eb: ElementBytes, inputs: EstimateInputs, de
     return min(rp.num_layers, inputs.gpu_param_budget // layer_bytes)
 
 
+@lru_cache(maxsize=4096)
 def _activation_shape(inputs: EstimateInputs, eb: ElementBytes) -> ActivationShape:
     assert inputs.shape is not None
     d = inputs.degrees
@@ -192,8 +193,37 @@ def held_at_peak(schedule: str, pp: int, microbatches: int, virtual: int, pp_ran
         return dict.fromkeys(stage_bytes, 1)
     if schedule in ALL_FORWARDS_FIRST:
         return dict.fromkeys(stage_bytes, microbatches)
+    # With one chunk per rank the count at the peak does not depend on its bytes.
+    weights = tuple(sorted(stage_bytes.items())) if len(stage_bytes) > 1 else tuple((k, 1) for k in stage_bytes)
+    return dict(_held(schedule, pp, microbatches, virtual, pp_rank, weights))
+
+
+@lru_cache(maxsize=4096)
+def _held(schedule: str, pp: int, microbatches: int, virtual: int, pp_rank: int,
+          weights: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
     order = _rank_order(schedule, pp, microbatches, chunks_per_rank(schedule, virtual), pp_rank)
-    return held_peak(order, stage_bytes, WEIGHT if schedule in SPLIT_BACKWARD else BACKWARD_ACTION)[1]
+    held = held_peak(order, dict(weights), WEIGHT if schedule in SPLIT_BACKWARD else BACKWARD_ACTION)[1]
+    return tuple(sorted(held.items()))
+
+
+@lru_cache(maxsize=4096)
+def _layer_bytes(act: ActivationShape) -> int:
+    return sum(t.bytes for t in stored_layer_terms(act))
+
+
+@lru_cache(maxsize=4096)
+def _first_layer_bytes(act: ActivationShape) -> int:
+    return sum(t.bytes for t in stored_layer_terms(act, grad_in=False))
+
+
+@lru_cache(maxsize=4096)
+def _embedding_terms(act: ActivationShape) -> tuple[Term, ...]:
+    return tuple(embedding_terms(act))
+
+
+@lru_cache(maxsize=4096)
+def _head_terms(act: ActivationShape) -> tuple[Term, ...]:
+    return tuple(head_terms(act))
 
 
 def activation_terms(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes,
@@ -208,19 +238,19 @@ def activation_terms(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes,
         return [], 0
     act = _activation_shape(inputs, eb)
     d = inputs.degrees
-    per_layer = sum(t.bytes for t in stored_layer_terms(act))
+    per_layer = _layer_bytes(act)
     stages = [pp_rank + chunk * d.pp for chunk in range(len(rp.chunk_layers))] or [pp_rank]
     last_stage = d.pp * max(1, len(rp.chunk_layers)) - 1
     # Under LoRA the first layer's input comes from the frozen embedding without a gradient:
     # it keeps less than the others (core/lora_activations.py).
-    first_layer = sum(t.bytes for t in stored_layer_terms(act, grad_in=False)) if act.lora else per_layer
+    first_layer = _first_layer_bytes(act) if act.lora else per_layer
 
     def edges(stage: int) -> list[Term]:
-        terms = embedding_terms(act) if stage == 0 else []
+        terms = list(_embedding_terms(act)) if stage == 0 else []
         if stage == 0 and first_layer != per_layer and rp.chunk_layers and rp.chunk_layers[0]:
             terms.append(Term("first layer, no gradient into it (LoRA)", first_layer - per_layer,
                               lambda: f"{first_layer:,} B instead of {per_layer:,} B"))
-        return terms + (head_terms(act) if stage == last_stage else [])
+        return terms + (list(_head_terms(act)) if stage == last_stage else [])
 
     stage_bytes = {}
     for stage, layers in zip(stages, rp.chunk_layers or (0,)):
@@ -251,6 +281,11 @@ class _RankMemory:
     buffers_at: dict[str, list[Term]]
 
 
+@lru_cache(maxsize=1024)
+def _deepspeed_cached(rp: RankParams, plan: DeepSpeedPlan):
+    return deepspeed_memory(rp, plan)
+
+
 def _deepspeed(inputs: EstimateInputs, rp: RankParams, degree: int, index: int) -> tuple[_RankMemory, list[Term]]:
     plan = DeepSpeedPlan(
         stage=inputs.zero_stage, degree=degree, index=index, precision=inputs.precision,
@@ -260,14 +295,19 @@ def _deepspeed(inputs: EstimateInputs, rp: RankParams, degree: int, index: int) 
         persistence_threshold=inputs.param_persistence_threshold, overlap_comm=inputs.overlap_comm,
         accumulating=inputs.num_microbatches > 1,
     )
-    ds = deepspeed_memory(rp, plan)
+    ds = _deepspeed_cached(rp, plan)
     return _RankMemory(ds.gpu, ds.cpu, ds.grads_at, ds.buffers_at), ds.host
 
 
-def _with_frozen(memory: _RankMemory, gpu: list[Term], cpu: list[Term]) -> _RankMemory:
-    memory.gpu["params"] = gpu + memory.gpu["params"]
-    memory.cpu["params"] = cpu + memory.cpu["params"]
-    return memory
+def _with_frozen(memory: _RankMemory, gpu: list[Term], cpu: list[Term],
+                 buffers: dict[str, list[Term]]) -> _RankMemory:
+    """A new record (the framework's may be cached) with the frozen base's terms added."""
+    return _RankMemory(
+        gpu={k: (gpu if k == "params" else []) + list(v) for k, v in memory.gpu.items()},
+        cpu={k: (cpu if k == "params" else []) + list(v) for k, v in memory.cpu.items()},
+        grads_at={m: list(v) for m, v in memory.grads_at.items()},
+        buffers_at={m: list(buffers.get(m, [])) + list(v) for m, v in memory.buffers_at.items()},
+    )
 
 
 def _lora(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, degree: int, index: int,
@@ -280,23 +320,20 @@ def _lora(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, degree: int,
         memory, host = _deepspeed(inputs, trainable, degree, index)
         held = "partition" if inputs.zero_stage == 3 else "whole"
         gpu, cpu = frozen_terms(rp, inputs.lora, degree, rp.num_layers, held)
-        for moment, terms in deepspeed_frozen_buffers(rp, inputs.lora, inputs.zero_stage).items():
-            memory.buffers_at[moment] += terms
-        return _with_frozen(memory, gpu, cpu), host
+        return _with_frozen(memory, gpu, cpu, deepspeed_frozen_buffers(rp, inputs.lora, inputs.zero_stage)), host
     memory = _torch_or_paper(inputs, trainable, eb, degree, index, resident, buffers=False)
     if inputs.framework == "fsdp2":  # fully_shard at stages 0, 2, 3 (stage 0: one-rank shards); DDP at 1
         held, over = ("whole", 1) if inputs.zero_stage == 1 else ("fsdp2", degree if inputs.zero_stage >= 2 else 1)
     else:
         held, over = ("partition", degree) if inputs.zero_stage == 3 else ("whole", 1)
     gpu, cpu = frozen_terms(rp, inputs.lora, over, resident, held)
+    buffers = no_buffers()
     if inputs.framework == "fsdp2" and inputs.shape is not None:
         if inputs.zero_stage == 1:
             buffers = lora_ddp_buffers(rp, eb) if inputs.precision in MIXED else no_buffers()
         else:
             buffers = lora_fsdp2_buffers(rp, eb, inputs.lora, inputs.zero_stage, degree, inputs.prefetch_layers)
-        for moment, terms in buffers.items():
-            memory.buffers_at[moment] = terms + memory.buffers_at[moment]
-    memory = _with_frozen(memory, gpu, cpu)
+    memory = _with_frozen(memory, gpu, cpu, buffers)
     host = rank_host(inputs, trainable, eb, degree, resident, memory.cpu) if inputs.framework == "fsdp2" else []
     if inputs.framework == "fsdp2":
         host += cpu
@@ -338,45 +375,69 @@ def _backward_activations(activations: list[Term], act: ActivationShape | None, 
     return kept
 
 
-def _moments(inputs: EstimateInputs, memory: _RankMemory, activations: list[Term],
-             act: ActivationShape | None, has_head: bool, head_held: int) -> list[Moment]:
-    """The rank's moments: states, the gradients and buffers of each, saved activations
-    until the step, the loss and recomputation transients, and the allowances."""
-    buffers_at = {m: list(terms) for m, terms in memory.buffers_at.items()}
-    in_backward = _backward_activations(activations, act, has_head, head_held)
-    if act is not None:
-        buffers_at[BACKWARD] += recompute_working_terms(act)
-        if has_head:
-            buffers_at[LOSS] += loss_backward_terms(act)
-            # Who keeps the logits until backward: transformers' model output (the DeepSpeed
-            # loops), and torch's pipeline stages, which cache each stage's output for its
-            # backward; `shardplan run` and torchtitan free them before backward.
-            holders = inputs.framework == "deepspeed" or inputs.degrees.pp > 1
-            kept = [t.scaled(head_held, f"{head_held} microbatches held") if head_held > 1 else t
-                    for t in kept_logits_terms(act)] if holders else []
-            for moment in (FORWARD, LOSS, BACKWARD):
-                buffers_at[moment] += kept
-    moments = []
+@dataclass(frozen=True)
+class RankParts:
+    """One rank's terms, grouped so that every moment is a sum of parts: what the explained
+    estimate prints and the planner's numeric path (`moment_totals`) add up alike."""
+
+    gpu: dict[str, tuple[Term, ...]]  # params, grads, optimizer held through the step
+    cpu: dict[str, tuple[Term, ...]]  # the same kinds in host memory
+    grads_at: dict[str, tuple[Term, ...]]  # GPU gradients alive at each moment
+    buffers_at: dict[str, tuple[Term, ...]]  # transient buffers of each moment (no allowances)
+    activations: tuple[Term, ...]  # saved at the schedule's peak
+    in_backward: tuple[Term, ...]  # saved, while a layer runs backward
+    moments: tuple[str, ...]  # the moments this rank has
+    host: tuple[Term, ...]  # host memory while training
+    startup: tuple[Term, ...]  # host memory at start-up
+    resident_layers: int
+    num_layers: int
+    on_gpu: bool
+
+
+def _present(inputs: EstimateInputs, has_loss: bool) -> tuple[str, ...]:
+    names = []
     for name in MOMENTS:
-        if name == LOSS and not (has_head and act is not None):
+        if name == LOSS and not has_loss:
             continue
         if name == BACKWARD_END and inputs.num_microbatches > 1:
             continue  # gradients accumulate: the backward moments already hold them
-        moment = Moment(name)
-        moment.add("params", memory.gpu["params"]).add("optimizer", memory.gpu["optimizer"])
-        moment.add("grads", memory.grads_at[name])
-        if name in (FORWARD, LOSS):
-            moment.add("activations", activations)
-        elif name == BACKWARD:
-            moment.add("activations", in_backward)
-        moment.add("buffers", buffers_at[name])
-        moment.add("buffers", allowance_terms(moment.total, inputs.on_gpu))
-        moments.append(moment)
-    return moments
+        names.append(name)
+    return tuple(names)
 
 
-def rank_estimate(inputs: EstimateInputs, at: Coordinates, ranks: list[int]) -> DeviceEstimate:
-    """The figures of the rank at `at` (`ranks`: the ranks these figures stand for)."""
+def _transients(inputs: EstimateInputs, act: ActivationShape | None, has_head: bool,
+                head_held: int) -> dict[str, list[Term]]:
+    """Recomputation's working set, the loss's gradients and the logits a loop keeps."""
+    extra: dict[str, list[Term]] = {m: [] for m in MOMENTS}
+    if act is None:
+        return extra
+    extra[BACKWARD] += _recompute_terms(act)
+    if has_head:
+        extra[LOSS] += _loss_terms(act)
+        # Who keeps the logits until backward: transformers' model output (the DeepSpeed
+        # loops), and torch's pipeline stages, which cache each stage's output for its
+        # backward; `shardplan run` and torchtitan free them before backward.
+        if inputs.framework == "deepspeed" or inputs.degrees.pp > 1:
+            kept = [t.scaled(head_held, f"{head_held} microbatches held") if head_held > 1 else t
+                    for t in kept_logits_terms(act)]
+            for moment in (FORWARD, LOSS, BACKWARD):
+                extra[moment] += kept
+    return extra
+
+
+@lru_cache(maxsize=4096)
+def _recompute_terms(act: ActivationShape) -> tuple[Term, ...]:
+    return tuple(recompute_working_terms(act))
+
+
+@lru_cache(maxsize=4096)
+def _loss_terms(act: ActivationShape) -> tuple[Term, ...]:
+    return tuple(loss_backward_terms(act))
+
+
+@lru_cache(maxsize=512)
+def rank_parts(inputs: EstimateInputs, at: Coordinates) -> RankParts:
+    """Everything one rank's moments are made of (cached: the planner asks again and again)."""
     eb = element_bytes(inputs.framework, inputs.precision, inputs.optimizer)
     rp = _rank_params(inputs, at)
     degree = shard_degree(inputs)
@@ -390,18 +451,70 @@ def rank_estimate(inputs: EstimateInputs, at: Coordinates, ranks: list[int]) -> 
         host = rank_host(inputs, rp, eb, degree, resident, memory.cpu)
     activations, head_held = activation_terms(inputs, rp, eb, at.pp_rank)
     act = _activation_shape(inputs, eb) if inputs.shape is not None else None
-    moments = _moments(inputs, memory, activations, act, rp.has_head, head_held)
+    in_backward = _backward_activations(activations, act, rp.has_head, head_held)
+    extra = _transients(inputs, act, rp.has_head, head_held)
+    buffers_at = {m: tuple(memory.buffers_at[m]) + tuple(extra[m]) for m in MOMENTS}
+    return RankParts(
+        gpu={k: tuple(memory.gpu[k]) for k in KINDS}, cpu={k: tuple(memory.cpu[k]) for k in KINDS},
+        grads_at={m: tuple(memory.grads_at[m]) for m in MOMENTS}, buffers_at=buffers_at,
+        activations=tuple(activations), in_backward=tuple(in_backward),
+        moments=_present(inputs, rp.has_head and act is not None),
+        host=tuple(host) + tuple(checkpoint_staging(inputs, rp, degree)),
+        startup=tuple(startup_host(inputs, rp, eb)), resident_layers=resident, num_layers=rp.num_layers,
+        on_gpu=inputs.on_gpu,
+    )
+
+
+def _bytes(terms: tuple[Term, ...]) -> int:
+    return sum(t.bytes for t in terms)
+
+
+def moment_totals(parts: RankParts) -> dict[str, int]:
+    """Each moment's GPU bytes, allowances included: the numbers `_moments` prints, without
+    building a term (the planner's path; tests/test_plan.py holds them equal)."""
+    fixed = _bytes(parts.gpu["params"]) + _bytes(parts.gpu["optimizer"])
+    saved, in_backward = _bytes(parts.activations), _bytes(parts.in_backward)
+    totals = {}
+    for name in parts.moments:
+        tensors = fixed + _bytes(parts.grads_at[name]) + _bytes(parts.buffers_at[name])
+        tensors += saved if name in (FORWARD, LOSS) else in_backward if name == BACKWARD else 0
+        totals[name] = tensors + _bytes(tuple(allowance_terms(tensors, parts.on_gpu)))
+    return totals
+
+
+def _moments(parts: RankParts) -> list[Moment]:
+    """The rank's moments: states, the gradients and buffers of each, saved activations
+    until the step, the loss and recomputation transients, and the allowances."""
+    moments = []
+    for name in parts.moments:
+        moment = Moment(name)
+        moment.add("params", list(parts.gpu["params"])).add("optimizer", list(parts.gpu["optimizer"]))
+        moment.add("grads", list(parts.grads_at[name]))
+        if name in (FORWARD, LOSS):
+            moment.add("activations", list(parts.activations))
+        elif name == BACKWARD:
+            moment.add("activations", list(parts.in_backward))
+        moment.add("buffers", list(parts.buffers_at[name]))
+        moment.add("buffers", allowance_terms(moment.total, parts.on_gpu))
+        moments.append(moment)
+    return moments
+
+
+def rank_estimate(inputs: EstimateInputs, at: Coordinates, ranks: list[int]) -> DeviceEstimate:
+    """The figures of the rank at `at` (`ranks`: the ranks these figures stand for)."""
+    parts = rank_parts(inputs, at)
+    moments = _moments(parts)
     top = peak(moments)
     terms = {f"gpu.{kind}": list(top.terms[kind]) for kind in (*KINDS, "activations", "buffers")}
-    terms.update({f"cpu.{k}": memory.cpu[k] for k in KINDS})
-    cpu = {k: sum(t.bytes for t in memory.cpu[k]) for k in KINDS}
+    terms.update({f"cpu.{k}": list(parts.cpu[k]) for k in KINDS})
+    cpu = {k: _bytes(parts.cpu[k]) for k in KINDS}
     cpu["total"] = sum(cpu.values())
-    states = {k: sum(t.bytes for t in memory.gpu[k]) for k in KINDS}
+    states = {k: _bytes(parts.gpu[k]) for k in KINDS}
     return DeviceEstimate(
         stage=at.pp_rank, ranks=ranks, gpu=top.breakdown(), cpu=cpu, states=states, terms=terms,
-        peak_moment=top.name, moments=moments, resident_layers=resident, num_layers=rp.num_layers,
-        saved_activations=sum(t.bytes for t in activations),
-        host=host + checkpoint_staging(inputs, rp, degree), startup=startup_host(inputs, rp, eb),
+        peak_moment=top.name, moments=moments, resident_layers=parts.resident_layers,
+        num_layers=parts.num_layers, saved_activations=_bytes(parts.activations),
+        host=list(parts.host), startup=list(parts.startup),
     )
 
 

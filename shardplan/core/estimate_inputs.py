@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from ..spec.job import JobSpec
 from ..spec.model import ModelShape
@@ -80,6 +80,14 @@ class EstimateInputs:
     on_gpu: bool = True  # CUDA allowances apply
     checkpointing: bool = False  # `run` writes checkpoints: their staging is host memory
     lora: LoraPlan | None = None  # LoRA / QLoRA: adapters train, the base is frozen (None: full training)
+
+    def __hash__(self) -> int:
+        # Planner caches key on this frozen value: hash its fields once, not at every lookup.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
 
     def with_(self, **changes) -> EstimateInputs:
         return replace(self, **changes)

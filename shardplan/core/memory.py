@@ -18,11 +18,20 @@ What the job file asks for is never undone; the strategy only adds, and says so.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from .buffers import CUDA_CONTEXT_BYTES, FRAGMENTATION
-from .estimate import Coordinates, DeviceEstimate, param_counts, rank_estimate, torch_sequence_parallel_extra
+from .estimate import (
+    Coordinates,
+    DeviceEstimate,
+    moment_totals,
+    param_counts,
+    rank_estimate,
+    rank_parts,
+    torch_sequence_parallel_extra,
+)
 from .estimate_inputs import EstimateInputs
-from .host import PROCESS_HOST_BYTES, PROCESS_HOST_BYTES_CPU, node_host
+from .host import PROCESS_HOST_BYTES, PROCESS_HOST_BYTES_CPU, node_host, process_allowance
 from .layout import Layout
 from ..spec.units import format_bytes
 
@@ -57,6 +66,58 @@ def _devices(inputs: EstimateInputs, layout: Layout) -> list[DeviceEstimate]:
         rank_estimate(inputs, Coordinates(pp_rank=stage), ranks_of_stage[stage])
         for stage in range(inputs.degrees.pp)
     ]
+
+
+@lru_cache(maxsize=1024)
+def node_mixes(degrees, order: str, gpus_per_node: int) -> tuple[tuple[int, ...], ...]:
+    """The distinct multisets of pipeline stages that a node's ranks hold (sorted)."""
+    stages = Layout(degrees, order, gpus_per_node).column("pp")
+    return tuple(sorted({tuple(sorted(stages[start:start + gpus_per_node]))
+                         for start in range(0, len(stages), gpus_per_node)}))
+
+
+# Schedules under which a pipeline rank holds no more microbatches than the rank before it,
+# with one model chunk per rank (core/schedule.py: 1F1B holds pp - r, GPipe and zero-bubble
+# the same on every rank).
+MONOTONE_SCHEDULES = ("1f1b", "gpipe", "zero-bubble")
+
+
+def _candidate_stages(inputs: EstimateInputs, single_stage_nodes: bool) -> range | tuple[int, ...]:
+    """The stages whose figures can be the largest. Under a monotone schedule the middle
+    stages hold their layers in order of decreasing layer counts (the even split gives the
+    first stages the extra layer) and decreasing held microbatches, with the same blocks and
+    no embedding or head: every figure of a middle stage grows with both, so stage 1 bounds
+    the others (tests/test_plan.py checks the shortcut against every stage). With nodes that
+    mix stages, the host needs them all."""
+    pp = inputs.degrees.pp
+    if pp <= 3 or inputs.schedule not in MONOTONE_SCHEDULES or inputs.virtual > 1 or not single_stage_nodes:
+        return range(pp)
+    return (0, 1, pp - 1)
+
+
+def plan_figures(inputs: EstimateInputs) -> tuple[int, int]:
+    """(peak GPU bytes over the stages, host bytes of the busiest node) of `inputs` exactly as
+    given: the numbers `estimate_memory` reports for the same inputs when its offload strategy
+    adds nothing, computed from the same parts without building a term (the planner's inner
+    loop; tests/test_plan.py holds the two equal)."""
+    mixes = node_mixes(inputs.degrees, inputs.order, inputs.gpus_per_node)
+    single = all(len(set(mix)) == 1 for mix in mixes)
+    stages = _candidate_stages(inputs, single)
+    peak = 0
+    host: dict[int, tuple[int, int]] = {}
+    allowance = process_allowance(inputs.on_gpu).bytes
+    for stage in stages:
+        parts = rank_parts(inputs, Coordinates(pp_rank=stage))
+        peak = max(peak, max(moment_totals(parts).values()))
+        host[stage] = (sum(t.bytes for t in parts.host) + allowance, sum(t.bytes for t in parts.startup) + allowance)
+    node = 0
+    for mix in mixes:
+        if any(stage not in host for stage in mix):
+            continue  # a middle stage's node, bounded by stage 1's (single-stage nodes only)
+        training = sum(host[stage][0] for stage in mix)
+        startup = sum(host[stage][1] for stage in mix)
+        node = max(node, training, startup)
+    return peak, node
 
 
 def _host(devices: list[DeviceEstimate], layout: Layout, on_gpu: bool = True) -> tuple[int, str, dict[str, int]]:

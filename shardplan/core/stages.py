@@ -11,7 +11,8 @@ as torch.distributed.pipelining's interleaved and looped-BFS schedules expect).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from functools import cached_property
 from functools import lru_cache
 from math import prod
 
@@ -63,11 +64,19 @@ class RankParams:
     has_head: bool
     adapters: tuple[LocalParam, ...] = ()
 
-    @property
+    def __hash__(self) -> int:
+        # Planner caches key on this frozen value: hash its fields once, not at every lookup.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    @cached_property
     def layer_numel(self) -> int:
         return sum(p.numel for p in self.layer)
 
-    @property
+    @cached_property
     def root_numel(self) -> int:
         return sum(p.numel for p in self.root)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from .precision import ElementBytes
 from .quantized import adamw8bit_bytes
@@ -91,6 +92,11 @@ NONE = TensorStates(0, 0, 0, 0)
 
 
 def zero_optimizer_partition(numels: list[int], degree: int) -> list[int]:
+    return list(_zero_partition(tuple(numels), degree))
+
+
+@lru_cache(maxsize=1024)
+def _zero_partition(numels: tuple[int, ...], degree: int) -> tuple[int, ...]:
     """The rank torch's ZeroRedundancyOptimizer gives each parameter (in module order):
     parameters sorted by size, largest first (a stable sort), each to the rank holding the
     fewest elements so far, the lowest such rank on ties
@@ -101,7 +107,7 @@ def zero_optimizer_partition(numels: list[int], degree: int) -> list[int]:
         size, rank = heapq.heappop(loads)
         owners[position] = rank
         heapq.heappush(loads, (size + numels[position], rank))
-    return owners
+    return tuple(owners)
 
 
 def _zero1_optimizer(rp: RankParams, sharding: Sharding, eb: ElementBytes) -> tuple[int, int, int, int]:
@@ -207,13 +213,15 @@ def _states8_term(label: str, count: int, amount: int) -> Term:
     return Term(label, count * amount, lambda: f"{count} * {amount:,} B ({why})" if count > 1 else f"{amount:,} B ({why})")
 
 
+@lru_cache(maxsize=2048)
 def rank_states(
     rp: RankParams,
     eb: ElementBytes,
     sharding: Sharding,
     offload: Offload = Offload(),
 ) -> States:
-    """Model states of one rank, split between GPU and CPU."""
+    """Model states of one rank, split between GPU and CPU (cached: callers must not change
+    the lists it returns)."""
     layer, root = _elements(rp, sharding, eb)
     resident = rp.num_layers
     if offload.params and offload.resident_layers is not None:

@@ -171,8 +171,20 @@ def load_job(
     names for `run` (data.path) must exist. Cross-field problems for which `warn_only` holds
     are reported as warnings (a command that does not depend on them still runs).
     """
+    return resolve_document(open_job_source(source), overrides, world, env, flag_labels, check_paths, warn_only)
+
+
+def resolve_document(
+    doc: Document,
+    overrides: list[Override] | None = None,
+    world: int | None = None,
+    env: Mapping[str, str] | None = None,
+    flag_labels: dict[str, str] | None = None,
+    check_paths: bool = False,
+    warn_only: Callable[[Problem], bool] | None = None,
+) -> ResolvedJob:
+    """`load_job` for tables already read (a job file, or one built by `shardplan import`)."""
     env = os.environ if env is None else env
-    doc = open_job_source(source)
     overrides = overrides or []
     flagged = {path: (flag_labels or {}).get(path, "--set") for path, _ in overrides}
     data = apply_overrides(doc.data, overrides)

@@ -81,3 +81,9 @@ def write_document(document: dict) -> None:
     `json.dumps(indent=2)`, which falls back to the pure-Python encoder, and the file stays
     readable and diffable."""
     sys.stdout.write(dumps_document(document))
+
+
+def error_document(problems: list, exit_code: int) -> dict:
+    """CONTRACT's error document for `--json` (stdout), beside the usual lines on stderr."""
+    rows = [{"file": p.file, "line": p.line, "path": p.path, "message": p.message} for p in problems]
+    return {"error": {"exit_code": exit_code, "problems": rows}}

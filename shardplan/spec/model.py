@@ -7,7 +7,7 @@ Presets and config.json files are resolved to an inline shape by `shardplan.io`.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Literal, Optional
 
 from pydantic import Field, model_validator
@@ -161,6 +161,14 @@ class ModelShape:
     num_experts: int
     experts_per_token: int
     name: str = ""
+
+    def __hash__(self) -> int:
+        # Planner caches key on this frozen value: hash its fields once, not at every lookup.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
 
     @property
     def gated(self) -> bool:

@@ -1,0 +1,96 @@
+"""`shardplan export FILE --to deepspeed|torchtitan|accelerate|megatron [-o F]`: the same
+plan in another framework's config format; what it cannot express goes to stderr."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..core.degrees import Degrees
+from ..core.layout import Layout, shard_group_size
+from ..io.interop import TARGETS
+from ..io.interop.common import Plan
+from ..io.job import ResolvedJob
+from ..io.problems import did_you_mean
+from ..render.output import emit_diagnostics, emit_json, error_document
+from ..spec.errors import InputError, PlanError, Problem, ShardplanError
+from .options import JsonFlag, PlanFlags, plan_flags
+
+
+def plan_of(resolved: ResolvedJob) -> Plan:
+    """The exporters' view of a validated job (core decides the shard group and nodes)."""
+    job = resolved.job
+    par, cluster = job.parallel, job.cluster
+    degrees = Degrees(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp)
+    try:
+        layout = Layout(degrees, par.order, cluster.gpus_per_node)
+        group = shard_group_size(layout, job.zero.hybrid and job.zero.stage >= 2)
+    except PlanError as exc:
+        raise InputError(Problem("zero.hybrid", str(exc), file=resolved.file or None)) from None
+    nodes = cluster.nodes or -(-degrees.world // cluster.gpus_per_node)
+    return Plan(job, resolved.shape, group, nodes)
+
+
+def write_output(path: str, text: str) -> None:
+    """Write `text` to `path`; an unwritable path is bad input, in one line."""
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise InputError(Problem("", f"cannot write: {exc.strerror or exc}", file=path)) from None
+
+
+@contextmanager
+def json_errors(json_out: bool):
+    """With --json, bad input also leaves CONTRACT's error document on stdout."""
+    try:
+        yield
+    except ShardplanError as exc:
+        if json_out:
+            problems = getattr(exc, "problems", None) or [Problem("", str(exc))]
+            emit_json(error_document(problems, exc.exit_code))
+        raise
+
+
+@plan_flags
+def export(
+    file: Annotated[Optional[str], typer.Argument(help="job file (TOML/JSON) or job preset name")] = None,
+    to: Annotated[str, typer.Option("--to", help=f"target format: {', '.join(TARGETS)}")] = "",
+    output: Annotated[Optional[str], typer.Option("-o", "--output", help="write the config here (default: stdout)")] = None,
+    json_out: JsonFlag = False,
+    *,
+    flags: PlanFlags,
+) -> None:
+    """The same plan as a DeepSpeed, torchtitan, accelerate or Megatron-LM config.
+
+    DeepSpeed: config JSON; torchtitan: job config TOML; accelerate: config YAML (FSDP2);
+    Megatron-LM: command-line arguments. Every key the target cannot express is named on
+    stderr, one line each.
+    """
+    with json_errors(json_out):
+        target = to.strip().lower()
+        if target not in TARGETS:
+            hint = did_you_mean(target, TARGETS) if target else ""
+            raise InputError(Problem("--to", f"must be one of {', '.join(TARGETS)} (got {to!r}){hint}"))
+        resolved = flags.load(file)
+        emit_diagnostics(resolved.warnings)
+        module = importlib.import_module(f"..io.interop.{target}", __package__)
+        exported = getattr(module, f"to_{target}")(plan_of(resolved))
+        text = module.dumps(exported.config)
+        if output:
+            write_output(output, text)
+        if json_out:
+            config = {"args": exported.config} if isinstance(exported.config, list) else exported.config
+            emit_json({"target": target, "file": output, "config": config,
+                       "notes": [{"path": n.path, "message": n.message} for n in exported.notes]})
+        elif not output:
+            sys.stdout.write(text)
+        emit_diagnostics(f"export: {n.path}: {n.message}" for n in exported.notes)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("export")(export)

@@ -1,0 +1,131 @@
+"""`shardplan import FILE [-o F] [plan flags]`: a DeepSpeed config JSON, a torchtitan job
+config TOML or an accelerate config YAML as a shardplan job file."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from typing import Annotated, Optional
+
+import typer
+
+from ..io.files import Document
+from ..io.interop.common import Imported
+from ..io.interop.source import FORMATS, read_source
+from ..io.job import resolve_document
+from ..io.overrides import apply_overrides
+from ..io.presets import find_preset
+from ..render.output import emit_diagnostics, emit_json
+from ..spec.errors import InputError, Problem
+from ..spec.model import SHAPE_KEYS, SOURCE_KEYS
+from .export_cmd import json_errors, write_output
+from .options import JsonFlag, PlanFlags, plan_flags
+
+# Tables in the order a person reads a job file.
+_TABLE_ORDER = ("model", "parallel", "zero", "offload", "train", "lora", "data", "checkpoint", "cluster")
+
+
+def _model_layers(overrides: list[tuple[str, object]], preset: str | None) -> int | None:
+    """The model's layer count where it is known before validation (an inline shape or a
+    preset given on the command line, else the preset the source names)."""
+    model = {path.split(".")[1]: value for path, value in overrides if path.startswith("model.")}
+    if isinstance(model.get("num_layers"), int):
+        return model["num_layers"]
+    name = model.get("preset") if isinstance(model.get("preset"), str) else preset
+    if not name or any(k in model for k in ("hf_config", "params", "family")):
+        return None
+    try:
+        from ..io.files import read_document
+
+        layers = read_document(find_preset(name, "models").path).data.get("model", {}).get("num_layers")
+    except InputError:
+        return None
+    return layers if isinstance(layers, int) else None
+
+
+def convert(fmt: str, data: dict, overrides: list[tuple[str, object]]) -> Imported:
+    """Run the importer of `fmt` with what the command line already decides."""
+    given = dict(overrides)
+    dp = given.get("parallel.dp") if isinstance(given.get("parallel.dp"), int) else None
+    model_given = any(path.split(".")[1] in (*SOURCE_KEYS, *SHAPE_KEYS) for path in given if path.startswith("model."))
+    if fmt == "deepspeed":
+        from ..io.interop.deepspeed import from_deepspeed
+
+        return from_deepspeed(data, dp)
+    if fmt == "torchtitan":
+        from ..io.interop.torchtitan import from_torchtitan, model_preset
+
+        layers = _model_layers(overrides, None if model_given else model_preset(data))
+        return from_torchtitan(data, dp, layers, model_given)
+    from ..io.interop.accelerate import from_accelerate
+
+    return from_accelerate(data)
+
+
+def job_text(tables: dict, source: str, fmt: str) -> str:
+    import tomli_w
+
+    ordered = {name: tables[name] for name in _TABLE_ORDER if tables.get(name)}
+    header = f"# shardplan job imported from {source} ({FORMATS[fmt]})\n\n"
+    return header + tomli_w.dumps(ordered)
+
+
+@plan_flags
+def import_config(
+    file: Annotated[str, typer.Argument(help="a DeepSpeed config JSON, torchtitan job config TOML or accelerate config YAML")],
+    output: Annotated[Optional[str], typer.Option("-o", "--output", help="write the job file here (default: stdout)")] = None,
+    world: Annotated[Optional[int], typer.Option("--world", min=1, help="world size the job must fill")] = None,
+    json_out: JsonFlag = False,
+    *,
+    flags: PlanFlags,
+) -> None:
+    """A DeepSpeed, torchtitan or accelerate config as a shardplan job file (TOML).
+
+    The format is told from the content. The model comes from the config where it names one
+    (torchtitan), else from --set model.preset=NAME, --params or an inline shape. Keys that
+    are not read are named on stderr, one line each.
+    """
+    with json_errors(json_out):
+        fmt, doc = read_source(file)
+        overrides = flags.overrides()
+        imported = convert(fmt, doc.data, overrides)
+
+        def located(problem: Problem) -> Problem:
+            return problem.at(file, doc.line_of(problem.path) if problem.path else None)
+
+        if imported.problems:
+            raise InputError([located(p) for p in imported.problems])
+        ordered = sorted(imported.notes, key=lambda n: doc.line_of(n.path) or 1 << 30)  # in the file's order
+        notes = [f"import: {located(Problem(n.path, n.message))}" for n in ordered]
+        lines = {path: doc.line_of(key) for path, key in imported.origin.items() if key and doc.line_of(key)}
+        built = Document(file, apply_overrides(imported.tables, overrides), lines)
+
+        def named(problem: Problem) -> Problem:  # messages name the user's key, then shardplan's
+            key = imported.origin.get(problem.path)
+            if not key or problem.file != file:
+                return problem
+            return replace(problem, path=key, message=f"{problem.path}: {problem.message}")
+
+        try:
+            resolved = resolve_document(built, overrides, world=world, flag_labels=flags.labels())
+        except InputError as exc:
+            raise InputError([named(p) for p in exc.problems]) from None
+        tables = built.data
+        text = job_text(tables, file, fmt)
+        if output:
+            write_output(output, text)
+        if json_out:
+            emit_json({"format": fmt, "file": output, "job": tables,
+                       "notes": [{"path": n.path, "line": doc.line_of(n.path), "message": n.message}
+                                 for n in imported.notes]})
+        elif not output:
+            sys.stdout.write(text)
+        emit_diagnostics(notes)
+        emit_diagnostics(named(p) for p in resolved.warnings)
+        if resolved.shape is None and resolved.params_only is None:
+            emit_diagnostics([f"import: model: {file} names no model shardplan knows: add [model] preset = ... "
+                              "(or --set model.preset=NAME) before `shardplan estimate`"])
+
+
+def register(app: typer.Typer) -> None:
+    app.command("import")(import_config)

@@ -1,0 +1,245 @@
+"""The plan as an accelerate config YAML (FSDP2 plugin), and an accelerate config as tables.
+
+Keys and meanings: accelerate 1.15, accelerate/commands/config/config_args.py
+(`ClusterConfig`: distributed_type, mixed_precision, num_machines, num_processes,
+fsdp_config, parallelism_config, deepspeed_config), accelerate/utils/launch.py (how
+`accelerate launch` hands fsdp_config to `FullyShardedDataParallelPlugin` and
+parallelism_config to `ParallelismConfig`), accelerate/utils/dataclasses.py
+(`FullyShardedDataParallelPlugin`: fsdp_version 2 takes reshard_after_forward as a bool; FSDP1
+sharding strategies FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2 are
+1-5; `fsdp_offload_params` is FSDP2's CPUOffloadPolicy, which moves a module's parameters,
+gradients and optimizer step to the CPU; `fsdp_activation_checkpointing` recomputes every
+wrapped transformer block), accelerate/parallelism_config.py (dp_replicate, dp_shard, tp, cp;
+FSDP2 only).
+"""
+
+from __future__ import annotations
+
+from ...spec.job import FSDP_STAGE_NAMES
+from .common import Exported, Imported, Note, Plan, Reader, unexpressed
+
+TARGET = "accelerate"
+
+FSDP1_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+_MIXED = {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "fp32": "no", "bf16": "bf16"}
+
+COVERED = (
+    "parallel.dp", "parallel.tp", "parallel.cp", "zero.stage", "zero.hybrid", "zero.min_num_params",
+    "offload.params", "offload.grads", "offload.optimizer", "offload.gpu_param_budget", "offload.pin_memory",
+    "train.precision", "train.activation_checkpointing",
+)
+
+
+def to_accelerate(plan: Plan) -> Exported:
+    job = plan.job
+    par, zero, off, train = job.parallel, job.zero, job.offload, job.train
+    notes: list[Note] = []
+    config: dict = {"compute_environment": "LOCAL_MACHINE", "debug": False}
+    fsdp = zero.stage > 0 or par.tp > 1 or par.cp > 1
+    if fsdp:
+        config["distributed_type"] = "FSDP"
+    else:
+        config["distributed_type"] = "MULTI_GPU" if plan.world > 1 else "NO"
+    config["mixed_precision"] = _MIXED[train.precision]
+    if train.precision == "bf16":
+        notes.append(Note("train.precision", "accelerate keeps fp32 parameters under bf16 autocast; pure bf16 "
+                                             "training is written as mixed_precision bf16"))
+    config.update(num_machines=plan.nodes, num_processes=plan.world, machine_rank=0,
+                  main_training_function="main", rdzv_backend="static", same_network=True, use_cpu=False)
+    if fsdp:
+        if zero.stage == 1:
+            notes.append(Note("zero.stage", "FSDP2 cannot shard optimizer states alone (ZeRO-1); written with "
+                                            "reshard_after_forward false (gradients sharded too)"))
+        elif zero.stage == 0:
+            notes.append(Note("zero.stage", "accelerate runs tensor and context parallel under FSDP2 only; "
+                                            "written with reshard_after_forward false"))
+        fsdp_config = {
+            "fsdp_version": 2,
+            "fsdp_reshard_after_forward": zero.stage == 3,
+            "fsdp_offload_params": off.params,
+            "fsdp_activation_checkpointing": train.activation_checkpointing != "none",
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_cpu_ram_efficient_loading": False,
+        }
+        if zero.min_num_params:
+            fsdp_config.update(fsdp_auto_wrap_policy="SIZE_BASED_WRAP", fsdp_min_num_params=zero.min_num_params)
+        else:
+            fsdp_config["fsdp_auto_wrap_policy"] = "TRANSFORMER_BASED_WRAP"
+        config["fsdp_config"] = fsdp_config
+        shard = plan.shard_group // par.cp if zero.hybrid else par.dp
+        if zero.hybrid or par.tp > 1 or par.cp > 1:
+            config["parallelism_config"] = {
+                "parallelism_config_dp_replicate_size": par.dp // shard,
+                "parallelism_config_dp_shard_size": shard,
+                "parallelism_config_tp_size": par.tp,
+                "parallelism_config_cp_size": par.cp,
+            }
+        if any((off.params, off.grads, off.optimizer)) and not all((off.params, off.grads, off.optimizer)):
+            notes.append(Note("offload", "FSDP2's CPU offload moves parameters, gradients and optimizer states "
+                                         f"together; written as {str(off.params).lower()} from offload.params"))
+        if off.params and off.gpu_param_budget:
+            notes.append(Note("offload.gpu_param_budget", "FSDP2's CPU offload covers every wrapped layer; the plan "
+                                                          f"keeps {off.gpu_param_budget} bytes of layers on the GPU"))
+        if not off.pin_memory and off.params:
+            notes.append(Note("offload.pin_memory", "accelerate's CPUOffloadPolicy always pins; false is not exported"))
+        if train.activation_checkpointing in ("selective", "op"):
+            notes.append(Note("train.activation_checkpointing", "accelerate recomputes whole transformer blocks; "
+                                                                f"{train.activation_checkpointing!r} is written as "
+                                                                "fsdp_activation_checkpointing"))
+    else:
+        if any((off.params, off.grads, off.optimizer)):
+            notes.append(Note("offload", "accelerate offloads to the CPU only under FSDP or DeepSpeed"))
+        if train.activation_checkpointing != "none":
+            notes.append(Note("train.activation_checkpointing", "without FSDP accelerate's config has no "
+                                                                "activation checkpointing (enable it in the model)"))
+    if par.micro_batch_size > 1 or par.num_microbatches > 1:
+        notes.append(Note("parallel.num_microbatches", "accelerate takes batch size and gradient accumulation in the "
+                                                       "training script (Accelerator(gradient_accumulation_steps=...)); "
+                                                       f"micro batch {par.micro_batch_size}, {par.num_microbatches} steps"))
+    if job.model.source is not None:
+        notes.append(Note("model", "accelerate's config has no model: the training script builds it"))
+    covered = COVERED if fsdp else ("parallel.dp", "train.precision", "offload.params", "offload.grads",
+                                    "offload.optimizer", "train.activation_checkpointing")
+    said = {note.path for note in notes}
+    notes += [note for note in unexpressed(plan, covered, TARGET) if note.path not in said]
+    return Exported(config, notes)
+
+
+def dumps(config: dict) -> str:
+    import yaml  # imported here: planning commands never pay for it
+
+    return yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
+
+
+# -- import ---------------------------------------------------------------------------------
+def from_accelerate(data: dict) -> Imported:
+    out = Imported()
+    top = Reader(data, "", out)
+    kind = top.choice("distributed_type", ("NO", "MULTI_GPU", "FSDP", "DEEPSPEED", "MULTI_CPU", "MEGATRON_LM",
+                                            "XLA", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA",
+                                            "MULTI_MUSA", "MULTI_HPU")) if top.has("distributed_type") else "NO"
+    processes = top.int("num_processes", minimum=1) if top.has("num_processes") else 1
+    machines = top.int("num_machines", minimum=1) if top.has("num_machines") else 1
+    processes, machines = processes or 1, machines or 1
+    if processes % machines:
+        out.problem("num_processes", f"{processes} processes do not fill {machines} machines evenly")
+        return out
+    out.set("cluster.nodes", machines, "num_machines")
+    out.set("cluster.gpus_per_node", processes // machines, "num_processes")
+    mixed = top.choice("mixed_precision", ("no", "fp16", "bf16", "fp8")) if top.has("mixed_precision") else "no"
+    if mixed == "fp8":
+        out.note("mixed_precision", "fp8 is planned as bf16 mixed precision")
+    if mixed:
+        out.set("train.precision", {"no": "fp32", "fp16": "fp16-mixed"}.get(mixed, "bf16-mixed"), "mixed_precision")
+    tp = cp = 1
+    replicate = None
+    parallelism = top.table("parallelism_config") if top.has("parallelism_config") else None
+    if parallelism is not None:
+        reader = Reader(parallelism, "parallelism_config", out)
+        sizes = {}
+        for name in ("dp_replicate", "dp_shard", "tp", "cp"):
+            key = f"parallelism_config_{name}_size"
+            sizes[name] = reader.int(key, minimum=1) if reader.has(key) else None
+        tp, cp = sizes["tp"] or 1, sizes["cp"] or 1
+        replicate = sizes["dp_replicate"]
+        node = processes // machines
+        if replicate and replicate > 1 and sizes["dp_shard"] and sizes["dp_shard"] * tp * cp != node:
+            out.note(reader.key("parallelism_config_dp_shard_size"),
+                     f"{sizes['dp_shard']} shard ranks: shardplan's hybrid sharding shards over one node's "
+                     f"{node // (tp * cp)} data-parallel ranks instead")
+        out.set("parallel.tp", tp, reader.key("parallelism_config_tp_size"))
+        out.set("parallel.cp", cp, reader.key("parallelism_config_cp_size"))
+        reader.unread()
+    if processes % (tp * cp):
+        out.problem("num_processes", f"{processes} is not divisible by tp ({tp}) * cp ({cp})")
+        return out
+    dp = processes // (tp * cp)
+    out.set("parallel.dp", dp, "num_processes")
+    if kind == "FSDP":
+        fsdp = top.table("fsdp_config") if top.has("fsdp_config") else {}
+        _fsdp(Reader(fsdp or {}, "fsdp_config", out), out, replicate, dp)
+    elif kind == "DEEPSPEED":
+        ds = top.table("deepspeed_config") if top.has("deepspeed_config") else {}
+        _deepspeed(Reader(ds or {}, "deepspeed_config", out), out)
+    elif kind in ("NO", "MULTI_GPU", "MULTI_CPU"):
+        out.set("zero.stage", 0, "distributed_type")
+    elif kind:
+        out.note("distributed_type", f"{kind} is planned as plain data parallel")
+    for key in ("compute_environment", "machine_rank", "main_training_function", "rdzv_backend", "same_network",
+                "use_cpu", "debug", "gpu_ids", "main_process_ip", "main_process_port", "downcast_bf16",
+                "enable_cpu_affinity", "tpu_env", "tpu_use_cluster", "tpu_use_sudo"):
+        top.raw(key)
+    top.unread("not read: no effect on the plan")
+    return out
+
+
+def _fsdp(fsdp: Reader, out: Imported, replicate: int | None, dp: int) -> None:
+    version = fsdp.int("fsdp_version", minimum=1) if fsdp.has("fsdp_version") else 1
+    reshard = fsdp.raw("fsdp_reshard_after_forward")
+    strategy = fsdp.raw("fsdp_sharding_strategy")
+    where = fsdp.key("fsdp_reshard_after_forward")
+    if isinstance(reshard, bool):
+        stage, hybrid = (3 if reshard else 2), False
+    else:
+        name = reshard if reshard is not None else strategy if strategy is not None else "FULL_SHARD"
+        where = fsdp.key("fsdp_reshard_after_forward" if reshard is not None else "fsdp_sharding_strategy")
+        if isinstance(name, int) and 1 <= name <= len(FSDP1_STRATEGIES):
+            name = FSDP1_STRATEGIES[name - 1]
+        if not isinstance(name, str) or name.upper() not in FSDP1_STRATEGIES:
+            out.problem(where, f"must be true/false (FSDP2) or one of {', '.join(FSDP1_STRATEGIES)} (got {name!r})")
+            return
+        key = name.lower() if name.upper() != "HYBRID_SHARD_ZERO2" else "_hybrid_shard_zero2"
+        stage, hybrid = FSDP_STAGE_NAMES[key]
+    if version not in (1, 2):
+        out.problem(fsdp.key("fsdp_version"), f"must be 1 or 2 (got {version})")
+    out.set("zero.stage", stage, where)
+    if replicate and replicate > 1:
+        hybrid = True
+        where = "parallelism_config.parallelism_config_dp_replicate_size"
+    if hybrid:
+        out.set("zero.hybrid", True, where)
+        out.note(where, "read as hybrid sharding: shard inside a node, replicate across nodes")
+    if fsdp.bool("fsdp_offload_params"):
+        for key in ("params", "grads", "optimizer"):
+            out.set(f"offload.{key}", True, fsdp.key("fsdp_offload_params"))
+        out.set("offload.gpu_param_budget", 0, fsdp.key("fsdp_offload_params"))
+    if fsdp.bool("fsdp_activation_checkpointing"):
+        out.set("train.activation_checkpointing", "full", fsdp.key("fsdp_activation_checkpointing"))
+    policy = fsdp.str("fsdp_auto_wrap_policy") if fsdp.has("fsdp_auto_wrap_policy") else None
+    if policy == "SIZE_BASED_WRAP":
+        size = fsdp.int("fsdp_min_num_params") if fsdp.has("fsdp_min_num_params") else None
+        if size:
+            out.set("zero.min_num_params", size, fsdp.key("fsdp_min_num_params"))
+    else:
+        fsdp.raw("fsdp_min_num_params")  # accelerate ignores it without SIZE_BASED_WRAP
+    for key in ("fsdp_state_dict_type", "fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states",
+                "fsdp_transformer_layer_cls_to_wrap", "fsdp_use_orig_params", "fsdp_forward_prefetch",
+                "fsdp_backward_prefetch"):
+        fsdp.raw(key)
+    fsdp.unread()
+
+
+def _deepspeed(ds: Reader, out: Imported) -> None:
+    if ds.has("deepspeed_config_file"):
+        out.note(ds.key("deepspeed_config_file"), "read that file with `shardplan import` for the whole plan")
+    out.set("zero.framework", "deepspeed", "distributed_type")
+    stage = ds.int("zero_stage") if ds.has("zero_stage") else None
+    if stage is not None:
+        if stage > 3:
+            out.problem(ds.key("zero_stage"), f"must be 0, 1, 2 or 3 (got {stage})")
+        else:
+            out.set("zero.stage", stage, ds.key("zero_stage"))
+    for key, job_keys in (("offload_optimizer_device", ("offload.optimizer", "offload.grads")),
+                          ("offload_param_device", ("offload.params",))):
+        device = ds.choice(key, ("none", "cpu", "nvme")) if ds.has(key) else None
+        if device in ("cpu", "nvme"):
+            for job_key in job_keys:
+                out.set(job_key, True, ds.key(key))
+            if key == "offload_param_device":
+                out.set("offload.gpu_param_budget", 0, ds.key(key))
+    steps = ds.int("gradient_accumulation_steps", minimum=1) if ds.has("gradient_accumulation_steps") else None
+    if steps:
+        out.set("parallel.num_microbatches", steps, ds.key("gradient_accumulation_steps"))
+    for key in ("zero3_init_flag", "zero3_save_16bit_model", "deepspeed_multinode_launcher"):
+        ds.raw(key)
+    ds.unread()

@@ -1,0 +1,193 @@
+"""What every target format shares: the plan an exporter reads, what an importer returns,
+notes about keys a format cannot carry, and typed reading of a foreign config.
+
+Exporters and importers are pure: dicts in, dicts out, no files and no printing. The CLI
+(cli/export_cmd.py, cli/import_cmd.py) reads, writes and reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from ...spec.errors import Problem
+from ...spec.job import TABLES, JobSpec
+from ...spec.model import ModelShape
+
+
+@dataclass(frozen=True)
+class Note:
+    """One key a conversion could not carry (or carried approximately), and why.
+
+    `path` is a dotted key: of the job file on export, of the source file on import."""
+
+    path: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What an exporter reads: the validated job, its resolved model and the two layout
+    facts a format may need (the ZeRO/FSDP shard group of hybrid sharding, the node count)."""
+
+    job: JobSpec
+    shape: ModelShape | None
+    shard_group: int
+    nodes: int
+
+    @property
+    def world(self) -> int:
+        par = self.job.parallel
+        return par.dp * par.tp * par.pp * par.cp
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step: dp * micro_batch_size * num_microbatches (what
+        `train.global_batch_size` must equal when given, core/checks.py)."""
+        par = self.job.parallel
+        return par.dp * par.micro_batch_size * par.num_microbatches
+
+
+@dataclass
+class Exported:
+    """A target's document (a dict, or a list of arguments) and the notes about it."""
+
+    config: dict | list
+    notes: list[Note] = field(default_factory=list)
+
+
+@dataclass
+class Imported:
+    """Job-file tables built from a source config.
+
+    `origin` maps each job key written to the source key it came from (messages about the
+    job name the user's key); `notes` lists source keys that were not read or were read
+    approximately; `problems` the source keys that cannot be read at all (exit 2)."""
+
+    tables: dict[str, dict] = field(default_factory=dict)
+    origin: dict[str, str] = field(default_factory=dict)
+    notes: list[Note] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+
+    def set(self, job_path: str, value: object, source_key: str) -> None:
+        table, key = job_path.split(".")
+        self.tables.setdefault(table, {})[key] = value
+        self.origin[job_path] = source_key
+
+    def note(self, source_key: str, message: str) -> None:
+        self.notes.append(Note(source_key, message))
+
+    def problem(self, source_key: str, message: str) -> None:
+        self.problems.append(Problem(source_key, message))
+
+
+# Tables and keys that never reach a framework's config, whatever the target:
+# `[cluster]` describes the machines (each launcher takes them from its own flags or
+# hostfile), `zero.framework` chooses shardplan's own memory accounting.
+_NOT_PLAN_KEYS = {"cluster", "zero.framework"}
+
+
+def unexpressed(plan: Plan, covered: Iterable[str], target: str) -> list[Note]:
+    """A note for every job key whose value differs from its default and that the target's
+    format has no key for (`covered` lists the job keys it does carry, as `table.key` or a
+    whole `table`). Nothing the user set is dropped without a line saying so."""
+    covered = set(covered) | _NOT_PLAN_KEYS
+    job = plan.job
+    notes = []
+    if job.lora is not None and "lora" not in covered:
+        notes.append(Note("lora", f"{target} has no LoRA setting; the adapters are not exported"))
+    for table, spec in TABLES.items():
+        if table in covered or table in ("model", "lora"):
+            continue
+        value = getattr(job, table)
+        defaults = spec()
+        for key in spec.model_fields:
+            path = f"{table}.{key}"
+            if path in covered:
+                continue
+            mine = getattr(value, key)
+            if mine != getattr(defaults, key):
+                notes.append(Note(path, f"{target} cannot express it ({_shown(mine)} is not exported)"))
+    return notes
+
+
+def _shown(value: object) -> str:
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def integral(value: object) -> int | None:
+    """An integer written as such or as an integral float (`5e8` in JSON), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+class Reader:
+    """Typed reads from one table of a foreign config; wrong types become problems, keys
+    never read become notes (`unread`)."""
+
+    def __init__(self, data: dict, prefix: str, out: Imported):
+        self.data = data
+        self.prefix = prefix
+        self.out = out
+        self.seen: set[str] = set()
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}.{name}" if self.prefix else name
+
+    def has(self, name: str) -> bool:
+        return name in self.data
+
+    def raw(self, name: str) -> object:
+        self.seen.add(name)
+        return self.data.get(name)
+
+    def _typed(self, name: str, check: Callable[[object], object | None], what: str) -> object | None:
+        value = self.raw(name)
+        if value is None:
+            return None
+        typed = check(value)
+        if typed is None:
+            self.out.problem(self.key(name), f"expected {what}, got {_shown(value)}")
+        return typed
+
+    def int(self, name: str, minimum: int = 0) -> int | None:
+        value = self._typed(name, integral, "an integer")
+        if value is not None and value < minimum:
+            self.out.problem(self.key(name), f"must be >= {minimum} (got {value})")
+            return None
+        return value
+
+    def bool(self, name: str) -> bool | None:
+        return self._typed(name, lambda v: v if isinstance(v, bool) else None, "true or false")
+
+    def str(self, name: str) -> str | None:
+        return self._typed(name, lambda v: v if isinstance(v, str) else None, "a string")
+
+    def number(self, name: str) -> float | None:
+        def check(v: object) -> float | None:
+            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+        return self._typed(name, check, "a number")
+
+    def table(self, name: str) -> dict | None:
+        return self._typed(name, lambda v: v if isinstance(v, dict) else None, "a table")
+
+    def choice(self, name: str, choices: Iterable[str], fold: bool = True) -> str | None:
+        value = self.str(name)
+        if value is None:
+            return None
+        options = list(choices)
+        match = next((c for c in options if (c.lower() == value.lower() if fold else c == value)), None)
+        if match is None:
+            self.out.problem(self.key(name), f"must be one of {', '.join(options)} (got {value!r})")
+        return match
+
+    def unread(self, why: str = "not read: shardplan has no setting for it") -> None:
+        """A note for every key of this table that no read touched."""
+        for name in self.data:
+            if name not in self.seen:
+                self.out.note(self.key(name), why)

@@ -1,0 +1,321 @@
+"""The plan as a DeepSpeed config JSON, and a DeepSpeed config as job-file tables.
+
+Keys and defaults: DeepSpeed's config-json documentation (docs/_pages/config-json.md) and
+its config classes, v0.19.8: deepspeed/runtime/config.py (batch arithmetic:
+train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * data-parallel
+world size, any two of the three given), deepspeed/runtime/zero/config.py
+(`DeepSpeedZeroConfig`: stage, bucket sizes and their `stage3_*` aliases),
+deepspeed/runtime/zero/offload_config.py (offload_optimizer / offload_param: device,
+pin_memory), deepspeed/runtime/tensor_parallel/config.py (`tensor_parallel.autotp_size`).
+"""
+
+from __future__ import annotations
+
+import json
+
+from .common import Exported, Imported, Note, Plan, Reader, unexpressed
+
+TARGET = "deepspeed"
+
+# shardplan key -> DeepSpeed's zero_optimization key (the stage3_* names are the aliases
+# DeepSpeed's docs use; the field names without the prefix are accepted too).
+_BUCKETS = {
+    "reduce_bucket_size": "reduce_bucket_size",
+    "allgather_bucket_size": "allgather_bucket_size",
+    "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+    "max_live_parameters": "stage3_max_live_parameters",
+    "param_persistence_threshold": "stage3_param_persistence_threshold",
+}
+_STAGE3_ONLY = ("prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold")
+_STAGE12_ONLY = ("allgather_bucket_size",)  # stage 3 gathers by the prefetch bucket instead
+
+
+def _applies(key: str, stage: int) -> bool:
+    """Whether DeepSpeed reads this bucket knob at this stage."""
+    return not ((key in _STAGE3_ONLY and stage != 3) or (key in _STAGE12_ONLY and stage == 3))
+
+# Job keys this format carries (everything else that differs from its default gets a note).
+COVERED = (
+    "parallel.dp", "parallel.tp", "parallel.micro_batch_size", "parallel.num_microbatches",
+    "zero.stage", "zero.hybrid", *(f"zero.{k}" for k in _BUCKETS),
+    "offload.params", "offload.grads", "offload.optimizer", "offload.pin_memory", "offload.gpu_param_budget",
+    "train.precision", "train.optimizer", "train.lr", "train.global_batch_size", "train.activation_checkpointing",
+)
+
+
+def to_deepspeed(plan: Plan) -> Exported:
+    """The DeepSpeed config that runs this plan, and what it cannot say."""
+    job = plan.job
+    par, zero, off, train = job.parallel, job.zero, job.offload, job.train
+    notes: list[Note] = []
+    config: dict = {
+        "train_batch_size": plan.global_batch,
+        "train_micro_batch_size_per_gpu": par.micro_batch_size,
+        "gradient_accumulation_steps": par.num_microbatches,
+    }
+    if train.optimizer == "sgd":
+        config["optimizer"] = {"type": "SGD", "params": {"lr": train.lr}}
+    else:
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": train.lr}}
+        if train.optimizer == "adamw8bit":
+            notes.append(Note("train.optimizer", "deepspeed has no 8-bit AdamW; written as AdamW (32-bit states)"))
+    if train.precision in ("bf16-mixed", "bf16"):
+        config["bf16"] = {"enabled": True}
+        if train.precision == "bf16":
+            notes.append(Note("train.precision", "deepspeed keeps fp32 master weights with bf16 enabled; "
+                                                 "pure bf16 training ('bf16') is written as bf16 mixed precision"))
+    elif train.precision == "fp16-mixed":
+        config["fp16"] = {"enabled": True}
+    zero_config: dict = {"stage": zero.stage}
+    for key, name in _BUCKETS.items():
+        if _applies(key, zero.stage):
+            zero_config[name] = getattr(zero, key)
+    if off.optimizer or off.grads:
+        zero_config["offload_optimizer"] = {"device": "cpu", "pin_memory": off.pin_memory}
+        if not off.optimizer:
+            notes.append(Note("offload.grads", "deepspeed cannot offload gradients alone: offload_optimizer "
+                                               "moves the optimizer states with them"))
+        elif not off.grads:
+            notes.append(Note("offload.grads", "deepspeed's offload_optimizer (ZeRO-Offload) moves the gradient "
+                                               "partitions to the CPU too; the plan keeps them on the GPU"))
+    if off.params:
+        zero_config["offload_param"] = {"device": "cpu", "pin_memory": off.pin_memory}
+        if off.gpu_param_budget:
+            notes.append(Note("offload.gpu_param_budget", "deepspeed's offload_param offloads every parameter; "
+                                                          f"the plan keeps {off.gpu_param_budget} bytes of layers on the GPU"))
+    if zero.hybrid:
+        # MiCS (mics_shard_size) sharded inside groups and replicated across them; DeepSpeed
+        # 0.19 removed it and rejects the key (runtime/config.py, _REMOVED_ZERO_CONFIG_KEYS).
+        notes.append(Note("zero.hybrid", "deepspeed 0.19 has no hybrid sharding (MiCS was removed); "
+                                         "written as sharding over every data-parallel rank"))
+    config["zero_optimization"] = zero_config
+    if par.tp > 1:
+        config["tensor_parallel"] = {"autotp_size": par.tp}
+    if train.activation_checkpointing != "none":
+        # The section configures deepspeed.checkpointing, which the model's code calls per
+        # layer; DeepSpeed has no key choosing which activations to keep.
+        config["activation_checkpointing"] = {
+            "partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": False,
+        }
+        if train.activation_checkpointing in ("selective", "op"):
+            notes.append(Note("train.activation_checkpointing", f"deepspeed cannot express {train.activation_checkpointing!r}: "
+                                                                "the activation_checkpointing section is written, and the "
+                                                                "model's code chooses what deepspeed.checkpointing recomputes"))
+    if job.model.source is not None:
+        notes.append(Note("model", "deepspeed's config has no model: the training script builds it"))
+    notes += unexpressed(plan, COVERED, TARGET)
+    return Exported(config, notes)
+
+
+def dumps(config: dict) -> str:
+    return json.dumps(config, indent=2) + "\n"
+
+
+# -- import ---------------------------------------------------------------------------------
+_AUTO = "'auto' is filled in by the Hugging Face Trainer; not read"
+_OFFLOAD_DEVICES = ("cpu", "nvme", "none")
+
+
+def from_deepspeed(data: dict, dp: int | None = None) -> Imported:
+    """Job tables from a DeepSpeed config. `dp`: the data-parallel size given on the command
+    line (a DeepSpeed config names no world size; with all three batch keys it follows)."""
+    out = Imported()
+    out.set("zero.framework", "deepspeed", "")
+    top = Reader(data, "", out)
+    _batch(top, out, dp)
+    _zero(top, out)
+    _precision(top, out)
+    _optimizer(top, out)
+    tensor = top.table("tensor_parallel")
+    if tensor is not None:
+        reader = Reader(tensor, "tensor_parallel", out)
+        autotp = reader.int("autotp_size")
+        if autotp:
+            out.set("parallel.tp", autotp, "tensor_parallel.autotp_size")
+        reader.unread()
+    checkpointing = top.table("activation_checkpointing")
+    if checkpointing is not None:
+        out.set("train.activation_checkpointing", "full", "activation_checkpointing")
+        out.note("activation_checkpointing", "read as full recomputation of every layer (the section configures "
+                                             "deepspeed.checkpointing; the model's code decides what it wraps)")
+        reader = Reader(checkpointing, "activation_checkpointing", out)
+        for key in ("partition_activations", "cpu_checkpointing"):
+            if reader.bool(key):
+                out.note(reader.key(key), "not read: shardplan keeps checkpoints on the GPU, unpartitioned")
+        for key in ("contiguous_memory_optimization", "number_checkpoints", "synchronize_checkpoint_boundary",
+                    "profile"):
+            reader.raw(key)
+    top.unread()
+    return out
+
+
+def _batch(top: Reader, out: Imported, dp: int | None) -> None:
+    """Micro batch, accumulation and dp from DeepSpeed's rule: train_batch_size =
+    micro_batch * accumulation * data-parallel size, any two given (config.py,
+    `_set_batch_related_parameters`)."""
+    values = {}
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        if top.raw(key) == "auto":
+            out.note(key, _AUTO)
+            continue
+        top.seen.discard(key)
+        values[key] = top.int(key, minimum=1)
+    total = values.get("train_batch_size")
+    micro = values.get("train_micro_batch_size_per_gpu")
+    steps = values.get("gradient_accumulation_steps")
+    if total and micro and steps:
+        if total % (micro * steps):
+            out.problem("train_batch_size", f"{total} is not train_micro_batch_size_per_gpu ({micro}) * "
+                                             f"gradient_accumulation_steps ({steps}) * a number of GPUs")
+            return
+        found = total // (micro * steps)
+        if dp is not None and dp != found:
+            out.problem("train_batch_size", f"{total} = {micro} * {steps} * {found} GPUs, but --dp is {dp}")
+            return
+        dp = found
+        out.set("parallel.dp", dp, "train_batch_size")
+    elif total and (micro or steps):
+        if dp is None:
+            given = "train_micro_batch_size_per_gpu" if micro else "gradient_accumulation_steps"
+            out.problem("train_batch_size", f"with {given} but not "
+                        f"{'gradient_accumulation_steps' if micro else 'train_micro_batch_size_per_gpu'} the number "
+                        "of GPUs decides the rest: give --dp")
+            return
+        other = micro or steps
+        if total % (other * dp):
+            out.problem("train_batch_size", f"{total} is not divisible by {other} * dp ({dp})")
+            return
+        micro, steps = (micro, total // (micro * dp)) if micro else (total // (steps * dp), steps)
+    elif total:
+        if dp is None:
+            out.problem("train_batch_size", "alone, it is divided over the GPUs: give --dp")
+            return
+        if total % dp:
+            out.problem("train_batch_size", f"{total} is not divisible by dp ({dp})")
+            return
+        micro, steps = total // dp, 1
+    elif micro or steps:
+        micro, steps = micro or 1, steps or 1
+    else:
+        return
+    micro_key = "train_micro_batch_size_per_gpu" if values.get("train_micro_batch_size_per_gpu") else "train_batch_size"
+    steps_key = "gradient_accumulation_steps" if values.get("gradient_accumulation_steps") else micro_key
+    out.set("parallel.micro_batch_size", micro, micro_key)
+    out.set("parallel.num_microbatches", steps, steps_key)
+
+
+def _zero(top: Reader, out: Imported) -> None:
+    raw = top.raw("zero_optimization")
+    if isinstance(raw, bool):  # the old form: true is stage 1 (zero/config.py, read_zero_config_deprecated)
+        out.set("zero.stage", 1 if raw else 0, "zero_optimization")
+        return
+    top.seen.discard("zero_optimization")
+    table = top.table("zero_optimization")
+    if table is None:
+        return
+    zero = Reader(table, "zero_optimization", out)
+    stage = zero.int("stage")
+    if stage is not None:
+        if stage > 3:
+            out.problem(zero.key("stage"), f"must be 0, 1, 2 or 3 (got {stage})")
+        else:
+            out.set("zero.stage", stage, zero.key("stage"))
+    for key, name in _BUCKETS.items():
+        for spelling in (name, key):  # DeepSpeed accepts the field name and its alias
+            value = zero.int(spelling) if zero.has(spelling) else None
+            if value is None:
+                continue
+            if _applies(key, stage or 0):
+                out.set(f"zero.{key}", value, zero.key(spelling))
+            else:
+                out.note(zero.key(spelling), f"not read: DeepSpeed does not use it at stage {stage or 0}")
+    mics = zero.int("mics_shard_size") if zero.has("mics_shard_size") else None
+    if mics is not None and mics > 0:
+        out.set("zero.hybrid", True, zero.key("mics_shard_size"))
+        out.set("cluster.gpus_per_node", mics, zero.key("mics_shard_size"))
+        out.note(zero.key("mics_shard_size"), f"MiCS (removed in DeepSpeed 0.19) read as hybrid sharding inside "
+                                              f"nodes of {mics} GPUs (cluster.gpus_per_node)")
+    pins = []
+    for key, job_keys in (("offload_optimizer", ("offload.optimizer", "offload.grads")),
+                          ("offload_param", ("offload.params",))):
+        section = zero.table(key) if zero.has(key) else None
+        if section is None:
+            continue
+        reader = Reader(section, zero.key(key), out)
+        device = reader.choice("device", _OFFLOAD_DEVICES)
+        if device in ("cpu", "nvme"):
+            for job_key in job_keys:
+                out.set(job_key, True, reader.key("device"))
+            if key == "offload_param":
+                out.set("offload.gpu_param_budget", 0, reader.key("device"))  # every parameter goes
+            if key == "offload_optimizer":
+                out.note(reader.key("device"), "ZeRO-Offload moves the gradient partitions with the optimizer "
+                                               "states: read as offload.optimizer and offload.grads")
+            if device == "nvme":
+                out.note(reader.key("device"), "NVMe offload is planned as CPU offload (shardplan counts the "
+                                               "states in CPU memory)")
+            pin = reader.bool("pin_memory")
+            if pin is not None:
+                pins.append((pin, reader.key("pin_memory")))
+        reader.unread()
+    if pins:
+        out.set("offload.pin_memory", pins[0][0], pins[0][1])
+        if len({pin for pin, _ in pins}) > 1:
+            out.note(pins[1][1], f"differs from {pins[0][1]}; shardplan has one pin_memory, read from the first")
+    zero.unread()
+
+
+def _precision(top: Reader, out: Imported) -> None:
+    enabled = {}
+    for key in ("bf16", "bfloat16", "fp16"):
+        section = top.table(key) if top.has(key) else None
+        if section is None:
+            continue
+        reader = Reader(section, key, out)
+        if reader.raw("enabled") == "auto":
+            out.note(reader.key("enabled"), _AUTO)
+        else:
+            reader.seen.discard("enabled")
+            enabled[key] = (reader.bool("enabled"), reader.key("enabled"))
+        reader.unread("not read: no effect on memory")
+    bf16 = next((v for k, v in enabled.items() if k != "fp16" and v[0]), None)
+    fp16 = enabled.get("fp16", (False, ""))
+    if bf16 and fp16[0]:
+        out.problem(fp16[1], "bf16 and fp16 cannot both be enabled")
+    elif bf16:
+        out.set("train.precision", "bf16-mixed", bf16[1])
+    elif fp16[0]:
+        out.set("train.precision", "fp16-mixed", fp16[1])
+    elif enabled:
+        out.set("train.precision", "fp32", next(iter(enabled.values()))[1])
+    else:
+        out.set("train.precision", "fp32", "")  # DeepSpeed trains in fp32 unless told otherwise
+
+
+def _optimizer(top: Reader, out: Imported) -> None:
+    section = top.table("optimizer") if top.has("optimizer") else None
+    if section is None:
+        return
+    reader = Reader(section, "optimizer", out)
+    kind = reader.str("type")
+    params = reader.table("params") if reader.has("params") else None
+    if kind is not None:
+        name = kind.lower()
+        if name in ("adam", "adamw"):
+            out.set("train.optimizer", "adamw", reader.key("type"))
+            if name == "adam" and params and params.get("adam_w_mode") is False:
+                out.note("optimizer.params.adam_w_mode", "Adam with L2 regularisation is planned as AdamW "
+                                                         "(the same states)")
+        elif name == "sgd":
+            out.set("train.optimizer", "sgd", reader.key("type"))
+        else:
+            out.note(reader.key("type"), f"{kind!r} has no shardplan equivalent; planned as adamw")
+    if params is not None:
+        inner = Reader(params, "optimizer.params", out)
+        lr = inner.number("lr") if inner.has("lr") else None
+        if lr is not None and lr > 0:
+            out.set("train.lr", lr, inner.key("lr"))
+        inner.raw("adam_w_mode")
+        inner.unread("not read: no effect on memory")
+    reader.unread()
+

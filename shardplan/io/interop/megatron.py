@@ -1,0 +1,217 @@
+"""The plan as Megatron-LM command-line arguments (pretrain_gpt.py), ready for a shell.
+
+Argument names, values and meanings: Megatron-LM's parser, megatron/training/arguments.py
+(`add_megatron_arguments`), whose groups are built from dataclasses by
+megatron/training/argument_utils.py (`ArgumentGroupFactory`: field `foo_bar` is
+`--foo-bar`; a boolean field defaulting to true is `--no-foo-bar`): ModelParallelConfig
+(megatron/core/model_parallel_config.py), TransformerConfig
+(megatron/core/transformer/transformer_config.py), TrainingConfig, CheckpointConfig, RNGConfig
+and DistributedInitConfig (megatron/training/config/). The file and line of every argument
+written here are listed with the tests (tests/data/interop/megatron_arguments.json).
+Megatron's `--optimizer adam` is AdamW with decoupled weight decay
+(megatron/core/optimizer/__init__.py: apex FusedAdam or torch.optim.AdamW).
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+
+from ...spec.job import parse_order
+from .common import Exported, Note, Plan, unexpressed
+
+TARGET = "megatron"
+
+# Megatron's rank orders (fastest axis first): the default tp-cp-ep-dp-pp, and
+# --use-tp-pp-dp-mapping's tp-cp-ep-pp-dp (common_config.py, DistributedInitConfig).
+_DEFAULT_ORDER = ("tp", "cp", "dp", "pp")
+_TP_PP_DP_ORDER = ("tp", "cp", "pp", "dp")
+_NORMS = {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}
+_POSITIONS = {"rope": "rope", "learned": "learned_absolute"}
+
+COVERED = (
+    "parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.order", "parallel.sequence_parallel",
+    "parallel.virtual_stages", "parallel.first_stage_layers", "parallel.last_stage_layers",
+    "parallel.micro_batch_size", "parallel.num_microbatches", "parallel.pipeline_schedule",
+    "parallel.communication_timeout", "zero.stage", "offload.optimizer", "train.precision", "train.optimizer",
+    "train.lr", "train.seq_len", "train.steps", "train.seed", "train.global_batch_size",
+    "train.activation_checkpointing", "train.attention", "checkpoint.dir", "checkpoint.every",
+)
+
+
+def to_megatron(plan: Plan) -> Exported:
+    job = plan.job
+    par, zero, off, train = job.parallel, job.zero, job.offload, job.train
+    notes: list[Note] = []
+    args: list[str] = []
+
+    def add(flag: str, value: object = None) -> None:
+        args.append(flag)
+        if value is not None:
+            args.append(str(value))
+
+    add("--tensor-model-parallel-size", par.tp)
+    add("--pipeline-model-parallel-size", par.pp)
+    add("--context-parallel-size", par.cp)
+    if par.sequence_parallel:
+        add("--sequence-parallel")
+    _order(par, add, notes)
+    if par.pp > 1:
+        _pipeline(plan, add, notes)
+    add("--micro-batch-size", par.micro_batch_size)
+    add("--global-batch-size", plan.global_batch)  # Megatron: microbatches = global / (micro * dp)
+    if zero.stage == 1:
+        add("--use-distributed-optimizer")
+    elif zero.stage in (2, 3):
+        # Megatron-FSDP: optim_grads is ZeRO-2, optim_grads_params ZeRO-3 (arguments.py,
+        # --data-parallel-sharding-strategy). Megatron's --use-torch-fsdp2 would refuse
+        # pipeline parallel and tied embeddings (validate_args).
+        add("--use-megatron-fsdp")
+        add("--data-parallel-sharding-strategy", "optim_grads" if zero.stage == 2 else "optim_grads_params")
+        add("--ckpt-format", "fsdp_dtensor")  # the only checkpoint format Megatron-FSDP takes
+    if zero.hybrid:
+        notes.append(Note("zero.hybrid", "hybrid sharding is not exported: Megatron-FSDP shards over the whole "
+                                         "data-parallel group here"))
+    if zero.min_num_params:
+        notes.append(Note("zero.min_num_params", "Megatron-FSDP shards every transformer layer; a size "
+                                                 "threshold is not exported"))
+    if off.optimizer:
+        add("--optimizer-cpu-offload")
+        add("--optimizer-offload-fraction", "1.0")
+        add("--use-precision-aware-optimizer")  # validate_args: the offload runs on its code path
+        if zero.stage != 1:
+            notes.append(Note("offload.optimizer", "megatron offloads the optimizer with its distributed optimizer "
+                                                   "(--use-distributed-optimizer, ZeRO-1)"))
+    for key in ("params", "grads"):
+        if getattr(off, key):
+            notes.append(Note(f"offload.{key}", f"megatron cannot offload {key} to the CPU"))
+    if train.precision in ("bf16-mixed", "bf16"):
+        add("--bf16")
+        if train.precision == "bf16":
+            notes.append(Note("train.precision", "megatron keeps fp32 main parameters with --bf16; pure bf16 is "
+                                                 "written as bf16 mixed precision"))
+    elif train.precision == "fp16-mixed":
+        add("--fp16")
+    if train.activation_checkpointing in ("selective", "op"):
+        add("--recompute-granularity", "selective")
+        if train.activation_checkpointing == "op":
+            notes.append(Note("train.activation_checkpointing", "megatron has no operator policy like torchtitan's; "
+                                                                "written as its selective (attention-core) recomputation"))
+    elif train.activation_checkpointing == "full":
+        add("--recompute-granularity", "full")
+        add("--recompute-method", "uniform")
+        add("--recompute-num-layers", 1)
+    add("--attention-backend", "flash" if train.attention == "flash" else "unfused")
+    add("--seq-length", train.seq_len)
+    if train.optimizer == "sgd":
+        add("--optimizer", "sgd")
+    else:
+        add("--optimizer", "adam")
+        if train.optimizer == "adamw8bit":
+            notes.append(Note("train.optimizer", "megatron has no 8-bit AdamW; written as adam (AdamW)"))
+    add("--lr", train.lr)
+    add("--train-iters", train.steps)
+    add("--seed", train.seed)
+    minutes = math.ceil(par.communication_timeout / 60)
+    add("--distributed-timeout-minutes", minutes)
+    if par.communication_timeout % 60:
+        notes.append(Note("parallel.communication_timeout", f"megatron takes whole minutes; "
+                                                            f"{par.communication_timeout} s written as {minutes}"))
+    if job.checkpoint.dir:
+        add("--save", job.checkpoint.dir)
+        add("--save-interval", job.checkpoint.every)
+    _model(plan, add, notes)
+    said = {note.path for note in notes}
+    notes += [note for note in unexpressed(plan, COVERED, TARGET) if note.path not in said]
+    return Exported(args, notes)
+
+
+def _order(par, add, notes: list[Note]) -> None:
+    used = {axis for axis in ("tp", "cp", "dp", "pp") if getattr(par, axis) > 1}
+    mine = [axis for axis in parse_order(par.order) if axis in used]
+    if mine == [axis for axis in _DEFAULT_ORDER if axis in used]:
+        return
+    if mine == [axis for axis in _TP_PP_DP_ORDER if axis in used]:
+        add("--use-tp-pp-dp-mapping")
+        return
+    notes.append(Note("parallel.order", f"megatron orders ranks tp-cp-dp-pp or (--use-tp-pp-dp-mapping) "
+                                        f"tp-cp-pp-dp; {par.order!r} is not exported"))
+
+
+def _pipeline(plan: Plan, add, notes: list[Note]) -> None:
+    par = plan.job.parallel
+    chunked = par.pipeline_schedule == "interleaved-1f1b"
+    if par.pipeline_schedule not in ("1f1b", "interleaved-1f1b"):
+        notes.append(Note("parallel.pipeline_schedule", f"megatron runs 1F1B (interleaved with virtual stages); "
+                                                        f"{par.pipeline_schedule!r} is not exported"))
+    if chunked and par.virtual_stages > 1:
+        add("--num-virtual-stages-per-pipeline-rank", par.virtual_stages)
+    elif par.virtual_stages > 1:
+        notes.append(Note("parallel.virtual_stages", "megatron interleaves virtual stages under 1F1B only"))
+    if par.first_stage_layers:
+        add("--decoder-first-pipeline-num-layers", par.first_stage_layers)
+    if par.last_stage_layers:
+        add("--decoder-last-pipeline-num-layers", par.last_stage_layers)
+
+
+def _model(plan: Plan, add, notes: list[Note]) -> None:
+    shape, model = plan.shape, plan.job.model
+    if shape is None:
+        if model.source is not None:
+            notes.append(Note("model", "megatron needs the architecture; a bare parameter count is not exported"))
+        return
+    add("--num-layers", shape.num_layers)
+    add("--hidden-size", shape.hidden_size)
+    add("--ffn-hidden-size", shape.ffn_hidden_size)
+    add("--num-attention-heads", shape.num_heads)
+    if shape.num_kv_heads != shape.num_heads:
+        add("--group-query-attention")
+        add("--num-query-groups", shape.num_kv_heads)
+    if shape.head_dim * shape.num_heads != shape.hidden_size:
+        add("--kv-channels", shape.head_dim)
+    # validate_args: max_position_embeddings >= seq_length (rope models may train longer)
+    add("--max-position-embeddings", max(shape.max_seq_len or 0, plan.job.train.seq_len))
+    add("--normalization", _NORMS[shape.norm])
+    if shape.activation == "swiglu":
+        add("--swiglu")
+    elif shape.activation == "geglu":
+        notes.append(Note("model.activation", "megatron's gated MLP is SwiGLU (--swiglu); geglu is not exported"))
+    if shape.position_embedding in _POSITIONS:
+        add("--position-embedding-type", _POSITIONS[shape.position_embedding])
+    else:
+        notes.append(Note("model.position_embedding", f"megatron has no {shape.position_embedding} positions"))
+    if not shape.tie_embeddings:
+        add("--untie-embeddings-and-output-weights")
+    biases = (shape.qkv_bias, shape.out_bias, shape.mlp_bias)
+    if biases == (False, False, False):
+        add("--disable-bias-linear")
+    elif biases == (True, False, False):
+        add("--disable-bias-linear")
+        add("--add-qkv-bias")
+    elif biases != (True, True, True):
+        notes.append(Note("model", "megatron sets biases for all linear layers or for qkv only; "
+                                   f"qkv/out/mlp = {biases} is not exported"))
+    if shape.shared_layer_norm:
+        notes.append(Note("model.shared_layer_norm", "megatron's GPT layer has two norms; a shared norm is "
+                                                     "not exported"))
+    if shape.moe:
+        add("--num-experts", shape.num_experts)
+        add("--moe-router-topk", shape.experts_per_token)
+    dropout = plan.job.model.dropout
+    add("--attention-dropout", dropout)  # Megatron's default is 0.1: always written
+    add("--hidden-dropout", dropout)
+    notes.append(Note("model.vocab_size", f"megatron takes the vocabulary ({shape.vocab_size}) from the tokenizer "
+                                          "(--tokenizer-type ...) and pads it to --make-vocab-size-divisible-by"))
+
+
+def dumps(args: list[str]) -> str:
+    """One flag per line, continued with backslashes: paste after `torchrun pretrain_gpt.py`."""
+    lines, current = [], []
+    for arg in args:
+        if arg.startswith("--") and current:
+            lines.append(" ".join(current))
+            current = []
+        current.append(shlex.quote(arg))
+    if current:
+        lines.append(" ".join(current))
+    return " \\\n".join(lines) + "\n"

@@ -1,0 +1,153 @@
+"""Reading a foreign config and telling which framework wrote it, from its content.
+
+A DeepSpeed config is a JSON object, a torchtitan job config a TOML file, an accelerate
+config a YAML file; each parses into a `Document` whose `lines` map dotted keys to lines,
+so problems point at the user's line. The file's name is not trusted: a `ds_config.txt` or
+a YAML file without a suffix are read for what they contain.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ...spec.errors import InputError, Problem
+from ..files import Document, _read_text, parse_json, parse_toml
+
+# Keys that only each format's configs have at the top (DeepSpeed's config-json docs,
+# torchtitan's JobConfig tables, accelerate's ClusterConfig).
+DEEPSPEED_KEYS = {
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "zero_optimization", "fp16", "bf16", "bfloat16", "optimizer", "scheduler", "gradient_clipping",
+    "activation_checkpointing", "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
+    "tensor_parallel", "flops_profiler", "comms_logger", "data_types", "communication_data_type",
+}
+TORCHTITAN_TABLES = {
+    "job", "parallelism", "training", "activation_checkpoint", "lr_scheduler", "metrics", "profiling",
+    "checkpoint", "compile", "float8", "mx", "quantize", "comm", "memory_estimation", "fault_tolerance",
+    "experimental", "validation", "debug", "optimizer", "model",
+}
+ACCELERATE_KEYS = {
+    "compute_environment", "distributed_type", "mixed_precision", "num_processes", "num_machines",
+    "fsdp_config", "deepspeed_config", "parallelism_config", "machine_rank", "main_training_function",
+    "use_cpu", "downcast_bf16", "gpu_ids", "rdzv_backend", "same_network",
+}
+# Tables of a shardplan job file that a torchtitan config never has.
+_SHARDPLAN_TABLES = {"parallel", "zero", "offload", "train", "lora", "cluster"}
+
+FORMATS = {
+    "deepspeed": "DeepSpeed config (JSON)",
+    "torchtitan": "torchtitan job config (TOML)",
+    "accelerate": "accelerate config (YAML)",
+}
+_NONE_OF_THEM = "not a DeepSpeed config (JSON), a torchtitan job config (TOML) or an accelerate config (YAML)"
+
+
+def json_key_lines(text: str) -> dict[str, int]:
+    """Dotted key -> 1-based line of every object key in a JSON text (keys inside arrays
+    are left out). A small scanner: `json` itself keeps no positions."""
+    lines: dict[str, int] = {}
+    stack: list[str | None] = []  # per open container: the key it was reached by (None: array)
+    line, i, expecting_key, last_key = 1, 0, False, None
+    while i < len(text):
+        char = text[i]
+        if char == "\n":
+            line += 1
+        elif char == '"':
+            end, start_line = i + 1, line
+            while end < len(text) and text[end] != '"':
+                end += 2 if text[end] == "\\" else 1
+            string = text[i + 1:end]
+            if expecting_key and None not in stack:
+                last_key = json.loads(f'"{string}"') if "\\" in string else string
+                path = ".".join([k for k in stack[1:] if k] + [last_key])
+                lines.setdefault(path, start_line)
+            i = end
+        elif char == "{":
+            stack.append(last_key if stack else "")
+            expecting_key = True
+        elif char == "[":
+            stack.append(None)
+            expecting_key = False
+        elif char in "}]":
+            if stack:
+                stack.pop()
+            expecting_key = False
+        elif char == ",":
+            expecting_key = bool(stack) and stack[-1] is not None
+        elif char == ":":
+            expecting_key = False
+        i += 1
+    return lines
+
+
+def yaml_document(text: str, shown: str) -> Document:
+    """Parse YAML with PyYAML's safe loader, keeping the line of every mapping key."""
+    import yaml  # imported here: planning commands never pay for it
+
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise InputError(Problem("", f"invalid YAML: {problem}", file=shown,
+                                 line=mark.line + 1 if mark else None)) from None
+    lines: dict[str, int] = {}
+
+    def walk(current, prefix: str) -> None:
+        if isinstance(current, yaml.MappingNode):
+            for key, value in current.value:
+                dotted = f"{prefix}.{key.value}" if prefix else str(key.value)
+                lines.setdefault(dotted, key.start_mark.line + 1)
+                walk(value, dotted)
+
+    walk(node, "")
+    return Document(shown, data if isinstance(data, dict) else {"": data}, lines)
+
+
+def detect(doc: Document, kind: str) -> str | None:
+    """The framework whose config `doc` is (`kind`: the syntax it parsed as), else None."""
+    keys = set(doc.data)
+    if kind == "json" and keys & DEEPSPEED_KEYS:
+        return "deepspeed"
+    if kind == "toml" and keys & TORCHTITAN_TABLES and not keys & _SHARDPLAN_TABLES:
+        if all(isinstance(doc.data[k], dict) for k in keys & TORCHTITAN_TABLES):
+            return "torchtitan"
+    if kind == "yaml" and keys & ACCELERATE_KEYS:
+        return "accelerate"
+    return None
+
+
+def read_source(path: str) -> tuple[str, Document]:
+    """(format, document) of a foreign config; one clear InputError when it is none of them."""
+    text = _read_text(Path(path), path)
+    stripped = text.lstrip()
+    if stripped.startswith("{"):
+        doc = parse_json(text, path)
+        doc.lines = json_key_lines(text)
+        found = detect(doc, "json")
+        if found:
+            return found, doc
+        raise InputError(Problem("", f"{_NONE_OF_THEM}: a JSON object without DeepSpeed's keys "
+                                     "(train_batch_size, zero_optimization, bf16, ...)", file=path))
+    try:
+        doc = parse_toml(text, path)
+    except InputError as toml_error:
+        doc = None
+        if path.lower().endswith(".toml"):
+            raise toml_error from None
+    if doc is not None:
+        found = detect(doc, "toml")
+        if found:
+            return found, doc
+        if set(doc.data) & _SHARDPLAN_TABLES:
+            raise InputError(Problem("", "is a shardplan job file already (use it as it is)", file=path))
+        if doc.data:
+            raise InputError(Problem("", f"{_NONE_OF_THEM}: TOML without torchtitan's tables "
+                                         "([parallelism], [training], [model], ...)", file=path))
+    doc = yaml_document(text, path)
+    found = detect(doc, "yaml")
+    if found:
+        return found, doc
+    raise InputError(Problem("", _NONE_OF_THEM, file=path))

@@ -1,0 +1,85 @@
+"""Exported accelerate configs read by accelerate's own launcher and plugins (the `interop` extra).
+
+The path a config takes in `accelerate launch --config_file F`: the launch parser, the
+config-file loader merging F into the arguments (`_validate_launch_command`), the
+environment handed to the workers (`prepare_multi_gpu_env`), and in the worker
+`FullyShardedDataParallelPlugin()` and `ParallelismConfig()` built from that environment.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_cli
+from interop_plans import PLANS
+from shardplan.io.job import load_job
+
+accelerate = pytest.importorskip("accelerate", reason="accelerate is in the `interop` extra")
+pytestmark = pytest.mark.interop
+
+
+def launched(write, plan: str, monkeypatch):
+    """(the worker's environment, the validated job) for one of the shared plans."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    path = write("job.toml", PLANS[plan])
+    out = path.replace("job.toml", "accelerate.yaml")
+    result = run_cli("export", path, "--to", "accelerate", "-o", out)
+    assert result.code == 0, result.err
+    args = launch_command_parser().parse_args(["--config_file", out, "train.py"])
+    args, _, _ = _validate_launch_command(args)
+    env = prepare_multi_gpu_env(args)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return env, args, load_job(path).job
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_accelerate_reads_the_exported_config(write, plan, monkeypatch):
+    env, args, job = launched(write, plan, monkeypatch)
+    par, zero, off, train = job.parallel, job.zero, job.offload, job.train
+    world = par.dp * par.tp * par.pp * par.cp
+    assert args.num_processes == world
+    mixed = {"bf16-mixed": "bf16", "bf16": "bf16", "fp16-mixed": "fp16", "fp32": "no"}[train.precision]
+    assert env["ACCELERATE_MIXED_PRECISION"] == mixed
+    if par.pp > 1:  # accelerate has no pipeline parallel: the export names it on stderr
+        return
+    if zero.stage == 0 and par.tp == 1 and par.cp == 1:
+        assert "ACCELERATE_USE_FSDP" not in env
+        return
+    from accelerate import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2
+    assert plugin.reshard_after_forward == (zero.stage == 3)
+    assert (plugin.cpu_offload is not None and type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy") \
+        == off.params
+    assert plugin.activation_checkpointing == (train.activation_checkpointing != "none")
+    if zero.min_num_params:
+        assert plugin.min_num_params == zero.min_num_params
+    if zero.hybrid or par.tp > 1 or par.cp > 1:
+        sizes = {k: int(env[f"PARALLELISM_CONFIG_{k.upper()}_SIZE"]) for k in ("dp_replicate", "dp_shard", "tp", "cp")}
+        assert sizes["dp_replicate"] * sizes["dp_shard"] == par.dp
+        assert (sizes["tp"], sizes["cp"]) == (par.tp, par.cp)
+        if zero.hybrid:
+            assert sizes["dp_shard"] * par.tp * par.cp == job.cluster.gpus_per_node  # one node's ranks
+        if par.tp == 1:  # accelerate's tensor parallel handler needs transformers
+            from accelerate.parallelism_config import ParallelismConfig
+
+            config = ParallelismConfig()
+            assert (config.dp_replicate_size, config.dp_shard_size, config.cp_size) == (
+                sizes["dp_replicate"], sizes["dp_shard"], par.cp)
+            assert config.total_size == world
+
+
+def test_accelerate_config_loader_reads_every_key(write):
+    """accelerate's own loader accepts the file (its ClusterConfig rejects unknown keys)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    path = write("job.toml", PLANS["zero3_hybrid_offload"])
+    out = path.replace("job.toml", "accelerate.yaml")
+    assert run_cli("export", path, "--to", "accelerate", "-o", out).code == 0
+    config = load_config_from_file(out)
+    assert config.distributed_type == "FSDP" and config.num_machines == 2 and config.num_processes == 16
+    assert config.fsdp_config["fsdp_version"] == 2

@@ -1,0 +1,55 @@
+"""Exported Megatron-LM arguments against Megatron-LM's own parser, as recorded.
+
+Megatron-LM's argument parser (megatron/training/arguments.py) is not on the package index,
+so tests/data/interop/megatron_arguments.json records, for every argument the exporter can
+write, where Megatron defines it (file:line at the commit named in the file), whether it
+takes a value and its choices, read off Megatron-LM's parser at that commit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+
+import pytest
+
+from conftest import DATA, ROOT, run_cli
+from interop_plans import PLANS
+
+RECORD = json.loads((DATA / "interop" / "megatron_arguments.json").read_text())
+ARGUMENTS = RECORD["arguments"]
+
+
+def exported_args(write, plan: str) -> list[str]:
+    result = run_cli("export", write("job.toml", PLANS[plan]), "--to", "megatron")
+    assert result.code == 0, result.err
+    return shlex.split(result.out.replace("\\\n", " "))
+
+
+def test_record_covers_every_argument_the_exporter_writes():
+    source = (ROOT / "shardplan" / "io" / "interop" / "megatron.py").read_text()
+    written = set(re.findall(r'add\("(--[a-z0-9-]+)"', source))
+    assert written == set(ARGUMENTS)
+    assert len(RECORD["megatron_lm_commit"]) == 40
+    for flag, entry in ARGUMENTS.items():
+        assert re.match(r"megatron/[a-z_/]+\.py:\d+", entry["source"]), flag
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_arguments_parse_as_megatrons(write, plan):
+    args = exported_args(write, plan)
+    i = 0
+    while i < len(args):
+        flag = args[i]
+        assert flag in ARGUMENTS, f"{flag} is not a Megatron-LM argument"
+        entry = ARGUMENTS[flag]
+        if entry["takes_value"]:
+            value = args[i + 1]
+            assert not value.startswith("--"), flag
+            if entry["choices"]:
+                assert value in entry["choices"], (flag, value)
+            i += 2
+        else:
+            i += 1
+    assert len(set(a for a in args if a.startswith("--"))) == sum(a.startswith("--") for a in args)
