@@ -122,3 +122,10 @@ def test_run_names_a_missing_library(monkeypatch):
     assert result.code == 2, result.err
     assert "lora: `shardplan run` needs peft for this: pip install 'shardplan[finetune]'" in result.err
     assert "train.optimizer: `shardplan run` needs torchao" in result.err
+
+
+def test_validate_warns_about_weights_nf4_cannot_store():
+    result = run_cli("validate", "tiny-gpt2-cpu", "--set", "model.preset=tiny-llama", "--set", "lora.base_dtype=nf4")
+    assert result.code == 0
+    assert "lora.base_dtype: torchao stores NF4 weights in whole blocks of 64 * 256 elements; " \
+           "attn.k_proj.weight has 8,192" in result.err, result.err
