@@ -301,11 +301,15 @@ def _deepspeed(inputs: EstimateInputs, rp: RankParams, degree: int, index: int) 
 
 def _with_frozen(memory: _RankMemory, gpu: list[Term], cpu: list[Term],
                  buffers: dict[str, list[Term]]) -> _RankMemory:
-    """A new record (the framework's may be cached) with the frozen base's terms added."""
+    """A new record (the framework's may be cached) with the frozen base's terms added and the
+    framework's own terms, which are the adapters', named so."""
+    def adapters(terms) -> list[Term]:
+        return [Term(f"adapters, {t.label}", t.bytes, t.source) for t in terms]
+
     return _RankMemory(
-        gpu={k: (gpu if k == "params" else []) + list(v) for k, v in memory.gpu.items()},
-        cpu={k: (cpu if k == "params" else []) + list(v) for k, v in memory.cpu.items()},
-        grads_at={m: list(v) for m, v in memory.grads_at.items()},
+        gpu={k: (gpu if k == "params" else []) + adapters(v) for k, v in memory.gpu.items()},
+        cpu={k: (cpu if k == "params" else []) + adapters(v) for k, v in memory.cpu.items()},
+        grads_at={m: adapters(v) for m, v in memory.grads_at.items()},
         buffers_at={m: list(buffers.get(m, [])) + list(v) for m, v in memory.buffers_at.items()},
     )
 
