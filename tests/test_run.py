@@ -218,13 +218,15 @@ ffn_hidden_size = 512
 vocab_size = 512
 max_seq_len = 128
 """
+LORA = dict(rank=8, dropout=0.1, targets=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
 FINETUNE = [
-    # (id, [lora] table or None, flags)
-    ("dp2-zero3-lora", dict(rank=8, dropout=0.1, targets=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]), []),
-    ("dp2-zero3-qlora", dict(rank=16, base_dtype="nf4"), []),
-    ("dp2-zero3-adamw8bit", None, ["--set", "train.optimizer=adamw8bit"]),
+    # (id, [lora] table or None, micro batch, flags); each step trains on 8 sequences
+    ("dp2-zero3-lora", LORA, 4, ["--dp", "2"]),
+    ("dp2-zero3-qlora", dict(rank=16, base_dtype="nf4"), 4, ["--dp", "2"]),
+    ("dp2-zero3-adamw8bit", None, 4, ["--dp", "2", "--set", "train.optimizer=adamw8bit"]),
+    # Tensor parallel splits the adapters with their linears (B of q/v/up, A of o/down).
+    ("tp2-zero3-lora", LORA, 8, ["--tp", "2"]),
 ]
-FINETUNE_BATCH = 4  # sequences per rank and step
 
 
 def toml_table(name: str, table: dict | None) -> str:
@@ -233,16 +235,17 @@ def toml_table(name: str, table: dict | None) -> str:
     return f"[{name}]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in table.items())
 
 
-@pytest.mark.parametrize("name, lora, flags", FINETUNE, ids=[p[0] for p in FINETUNE])
-def test_finetune_matches_estimate(name, lora, flags, tmp_path):
+@pytest.mark.parametrize("name, lora, mbs, flags", FINETUNE, ids=[p[0] for p in FINETUNE])
+def test_finetune_matches_estimate(name, lora, mbs, flags, tmp_path):
     pytest.importorskip("peft")
     pytest.importorskip("torchao")
-    report = run(FINETUNE_MODEL, FINETUNE_BATCH, 1, "--dp", "2", "--zero", "3", "--set", "train.precision=bf16-mixed",
+    report = run(FINETUNE_MODEL, mbs, 1, "--zero", "3", "--set", "train.precision=bf16-mixed",
                  "--set", "train.steps=4", "--set", "train.lr=1e-2", *flags, tmp_path=tmp_path, name=name,
                  extra=toml_table("lora", lora))
     losses = [s["loss"] for s in report["steps"]]
     assert losses[-1] < losses[0], losses
-    cpu_masks = dropout_mask_bytes(lora)
+    tp = 2 if "--tp" in flags else 1
+    cpu_masks = dropout_mask_bytes(lora, mbs, tp)
     for entry in report["ranks"]:
         measured, estimated = entry["measured"], entry["estimated"]
         for kind in ("params", "grads", "optimizer"):
@@ -252,7 +255,7 @@ def test_finetune_matches_estimate(name, lora, flags, tmp_path):
             (entry["rank"], measured["activations"], expected)
 
 
-def dropout_mask_bytes(lora: dict | None) -> int:
+def dropout_mask_bytes(lora: dict | None, mbs: int, tp: int) -> int:
     """On CPU torch's dropout keeps its noise in the input's dtype (bf16 here) where CUDA's
     fused kernel keeps a 1-byte mask, which the estimate counts: one more byte per masked
     element (aten/src/ATen/native/Dropout.cpp, `is_fused_kernel_acceptable`)."""
@@ -265,6 +268,6 @@ def dropout_mask_bytes(lora: dict | None) -> int:
     table = dict(line.split(" = ") for line in FINETUNE_MODEL.splitlines()[1:])
     shape, _ = resolve_shape({k: json.loads(v) for k, v in table.items()})
     plan = LoraPlan(rank=lora["rank"], targets=tuple(lora["targets"]), dropout=True)
-    act = ActivationShape(shape, FINETUNE_BATCH, 64, act_bytes=2, lora=plan)
+    act = ActivationShape(shape, mbs, 64, tp=tp, act_bytes=2, lora=plan)
     layers = [stored_layer_terms(act, grad_in=False)] + [stored_layer_terms(act)] * (shape.num_layers - 1)
     return sum(t.bytes for terms in layers for t in terms if "dropout mask" in t.label)

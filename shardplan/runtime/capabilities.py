@@ -80,9 +80,13 @@ def _lora_unsupported(resolved: ResolvedJob) -> list[tuple[str, str]]:
         return []
     par = job.parallel
     found = []
-    for axis in ("tp", "pp"):
-        if getattr(par, axis) > 1:
-            found.append((f"parallel.{axis}", f"LoRA with {axis} > 1 is estimated, not executed by `run`"))
+    if par.pp > 1:
+        found.append(("parallel.pp", "LoRA with pp > 1 is estimated, not executed by `run`"))
+    if par.tp > 1 and job.lora.base_dtype == "nf4":
+        found.append(("parallel.tp", "torchao's NF4 weights are not split by tensor parallel: QLoRA with tp > 1 is "
+                                     "estimated, not executed by `run`"))
+    if par.tp > 1 and par.sequence_parallel:
+        found.append(("parallel.sequence_parallel", "LoRA with sequence parallel is estimated, not executed by `run`"))
     if job.zero.stage == 1:
         found.append(("zero.stage", "LoRA runs under FSDP2: use zero.stage 0, 2 or 3"))
     if job.lora.base_dtype == "nf4" and job.offload.params:

@@ -55,11 +55,39 @@ def _frozen_linears(module: nn.Module) -> list[nn.Linear]:
     return found
 
 
+def cast_frozen(model: nn.Module) -> None:
+    """The frozen base in bf16 (on the meta device, before tensor parallel and materializing)."""
+    for param in model.parameters():
+        if not param.requires_grad and param.is_floating_point() and param.dtype != torch.bfloat16:
+            param.data = param.data.to(torch.bfloat16)
+
+
+def with_adapters(block: nn.Module, plan: dict) -> dict:
+    """A block's tensor-parallel plan with peft's adapters split with their linears (Megatron
+    placement, core/lora.py): a column-parallel linear's B by rows (ColwiseParallel: its output
+    is the linear's local slice), a row-parallel linear's A by columns (RowwiseParallel: it reads
+    the linear's local input, and its rank-r output is all-reduced before B); the other whole."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    result = {}
+    for key, style in plan.items():
+        module = block.get_submodule(key)
+        if not hasattr(module, "base_layer"):
+            result[key] = style
+            continue
+        result[f"{key}.base_layer"] = style
+        if isinstance(style, ColwiseParallel):
+            result[f"{key}.lora_B.{ADAPTER}"] = ColwiseParallel()
+        elif isinstance(style, RowwiseParallel):
+            result[f"{key}.lora_A.{ADAPTER}"] = RowwiseParallel()
+    return result
+
+
 @torch.no_grad()
 def store_base(module: nn.Module, lora: LoraSpec, in_layers: bool) -> None:
-    """Store a materialized module's frozen parameters as the plan says: bf16, and the layer
-    linears (`in_layers`) as NF4 under QLoRA (quantized from bf16, torchao's `to_nf4` with its
-    default blocks of 64 and scaler blocks of 256)."""
+    """Store a materialized module's frozen parameters as the plan says: bf16 (already, from
+    `cast_frozen`), and the layer linears (`in_layers`) as NF4 under QLoRA (quantized from bf16,
+    torchao's `to_nf4` with its default blocks of 64 and scaler blocks of 256)."""
     if lora.base_dtype == "nf4" and in_layers:
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 

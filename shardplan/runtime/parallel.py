@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..core.precision import MIXED
 from ..spec.job import LoraSpec
 from .dist import Runtime
-from .lora import adamw8bit_class, store_base
+from .lora import adamw8bit_class, cast_frozen, store_base, with_adapters
 from .model import materialize
 
 COMPUTE_DTYPES = dict(zip(MIXED, (torch.bfloat16, torch.float16)))  # core.precision.MIXED, in order
@@ -85,7 +85,7 @@ def apply_tensor_parallel(model: nn.Module, runtime: Runtime, sequence_parallel:
         plan = dict(block_plan)
         if block.mlp.gated:
             plan["mlp.gate_proj"] = ColwiseParallel()
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, with_adapters(block, plan))
     root_plan = {}
     if model.embed is not None:
         root_plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
@@ -187,6 +187,8 @@ def parallelize(model: nn.Module, runtime: Runtime, plan: ParallelPlan) -> nn.Mo
     """Apply tp, checkpointing and data parallelism to `model` (a whole model or a stage)."""
     if plan.precision == "bf16":
         model.to(torch.bfloat16)
+    if plan.lora is not None:
+        cast_frozen(model)  # on the meta device: the frozen base is built in bf16
     if runtime.layout.degrees.tp > 1:
         apply_tensor_parallel(model, runtime, plan.sequence_parallel)
     apply_checkpointing(model, plan.recompute)
