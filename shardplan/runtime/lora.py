@@ -85,8 +85,8 @@ def with_adapters(block: nn.Module, plan: dict) -> dict:
 
 @torch.no_grad()
 def store_base(module: nn.Module, lora: LoraSpec, in_layers: bool) -> None:
-    """Store a materialized module's frozen parameters as the plan says: bf16 (already, from
-    `cast_frozen`), and the layer linears (`in_layers`) as NF4 under QLoRA (quantized from bf16,
+    """Store a materialized module's frozen parameters as the plan says: bf16 (`cast_frozen`
+    did it on the meta device; a module built otherwise is cast here), and the layer linears (`in_layers`) as NF4 under QLoRA (quantized from bf16,
     torchao's `to_nf4` with its default blocks of 64 and scaler blocks of 256)."""
     if lora.base_dtype == "nf4" and in_layers:
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
