@@ -35,6 +35,9 @@ def test_the_promised_presets_ship():
         assert ("models", model) in names
     for cluster in ("h100-80gb", "a100-80gb", "a100-40gb"):
         assert ("clusters", cluster) in names
+    for gpu in ("h100-sxm", "h100-pcie", "h200", "b200", "a100-sxm-80gb", "a100-sxm-40gb", "v100-sxm2-32gb",
+                "l40s", "mi300x"):
+        assert ("gpus", gpu) in names
     assert sum(1 for p in PRESETS if p.kind == "jobs") >= 3
 
 
@@ -94,3 +97,38 @@ def test_bare_command_prints_help_once():
     result = run_cli()
     assert result.code == 2
     assert (result.out + result.err).count("Usage") == 1
+
+
+GPU_PRESETS = [p for p in PRESETS if p.kind == "gpus"]
+# Datasheet figures (presets/gpus/*.toml name the sheet of each): dense 16-bit TFLOP/s and HBM.
+DATASHEET = {"h100-sxm": (989.4, 3.35e12), "a100-sxm-80gb": (312.0, 2.039e12), "a100-sxm-40gb": (312.0, 1.555e12),
+             "h200": (989.4, 4.8e12), "v100-sxm2-32gb": (125.0, 0.9e12), "mi300x": (1307.4, 5.3e12)}
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS, ids=lambda p: p.name)
+def test_gpu_presets_give_every_figure_with_its_source(preset):
+    from shardplan.io.hardware import hardware_of
+
+    cluster = load_job(None, [("cluster.gpu", preset.name)], env={}).job.cluster
+    hardware = hardware_of(cluster)
+    assert hardware is not None and hardware.name == preset.name  # no figure assumed
+    for line in preset.path.read_text(encoding="utf-8").splitlines():
+        if "=" in line and not line.startswith("#"):
+            assert "#" in line, f"{preset.name}: {line!r} has no source"
+    if preset.name in DATASHEET:
+        tflops, hbm = DATASHEET[preset.name]
+        assert (hardware.peak_flops, hardware.memory_bandwidth) == (tflops * 1e12, hbm)
+
+
+def test_cluster_presets_name_their_gpu():
+    for preset in (p for p in PRESETS if p.kind == "clusters"):
+        cluster = load_job(None, [("cluster.preset", preset.name)], env={}).job.cluster
+        assert cluster.gpu in {p.name for p in GPU_PRESETS}
+        assert cluster.peak_tflops is not None
+
+
+def test_presets_command_lists_gpus():
+    rows = {row["name"]: row for row in run_cli("presets", "--json").json["presets"]}
+    assert rows["h100-sxm"]["kind"] == "gpu" and rows["h100-sxm"]["params"] is None
+    shown = run_cli("presets", "h100-sxm", "--json").json
+    assert shown["table"]["cluster"]["peak_tflops"] == 989.4

@@ -20,6 +20,19 @@ def limits_known(resolved: ResolvedJob) -> bool:
     return "gpu_memory" in resolved.job.cluster.model_fields_set
 
 
+def step_time_of(resolved: ResolvedJob, inputs):
+    """The predicted step (core/step_time.py) when the hardware and the architecture are
+    known, else None (no `time` in the output)."""
+    from ..io.hardware import hardware_of, lora_of
+
+    hardware = hardware_of(resolved.job.cluster)
+    if hardware is None or inputs.shape is None:
+        return None
+    from ..core.step_time import step_time
+
+    return step_time(inputs, hardware, lora=lora_of(resolved.job.lora))
+
+
 @plan_flags
 def estimate(
     file: Annotated[Optional[str], typer.Argument(help="job file (TOML/JSON) or job preset name")] = None,
@@ -47,11 +60,17 @@ def estimate(
     result = estimate_memory(inputs)
     gpu_memory = cluster.gpu_memory if known else None
     cpu_memory = cpu_limit(inputs) if known else None  # the limit `fits` is checked against
+    timing = step_time_of(resolved, result.inputs or inputs)
     if json_out:
-        emit_json(estimate_document(result, gpu_memory, explain))
+        document = estimate_document(result, gpu_memory, explain)
+        if timing is not None:
+            from ..render.time import time_document
+
+            document["time"] = time_document(timing, explain)
+        emit_json(document)
     else:
         title = f"{resolved.model_name or 'model'}: memory per device"
-        print_estimate(stdout_console(), result, gpu_memory, cpu_memory, title, explain)
+        print_estimate(stdout_console(), result, gpu_memory, cpu_memory, title, explain, timing)
     emit_diagnostics(f"warning: {w}" for w in result.warnings)
     if result.fits is False:
         raise typer.Exit(EXIT_INFEASIBLE)

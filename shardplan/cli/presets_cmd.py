@@ -14,7 +14,7 @@ from .options import JsonFlag
 
 
 def _params(preset) -> dict | None:
-    if preset.kind == "clusters":
+    if preset.kind in ("clusters", "gpus"):
         return None
     shape = load_job(str(preset.path), env={}).shape
     if shape is None:
@@ -32,7 +32,7 @@ def presets(
     name: Annotated[Optional[str], typer.Argument(help="a preset to show")] = None,
     json_out: JsonFlag = False,
 ) -> None:
-    """List the shipped models, cluster node types and example jobs, or show one of them."""
+    """List the shipped models, cluster node types, GPUs and example jobs, or show one of them."""
     from ..render.presets import preset_detail, preset_table  # rich.syntax loads only here
     if name is None:
         rows = [

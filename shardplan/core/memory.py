@@ -31,6 +31,7 @@ from .estimate import (
     torch_sequence_parallel_extra,
 )
 from .estimate_inputs import EstimateInputs
+from .figures import rank_figures
 from .host import PROCESS_HOST_BYTES, PROCESS_HOST_BYTES_CPU, node_host, process_allowance
 from .layout import Layout
 from ..spec.units import format_bytes
@@ -107,9 +108,9 @@ def plan_figures(inputs: EstimateInputs) -> tuple[int, int]:
     host: dict[int, tuple[int, int]] = {}
     allowance = process_allowance(inputs.on_gpu).bytes
     for stage in stages:
-        parts = rank_parts(inputs, Coordinates(pp_rank=stage))
-        peak = max(peak, max(moment_totals(parts).values()))
-        host[stage] = (sum(t.bytes for t in parts.host) + allowance, sum(t.bytes for t in parts.startup) + allowance)
+        figures = rank_figures(inputs, Coordinates(pp_rank=stage))
+        peak = max(peak, max(figures.moments.values()))
+        host[stage] = (figures.host + allowance, figures.startup + allowance)
     node = 0
     for mix in mixes:
         if any(stage not in host for stage in mix):

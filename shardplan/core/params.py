@@ -126,12 +126,6 @@ class ParamCounts:
     per_layer: int
 
 
-def flops_per_token(shape: ModelShape, seq_len: int) -> int:
-    """Training FLOPs per token, 6N + 12Lhs: forward and backward of the (active) weights plus
-    attention's score and value products (PaLM, Chowdhery et al. 2022, appendix B)."""
-    return 6 * count_params(shape).active + 12 * shape.num_layers * shape.hidden_size * seq_len
-
-
 @lru_cache(maxsize=256)
 def count_params(shape: ModelShape) -> ParamCounts:
     """Counts from one layer's template (layers are identical), so 405B costs one layer."""

@@ -62,6 +62,21 @@ class Costs:
         """Units one (microbatch, stage) costs its rank: F + B + W."""
         return self.forward + self.backward + self.weight
 
+    def of_action(self, action: Action) -> int:
+        return self.of(action.kind)
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Units per action that differ by stage (the time model's real stage costs):
+    `per_stage[stage]` is (F, B, W) of that global stage."""
+
+    per_stage: tuple[tuple[int, int, int], ...]
+
+    def of_action(self, action: Action) -> int:
+        forward, backward, weight = self.per_stage[action.stage]
+        return forward if action.kind == FORWARD else backward if action.kind == BACKWARD else weight
+
 
 @dataclass(frozen=True)
 class Timeline:
@@ -123,7 +138,7 @@ def _dependents(action: Action, num_stages: int) -> tuple[Action, ...]:
     return ()
 
 
-def simulate(orders: list[list[Action]], num_stages: int, costs: Costs) -> Timeline:
+def simulate(orders: list[list[Action]], num_stages: int, costs: Costs | StageCosts) -> Timeline:
     """Place every action of `orders` (per rank, in execution order) in time.
 
     Event driven: a rank advances while its next action's dependencies have finished; when
@@ -149,7 +164,7 @@ def simulate(orders: list[list[Action]], num_stages: int, costs: Costs) -> Timel
             if any(dep not in end for dep in deps):
                 break
             start = max([free[rank], *(end[dep] for dep in deps)])
-            finish = start + costs.of(action.kind)
+            finish = start + costs.of_action(action)
             end[action] = finish
             free[rank] = finish
             spans[rank].append(Span(start, finish, action))

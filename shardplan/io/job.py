@@ -69,16 +69,21 @@ def open_job_source(source: str | None) -> Document:
 
 
 def _expand_cluster_preset(data: dict) -> list[Problem]:
-    cluster = data.get("cluster")
-    if not isinstance(cluster, dict) or not isinstance(cluster.get("preset"), str):
-        return []
-    try:
-        preset = find_preset(cluster["preset"], "clusters", "cluster.preset")
-    except InputError as exc:
-        return exc.problems
-    base = read_document(preset.path).data.get("cluster", {})
-    data["cluster"] = {**base, **cluster}
-    return []
+    """A cluster preset, then the GPU preset it or the job names (`cluster.gpu`), fill the
+    `[cluster]` keys the job leaves unset."""
+    problems = []
+    for key, kind in (("preset", "clusters"), ("gpu", "gpus")):
+        cluster = data.get("cluster")
+        if not isinstance(cluster, dict) or not isinstance(cluster.get(key), str):
+            continue
+        try:
+            preset = find_preset(cluster[key], kind, f"cluster.{key}")
+        except InputError as exc:
+            problems += exc.problems
+            continue
+        base = read_document(preset.path).data.get("cluster", {})
+        data["cluster"] = {**base, **cluster}
+    return problems
 
 
 def _resolve_model(spec: ModelSpec, base_dir: Path) -> tuple[ModelShape | None, str, list[Problem]]:

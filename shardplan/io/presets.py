@@ -1,4 +1,5 @@
-"""Shipped presets: models (published config values), cluster node types, example jobs.
+"""Shipped presets: models (published config values), cluster node types, GPUs (the time
+model's hardware figures, each with its datasheet), example jobs.
 
 Each preset is a job-file fragment in `presets/<kind>/<name>.toml`; its first comment line
 describes it and names its source.
@@ -13,7 +14,7 @@ from pathlib import Path
 from ..spec.errors import InputError, Problem
 from .problems import did_you_mean
 
-KINDS = ("models", "clusters", "jobs")
+KINDS = ("models", "clusters", "gpus", "jobs")
 
 
 @lru_cache(maxsize=1)
@@ -58,6 +59,6 @@ def find_preset(name: str, kind: str | None = None, path: str = "") -> Preset:
     for preset in candidates:
         if preset.name == name:
             return preset
-    what = {"models": "model", "clusters": "cluster", "jobs": "job"}.get(kind or "", "")
+    what = {"models": "model", "clusters": "cluster", "gpus": "gpu", "jobs": "job"}.get(kind or "", "")
     hint = did_you_mean(name, [p.name for p in candidates]) or " (see `shardplan presets`)"
     raise InputError(Problem(path, f"no {what + ' ' if what else ''}preset named {name!r}{hint}"))

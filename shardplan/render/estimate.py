@@ -118,10 +118,19 @@ def explain_lines(result: Estimate) -> list[Text]:
 
 
 def print_estimate(console, result: Estimate, gpu_memory: int | None, cpu_memory: int | None,
-                   title: str, explain: bool) -> None:
-    """The table, then one unwrapped line per summary item (and formula with `--explain`)."""
+                   title: str, explain: bool, timing=None) -> None:
+    """The table, then one unwrapped line per summary item (and formula with `--explain`);
+    with `timing` (core.step_time.StepTime), the time lines under the summary."""
     lines = estimate_table(result, gpu_memory, title) + summary_lines(result, gpu_memory, cpu_memory)
+    if timing is not None:
+        from .time import time_lines
+
+        lines += time_lines(timing)
     lines += explain_lines(result) if explain else []
+    if timing is not None and explain:
+        from .time import time_explain_lines
+
+        lines += time_explain_lines(timing)
     for line in lines:
         console.print(line, soft_wrap=True)
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from ..core.estimate import DeviceEstimate
-from ..core.params import flops_per_token
+from ..core.flops import model_flops_per_token
 from ..core.precision import uses_autocast
 from ..io.job import ResolvedJob
 from ..spec.errors import RunFailure
@@ -27,9 +27,11 @@ from .model import Transformer, loss_fn
 from .parallel import COMPUTE_DTYPES, ParallelPlan, build_optimizer, offloaded_block, parallelize, unwrapped
 from .pipeline import build_schedule, build_stages
 
-# Peak dense bf16 FLOP/s of the GPUs whose names we recognise (NVIDIA datasheets: A100
-# 312 TFLOP/s, H100 SXM 989 TFLOP/s, H100 PCIe 756 TFLOP/s, H200 989 TFLOP/s).
-PEAK_BF16_FLOPS = {"A100": 312e12, "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12}
+# The GPU preset (presets/gpus/) of each device name torch reports, most specific first:
+# its datasheet peak is MFU's denominator when the job's [cluster] names no hardware.
+DEVICE_PRESETS = (("H100 PCIe", "h100-pcie"), ("H100", "h100-sxm"), ("H200", "h200"), ("B200", "b200"),
+                  ("A100-SXM4-40GB", "a100-sxm-40gb"), ("A100", "a100-sxm-80gb"), ("V100", "v100-sxm2-32gb"),
+                  ("L40S", "l40s"), ("MI300X", "mi300x"))
 
 
 def build_model(resolved: ResolvedJob) -> nn.Module:
@@ -226,13 +228,21 @@ def rank_estimates(device: DeviceEstimate, on_gpu: bool) -> dict[str, int]:
 
 
 def mfu(tokens_per_second: float, resolved: ResolvedJob, runtime: Runtime) -> float | None:
-    """Model FLOPs utilisation on CUDA: (6N + 12Lhs) FLOPs per token (PaLM, Chowdhery et al.
-    2022, appendix B) against the GPU's peak dense bf16 FLOP/s."""
+    """Model FLOPs utilisation on CUDA, as `estimate` defines it (core/flops.py: Megatron-LM's
+    model FLOPs, causal attention counted half, no recomputation) against the peak of the
+    job's hardware ([cluster] gpu / peak_tflops), else of the preset matching the device."""
     if not runtime.on_gpu:
         return None
-    name = torch.cuda.get_device_name(runtime.device)
-    peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
-    if peak is None:
-        return None
-    per_token = flops_per_token(resolved.shape, resolved.job.train.seq_len)
-    return tokens_per_second * per_token / (peak * runtime.world)
+    from ..io.hardware import hardware_of
+    from ..io.job import load_job
+
+    hardware = hardware_of(resolved.job.cluster)
+    if hardware is None:
+        name = torch.cuda.get_device_name(runtime.device)
+        preset = next((preset for key, preset in DEVICE_PRESETS if key in name), None)
+        if preset is None:
+            return None
+        hardware = hardware_of(load_job(None, [("cluster.gpu", preset)], env={}).job.cluster)
+    job = resolved.job
+    per_token = model_flops_per_token(resolved.shape, job.train.seq_len, frozen_weights=job.lora is not None)
+    return tokens_per_second * per_token / (hardware.peak_for(job.train.precision) * runtime.world)

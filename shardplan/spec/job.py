@@ -282,6 +282,24 @@ class ClusterSpec(Table):
     host_bandwidth: Optional[Bandwidth] = Field(
         None, description="per GPU, host <-> device (PCIe), e.g. '25GB/s'"
     )
+    peak_fp32_tflops: Optional[float] = Field(
+        None, gt=0, le=1e6, description="fp32 matmul TFLOP/s of one GPU, for precision = fp32 (overrides the gpu preset)"
+    )
+    host_memory_bandwidth: Optional[Bandwidth] = Field(
+        None, description="CPU DRAM bandwidth of one node, for the CPU optimizer step under offload, e.g. '400GB/s'"
+    )
+    matmul_efficiency: Optional[float] = Field(
+        None, gt=0, le=1, description="fraction of peak_tflops large matmuls reach (time model; default 0.74)"
+    )
+    memory_efficiency: Optional[float] = Field(
+        None, gt=0, le=1, description="fraction of memory_bandwidth elementwise kernels reach (time model; default 0.65)"
+    )
+    intra_node_efficiency: Optional[float] = Field(
+        None, gt=0, le=1, description="fraction of intra_node_bandwidth collectives reach (time model; default 0.75)"
+    )
+    inter_node_efficiency: Optional[float] = Field(
+        None, gt=0, le=1, description="fraction of inter_node_bandwidth collectives reach (time model; default 0.9)"
+    )
 
 
 

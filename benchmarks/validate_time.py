@@ -1,0 +1,96 @@
+"""Print, as Markdown tables, the time model's predictions for the published runs of
+tests/time_references.py against what the papers measured (docs/time.md records the output).
+
+Run: python benchmarks/validate_time.py [--fit]
+--fit also repeats the grid search that chose the default matmul, memory and NVLink
+efficiencies (core/hardware.py): over all rows, and over each paper alone predicting the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from time_references import (  # noqa: E402  (the same runs the tests check)
+    A100_80GB, NARAYANAN_TABLE_1, NARAYANAN_TABLE_2, korthikanti_table_5, narayanan_table_1, narayanan_table_2,
+)
+
+from shardplan.core.step_time import step_time  # noqa: E402
+
+
+def errors(runs, hardware=A100_80GB) -> list[float]:
+    return [step_time(run.inputs, hardware, run.constants).step_seconds / run.measured_seconds - 1 for run in runs]
+
+
+def seconds_table(title: str, runs) -> None:
+    print(f"\n{title}\n")
+    print("| run | measured s | predicted s | error | bottleneck |")
+    print("|---|---:|---:|---:|---|")
+    found = []
+    for run in runs:
+        timing = step_time(run.inputs, A100_80GB, run.constants)
+        error = timing.step_seconds / run.measured_seconds - 1
+        found.append(abs(error))
+        print(f"| {run.name} | {run.measured_seconds:.2f} | {timing.step_seconds:.2f} | {error:+.1%} | {timing.bottleneck} |")
+    print(f"| **mean absolute error** | | | **{sum(found) / len(found):.1%}** | max {max(found):.1%} |")
+
+
+def tflops_table() -> None:
+    print("\nNarayanan et al. 2021, Table 1 (teraFLOP/s per GPU, their FLOPs count)\n")
+    print("| model | GPUs | TP x PP | measured | predicted | error |")
+    print("|---|---:|---|---:|---:|---:|")
+    for row, run in zip(NARAYANAN_TABLE_1, narayanan_table_1()):
+        name, _, hidden, layers, tp, pp, gpus, batch, tflops = row[:9]
+        predicted = run.measured_seconds * tflops / step_time(run.inputs, A100_80GB, run.constants).step_seconds
+        print(f"| {name} | {gpus} | {tp} x {pp} | {tflops} | {predicted:.0f} | {predicted / tflops - 1:+.1%} |")
+
+
+def ranking_table() -> None:
+    print("\nNarayanan et al. 2021, Table 2 (teraFLOP/s per GPU)\n")
+    print("| model | scheme | GPUs | measured | predicted | error |")
+    print("|---|---|---:|---:|---:|---:|")
+    for row, run in zip(NARAYANAN_TABLE_2, narayanan_table_2()):
+        model, _, _, _, scheme, gpus, _, _, tflops = row
+        predicted = run.measured_seconds * tflops / step_time(run.inputs, A100_80GB, run.constants).step_seconds
+        print(f"| {model} | {scheme} | {gpus} | {tflops} | {predicted:.0f} | {predicted / tflops - 1:+.1%} |")
+
+
+def fit() -> None:
+    """The grid that chose the defaults (the optimum is flat; the defaults are its rounded centre)."""
+    table_1, table_5 = narayanan_table_1(), korthikanti_table_5()
+    grid = [(m, e, n) for m in (0.68, 0.70, 0.72, 0.74, 0.76, 0.78) for e in (0.55, 0.6, 0.65, 0.7, 0.75, 0.8)
+            for n in (0.65, 0.75, 0.85)]
+    mean = lambda values: sum(map(abs, values)) / len(values)
+    scores = {}
+    for matmul, memory, nvlink in grid:
+        hardware = dataclasses.replace(A100_80GB, matmul_efficiency=matmul, memory_efficiency=memory,
+                                       intra_node_efficiency=nvlink)
+        scores[(matmul, memory, nvlink)] = (errors(table_1, hardware), errors(table_5, hardware))
+    both = min(grid, key=lambda g: mean(scores[g][0] + scores[g][1]))
+    only_1 = min(grid, key=lambda g: mean(scores[g][0]))
+    only_5 = min(grid, key=lambda g: mean(scores[g][1]))
+    print("\n| fitted on | matmul, memory, NVLink | Table 1 mean | Table 5 mean |")
+    print("|---|---|---:|---:|")
+    for label, g in (("both papers", both), ("Table 1 only", only_1), ("Table 5 only", only_5)):
+        print(f"| {label} | {g} | {mean(scores[g][0]):.1%} | {mean(scores[g][1]):.1%} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fit", action="store_true")
+    args = parser.parse_args()
+    seconds_table("Narayanan et al. 2021, Table 1 (iteration seconds)", narayanan_table_1())
+    tflops_table()
+    seconds_table("Korthikanti et al. 2022, Table 5 (iteration seconds)", korthikanti_table_5())
+    ranking_table()
+    if args.fit:
+        fit()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""The planner's numbers for one rank: every moment's GPU bytes and the rank's host bytes.
+
+The same parts as the explained estimate (core/estimate.py `rank_parts`), added up as
+integers: each part is computed once per narrow key by the functions that build the
+explained terms, and only its byte total is kept here. A search evaluates tens of thousands
+of plans; this is what it calls (core/memory.py `plan_figures`), and
+tests/test_plan_figures.py holds it equal to the explained estimate over random plans.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .activations import ActivationShape, kept_logits_terms
+from .buffers import CUDA_CONTEXT_BYTES, FRAGMENTATION
+from .estimate import (
+    Coordinates,
+    _activation_shape,
+    _deepspeed,
+    _embedding_terms,
+    _first_layer_bytes,
+    _head_terms,
+    _layer_bytes,
+    _lora,
+    _loss_terms,
+    _present,
+    _rank_params,
+    _recompute_terms,
+    _torch_or_paper,
+    held_at_peak,
+    resident_layers,
+    shard_degree,
+)
+from .estimate_inputs import EstimateInputs
+from .host import checkpoint_staging, rank_host, startup_host
+from .precision import element_bytes
+from .degrees import Degrees
+from .stages import RankParams
+from .timeline import BACKWARD, FORWARD, LOSS, MOMENTS
+
+
+@dataclass(frozen=True)
+class RankFigures:
+    """One rank's moment totals (allowances included) and host bytes (training, start-up)."""
+
+    moments: dict[str, int]
+    host: int
+    startup: int
+
+
+_ONE = Degrees()
+
+
+def _sum(terms) -> int:
+    return sum(t.bytes for t in terms)
+
+
+@lru_cache(maxsize=4096)
+def _framework(inputs: EstimateInputs, rp: RankParams, degree: int, resident: int) -> tuple:
+    """(GPU params + optimizer, gradients at each moment, buffers at each moment, host while
+    training) of the framework's part, as byte totals."""
+    eb = element_bytes(inputs.framework, inputs.precision, inputs.optimizer)
+    if inputs.lora is not None and inputs.shape is not None:
+        memory, host = _lora(inputs, rp, eb, degree, 0, resident)
+    elif inputs.framework == "deepspeed":
+        memory, host = _deepspeed(inputs, rp, degree, 0)
+    else:
+        memory = _torch_or_paper(inputs, rp, eb, degree, 0, resident)
+        host = rank_host(inputs, rp, eb, degree, resident, memory.cpu)
+    fixed = _sum(memory.gpu["params"]) + _sum(memory.gpu["optimizer"])
+    grads = {m: _sum(memory.grads_at[m]) for m in MOMENTS}
+    buffers = {m: _sum(memory.buffers_at[m]) for m in MOMENTS}
+    return fixed, grads, buffers, _sum(host) + _sum(checkpoint_staging(inputs, rp, degree))
+
+
+def _framework_key(inputs: EstimateInputs) -> EstimateInputs:
+    """The inputs with what the framework's part does not read set to fixed values, so plans
+    that differ only in their activations share it: `_torch_or_paper`, `_deepspeed`,
+    `rank_host` and `checkpoint_staging` read the framework, stage, precision, optimizer,
+    offload, the DeepSpeed knobs, whether microbatches accumulate, and whether there is an
+    architecture; the rank's parameters and shard degree come beside the key."""
+    return inputs.with_(degrees=_ONE, order="tp-cp-dp-pp", gpus_per_node=8, micro_batch=1, seq_len=1,
+                        num_microbatches=min(inputs.num_microbatches, 2), schedule="1f1b", virtual=1,
+                        stage_split=(0, 0), sequence_parallel=False, recompute="none", attention="flash",
+                        loss="fp32", dropout=False, gpu_memory=None, cpu_memory_per_node=None,
+                        strategy="balanced", resident_layers=None, hybrid=False)
+
+
+@lru_cache(maxsize=4096)
+def _act_sums(act: ActivationShape) -> tuple[int, int, int, int, int, int]:
+    """(per layer, embedding edge, head edge, recompute working set, loss gradient, kept
+    logits) byte totals of one microbatch."""
+    return (_layer_bytes(act), _sum(_embedding_terms(act)), _sum(_head_terms(act)), _sum(_recompute_terms(act)),
+            _sum(_loss_terms(act)), _sum(kept_logits_terms(act)))
+
+
+def rank_figures(inputs: EstimateInputs, at: Coordinates) -> RankFigures:
+    """The numbers `rank_estimate(inputs, at, ...)` reports, without its terms."""
+    eb = element_bytes(inputs.framework, inputs.precision, inputs.optimizer)
+    rp = _rank_params(inputs, at)
+    degree = shard_degree(inputs)
+    resident = resident_layers(rp, eb, inputs, degree)
+    fixed, grads, buffers, host = _framework(_framework_key(inputs), rp, degree, resident)
+    startup = _sum(startup_host(inputs, rp, eb))
+    act = _activation_shape(inputs, eb) if inputs.shape is not None else None
+    saved = in_backward = 0
+    extra = dict.fromkeys(MOMENTS, 0)
+    has_loss = False
+    if act is not None:
+        per_layer, embedding, head, recompute, loss, logits = _act_sums(act)
+        d = inputs.degrees
+        stages = [at.pp_rank + chunk * d.pp for chunk in range(len(rp.chunk_layers))] or [at.pp_rank]
+        last_stage = d.pp * max(1, len(rp.chunk_layers)) - 1
+        # Under LoRA the first layer keeps less (no gradient flows into it).
+        first = _first_layer_bytes(act) - per_layer if act.lora is not None and rp.chunk_layers and rp.chunk_layers[0] else 0
+        stage_bytes = {}
+        for stage, layers in zip(stages, rp.chunk_layers or (0,)):
+            stage_bytes[stage] = (layers * per_layer + (embedding + first if stage == 0 else 0)
+                                  + (head if stage == last_stage else 0))
+        held = held_at_peak(inputs.schedule, d.pp, inputs.num_microbatches, inputs.virtual, at.pp_rank, stage_bytes)
+        saved = sum(held[stage] * stage_bytes[stage] for stage in stage_bytes)
+        head_held = held.get(last_stage, 0)
+        in_backward = saved - head if rp.has_head and head_held else saved
+        extra[BACKWARD] += recompute
+        if rp.has_head:
+            has_loss = True
+            extra[LOSS] += loss
+            if inputs.framework == "deepspeed" or d.pp > 1:
+                for moment in (FORWARD, LOSS, BACKWARD):
+                    extra[moment] += logits * head_held
+    totals = {}
+    for name in _present(inputs, has_loss):
+        tensors = fixed + grads[name] + buffers[name] + extra[name]
+        tensors += saved if name in (FORWARD, LOSS) else in_backward if name == BACKWARD else 0
+        totals[name] = tensors + (CUDA_CONTEXT_BYTES + int(tensors * FRAGMENTATION) if inputs.on_gpu else 0)
+    return RankFigures(totals, host, startup)

@@ -1,0 +1,317 @@
+"""The pieces of a step before they are put in time: every stage's per-microbatch costs and,
+per pipeline rank, what follows its last backward (gradient reduction, optimizer, offload).
+
+Data parallelism (Rajbhandari et al. 2020, ZeRO, section 7; ring volumes in collectives.py):
+
+- stage 0: one all-reduce of the gradients per step (DDP buckets; not during gradient
+  accumulation's earlier microbatches);
+- stage 1: a reduce-scatter of the gradients, the sharded optimizer step, an all-gather of
+  the updated 16-bit parameters;
+- stage 2: a reduce-scatter per microbatch; fsdp2 gathers the parameters once per microbatch
+  (kept until backward), DeepSpeed all-gathers the updated ones after the step;
+- stage 3: per microbatch an all-gather before the forward, another before the backward
+  (DeepSpeed's hooks gather again for a full recomputation's forward) and a reduce-scatter;
+- hybrid sharding: those collectives inside the node, plus an all-reduce of the gradient
+  shard across the replicas.
+
+The reduction overlaps the last backward where the framework does so (step_time.py).
+Offload (ZeRO-Offload, Ren et al. 2021; FSDP2 CPUOffloadPolicy): gradients go to the host
+during backward, the CPU runs the optimizer (bound by the node's DRAM bandwidth, every GPU's
+share at once), updated 16-bit parameters come back; offloaded parameters are fetched per
+layer in forward and backward, prefetched beside the compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..spec.model import ModelShape
+from .collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Link, collective_seconds
+from .estimate_inputs import EstimateInputs
+from .hardware import Hardware, TimeConstants
+from .layer_time import LayerCosts, LayerWork, local_linears, layer_costs
+from .pipeline import stage_layers
+from .precision import MIXED, ElementBytes, element_bytes
+from .schedule import SPLIT_BACKWARD, chunks_per_rank
+from .stage_time import EdgeCosts, ShardedTraffic, StageCost, edge_costs, overlapped, p2p_seconds, stage_cost
+from .quantized import nf4_sharded_bytes
+from .stages import rank_params
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """Adapters of this rank on these linears (names as in core/params.py); the base is frozen."""
+
+    rank: int
+    targets: tuple[str, ...]
+    nf4: bool = False  # QLoRA: the layer linears stored (and all-gathered) as NF4, dequantized to compute
+
+
+@dataclass(frozen=True)
+class TimePlan:
+    """What the step's pieces share, derived once from the inputs."""
+
+    inputs: EstimateInputs
+    shape: ModelShape
+    hw: Hardware
+    c: TimeConstants
+    eb: ElementBytes
+    peak: float
+    chunks: int
+    stage_layers: tuple[int, ...]  # layers of every global stage
+    degree: int  # ranks that shard (ZeRO >= 1) or replicate the gradients' reduction
+    links: dict[str, Link]
+    lora: LoraShape | None
+
+    @property
+    def frozen(self) -> bool:
+        return self.lora is not None
+
+    @property
+    def overlap(self) -> bool:
+        """The gradient reduction runs during backward: FSDP2 and DDP always; DeepSpeed as its
+        `overlap_comm` says ([zero] overlap_comm; by default on at stage 3 only,
+        deepspeed/runtime/zero/config.py)."""
+        if self.c.overlap_grad_reduce is not None:
+            return self.c.overlap_grad_reduce
+        if self.inputs.framework == "fsdp2":
+            return True
+        if self.inputs.overlap_comm is not None:
+            return self.inputs.overlap_comm
+        return self.inputs.zero_stage == 3
+
+    @property
+    def host_link(self) -> float:
+        return self.hw.host_bandwidth * self.c.host_link_efficiency
+
+
+def make_plan(inputs: EstimateInputs, hw: Hardware, c: TimeConstants, lora: LoraShape | None,
+              links: dict[str, Link]) -> TimePlan:
+    if inputs.shape is None:
+        raise ValueError("the time model needs the model's architecture, not a bare parameter count")
+    from .estimate import shard_degree  # the memory estimate's rule, kept in one place
+
+    d = inputs.degrees
+    chunks = chunks_per_rank(inputs.schedule, inputs.virtual)
+    stages = tuple(len(s) for s in stage_layers(inputs.shape.num_layers, d.pp * chunks, *inputs.stage_split))
+    eb = element_bytes(inputs.framework, inputs.precision, inputs.optimizer)
+    return TimePlan(inputs, inputs.shape, hw, c, eb, hw.peak_for(inputs.precision), chunks, stages,
+                    shard_degree(inputs), links, lora)
+
+
+def layer_of(plan: TimePlan) -> LayerCosts:
+    inputs, lora = plan.inputs, plan.lora
+    work = LayerWork(
+        shape=plan.shape, micro_batch=inputs.micro_batch, seq_len=inputs.seq_len, tp=inputs.degrees.tp,
+        cp=inputs.degrees.cp, sequence_parallel=inputs.sequence_parallel, attention=inputs.attention,
+        dropout=inputs.dropout, recompute=inputs.recompute, act_bytes=plan.eb.compute, frozen=plan.frozen,
+        lora_rank=lora.rank if lora else 0, lora_targets=lora.targets if lora else (),
+        nf4=bool(lora and lora.nf4),
+        sp_regather=inputs.framework != "fsdp2",
+    )
+    return layer_costs(work, plan.peak, plan.hw, plan.c, plan.links["tp"], plan.links["cp"])
+
+
+def edges_of(plan: TimePlan) -> EdgeCosts:
+    inputs = plan.inputs
+    tokens = inputs.micro_batch * inputs.seq_len // inputs.degrees.cp
+    sp = inputs.sequence_parallel and inputs.degrees.tp > 1
+    return edge_costs(plan.shape, tokens, inputs.degrees.tp, sp, plan.eb.compute, plan.frozen, inputs.loss,
+                      plan.peak, plan.hw, plan.c, plan.links["tp"])
+
+
+def stage_elements(plan: TimePlan) -> list[int]:
+    """Parameter elements of every global stage on tensor-parallel rank 0."""
+    d, shape, inputs = plan.inputs.degrees, plan.shape, plan.inputs
+    first = rank_params(shape, d.pp, inputs.virtual, 0, d.tp, 0, inputs.stage_split)
+    last = rank_params(shape, d.pp, inputs.virtual, d.pp - 1, d.tp, 0, inputs.stage_split)
+    embed = sum(p.numel for p in first.root if p.info.part in ("embedding", "position"))
+    head = sum(p.numel for p in last.root if p.info.part not in ("embedding", "position"))
+    elements = [layers * first.layer_numel for layers in plan.stage_layers]
+    elements[0] += embed
+    elements[-1] += head
+    return elements
+
+
+def adapter_elements(plan: TimePlan) -> int:
+    """One layer's LoRA adapter elements on a tensor-parallel rank: r * (in + out) per target."""
+    lora = plan.lora
+    if lora is None:
+        return 0
+    return sum(lora.rank * (fan_in + fan_out)
+               for name, fan_in, fan_out, _ in local_linears(plan.shape, plan.inputs.degrees.tp) if name in lora.targets)
+
+
+def trained_elements(plan: TimePlan, elements: int, layers: int) -> int:
+    """Elements with gradients and optimizer states: all of them, or LoRA's adapters."""
+    return elements if plan.lora is None else layers * adapter_elements(plan)
+
+
+def gathered_bytes(plan: TimePlan, elements: int, layers: int) -> float:
+    """Bytes all-gathered for `elements` parameters of `layers` layers: the compute dtype, except
+    QLoRA's layer linears, which FSDP2 gathers as NF4 codes, scalers and factors (torchao's
+    `fsdp_pre_all_gather`; core/quantized.py)."""
+    full = float(elements * plan.eb.compute)
+    if plan.lora is None or not plan.lora.nf4:
+        return full
+    linears = layers * sum(fan_in * fan_out for _, fan_in, fan_out, _ in local_linears(plan.shape, plan.inputs.degrees.tp))
+    if plan.shape.moe:
+        linears = layers * sum(fan_in * fan_out * (1 if dense else plan.shape.num_experts)
+                               for _, fan_in, fan_out, dense in local_linears(plan.shape, plan.inputs.degrees.tp))
+    return full - linears * plan.eb.compute + nf4_sharded_bytes(linears)
+
+
+def sharded_traffic(plan: TimePlan, elements: int, trained: int, layers: int = 0) -> ShardedTraffic:
+    """Per-microbatch collectives of one stage under ZeRO stage 2/3 (module docstring)."""
+    inputs, eb, n, link = plan.inputs, plan.eb, plan.degree, plan.links["dp"]
+    if inputs.zero_stage < 2 or n == 1:
+        return ShardedTraffic(0.0, 0.0, plan.overlap)
+    gather = collective_seconds(ALL_GATHER, gathered_bytes(plan, elements, layers), n, link)
+    reduce = collective_seconds(REDUCE_SCATTER, trained * eb.grads, n, link)
+    if inputs.zero_stage == 2:
+        return ShardedTraffic(gather if inputs.framework == "fsdp2" else 0.0, reduce, plan.overlap)
+    regathers = 2 if inputs.framework != "fsdp2" and inputs.recompute == "full" else 1
+    return ShardedTraffic(gather, regathers * gather + reduce, plan.overlap)
+
+
+def offloaded_share(plan: TimePlan, pp_rank: int) -> float:
+    """Share of a pipeline rank's layers whose parameters live on the host (0 without)."""
+    inputs = plan.inputs
+    if not inputs.offload_params:
+        return 0.0
+    from .estimate import resident_layers  # the memory estimate's decision, kept in one place
+
+    d = inputs.degrees
+    rp = rank_params(plan.shape, d.pp, inputs.virtual, pp_rank, d.tp, 0, inputs.stage_split)
+    if not rp.num_layers:
+        return 0.0
+    return (rp.num_layers - resident_layers(rp, plan.eb, inputs, plan.degree)) / rp.num_layers
+
+
+def optimizer_elements(plan: TimePlan, trained: int) -> int:
+    """Elements this rank's optimizer updates: its shard from ZeRO stage 1 on."""
+    return -(-trained // plan.degree) if plan.inputs.zero_stage >= 1 else trained
+
+
+def cpu_optimizer_elements(plan: TimePlan, trained: int, share: float) -> int:
+    """Of those, the ones the CPU updates: all with optimizer offload; under fsdp2 the
+    offloaded layers' (their gradients and optimizer states go with the parameters)."""
+    inputs, elements = plan.inputs, optimizer_elements(plan, trained)
+    if inputs.offload_optimizer:
+        return elements
+    if inputs.framework == "fsdp2" and inputs.offload_params:
+        return int(elements * share)
+    return 0
+
+
+def streamed(plan: TimePlan, elements: int, trained: int, share: float) -> tuple[float, float]:
+    """Host traffic of one stage per microbatch: (forward, backward) seconds. Offloaded
+    parameters come in before the forward and again before the backward; gradients leave
+    during backward when the CPU holds them and they are reduced per microbatch (stage >= 2),
+    on the other direction of the link."""
+    inputs, eb, host = plan.inputs, plan.eb, plan.host_link
+    fetch = 0.0
+    if inputs.offload_params and share > 0:
+        from .states import COMPRESSED_BYTES
+
+        per_element = COMPRESSED_BYTES.get(inputs.compression, eb.params)
+        fetch = share * elements / plan.degree * per_element / host
+    leave = 0.0
+    cpu = cpu_optimizer_elements(plan, trained, share)
+    if (cpu or inputs.offload_grads) and inputs.zero_stage >= 2:
+        grads = cpu if cpu else optimizer_elements(plan, trained)
+        leave = grads * eb.grads / host
+    return fetch, max(fetch, leave)
+
+
+def stage_costs(plan: TimePlan, layer: LayerCosts, edges: EdgeCosts) -> list[StageCost]:
+    """Every global stage's cost of one microbatch."""
+    inputs = plan.inputs
+    d = inputs.degrees
+    tokens = inputs.micro_batch * inputs.seq_len // d.cp
+    sp = inputs.sequence_parallel and d.tp > 1
+    send = p2p_seconds(tokens, plan.shape.hidden_size, plan.eb.compute, d.tp, sp, plan.links["pp"], plan.links["tp"])
+    split = inputs.schedule in SPLIT_BACKWARD
+    last_stage = len(plan.stage_layers) - 1
+    shares = [offloaded_share(plan, rank) for rank in range(d.pp)]
+    costs = []
+    for stage, (layers, elements) in enumerate(zip(plan.stage_layers, stage_elements(plan))):
+        trained = trained_elements(plan, elements, layers)
+        share = shares[stage % d.pp]
+        costs.append(stage_cost(
+            layers, layer, stage == 0, stage == last_stage, edges, send if d.pp > 1 else 0.0,
+            sharded_traffic(plan, elements, trained, layers), streamed(plan, elements, trained, share), split, plan.c,
+        ))
+    return costs
+
+
+@dataclass(frozen=True)
+class Tail:
+    """What a pipeline rank does after its last backward, seconds (exposed parts only)."""
+
+    data_parallel: float
+    optimizer: float
+    offload: float
+    reduce: float  # the gradient reduction's own time (before overlap)
+    gather: float  # the all-gather of updated parameters after the step (ZeRO-1, DeepSpeed ZeRO-2)
+    optimizer_elements: int
+    cpu_elements: int
+    traffic_per_element: float
+
+
+def optimizer_traffic(plan: TimePlan) -> float:
+    """HBM bytes the GPU optimizer moves per element: the gradient read (once more for the
+    norm clipping), every optimizer state read and written, the parameter read and written
+    (or, with a separate fp32 master in the states, the 16-bit copy written)."""
+    eb, c = plan.eb, plan.c
+    grads = eb.grads * (1 + c.optimizer_extra_grad_reads)
+    master_in_states = plan.inputs.framework != "fsdp2" and plan.inputs.precision in MIXED
+    params = eb.params if master_in_states else 2 * eb.params
+    return grads + 2 * eb.optimizer + params
+
+
+def tail(plan: TimePlan, pp_rank: int, elements: list[int], last_backward: float) -> Tail:
+    """Gradient reduction, optimizer and offload after a rank's last backward (`last_backward`:
+    that action's compute seconds, which the reduction overlaps)."""
+    inputs, eb, c = plan.inputs, plan.eb, plan.c
+    d = inputs.degrees
+    own = range(pp_rank, len(plan.stage_layers), d.pp)
+    trained = sum(trained_elements(plan, elements[s], plan.stage_layers[s]) for s in own)
+    n, link, stage = plan.degree, plan.links["dp"], inputs.zero_stage
+    grads = trained * eb.grads
+    reduce = gather = 0.0
+    if stage == 0:
+        reduce = collective_seconds(ALL_REDUCE, grads, n, link)
+    elif stage == 1:
+        reduce = collective_seconds(REDUCE_SCATTER, grads, n, link)
+    if stage == 1 or (stage == 2 and inputs.framework != "fsdp2"):
+        gather = collective_seconds(ALL_GATHER, trained * eb.compute, n, link)
+    exposed = gather
+    if inputs.hybrid and stage >= 2:
+        replicas = d.dp * d.cp // n
+        reduce += collective_seconds(ALL_REDUCE, grads / n, replicas, plan.links["replicate"])
+    exposed += overlapped(last_backward, reduce, c) if plan.overlap else reduce
+    if d.pp > 1 and plan.shape.tie_embeddings and pp_rank in (0, d.pp - 1) and not plan.frozen:
+        # Megatron-LM all-reduces the tied embedding's gradient between the first and last stage.
+        vocab = -(-plan.shape.vocab_size // d.tp)
+        exposed += collective_seconds(ALL_REDUCE, vocab * plan.shape.hidden_size * eb.grads, 2, plan.links["pp"])
+    share = offloaded_share(plan, pp_rank)
+    opt = optimizer_elements(plan, trained)
+    cpu = cpu_optimizer_elements(plan, trained, share)
+    traffic = optimizer_traffic(plan)
+    gpu_seconds = (opt - cpu) * traffic / (plan.hw.memory_bandwidth * plan.hw.memory_efficiency)
+    offload = 0.0
+    host = plan.host_link
+    if cpu or inputs.offload_grads:
+        moved = cpu if cpu else opt
+        if stage < 2:  # reduced once per step: the copy to the host follows it
+            offload += overlapped(last_backward, moved * eb.grads / host, c)
+        if not cpu:  # gradients on the host, optimizer on the GPU: they come back
+            offload += moved * eb.grads / host
+    if cpu:
+        # Every GPU of the node updates its shard at once on the node's CPUs.
+        node = cpu * inputs.gpus_per_node * c.cpu_optimizer_bytes_per_param
+        offload += node / (plan.hw.host_memory_bandwidth * c.cpu_memory_efficiency)
+        if not inputs.offload_params:
+            offload += cpu * eb.compute / host  # the updated 16-bit parameters return
+    return Tail(exposed, gpu_seconds, offload, reduce, gather, opt, cpu, traffic)

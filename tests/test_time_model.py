@@ -1,0 +1,151 @@
+"""Properties of the whole step: more of any hardware resource never slows a plan down, the
+breakdown adds up, and the narrow function equals what `estimate` prints."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shardplan.core.degrees import Degrees
+from shardplan.core.estimate_inputs import EstimateInputs
+from shardplan.core.hardware import Hardware
+from shardplan.core.memory import estimate_memory
+from shardplan.core.step_time import step_time
+from shardplan.core.time_plan import LoraShape
+from shardplan.io.hardware import hardware_of
+from shardplan.io.job import load_job
+from conftest import run_cli
+
+SHAPE = load_job(None, [("model.preset", "llama-3-8b")], env={}).shape
+H100 = hardware_of(load_job(None, [("cluster.gpu", "h100-sxm")], env={}).job.cluster)
+# The simulated pipeline rounds its costs to 1/1024 of the largest action (pipeline_time.py):
+# a makespan may move by that much either way.
+ROUNDING = 2e-3
+
+plans = st.builds(
+    lambda tp, pp, dp, cp, stage, recompute, schedule, micro, extra, sp, offload: EstimateInputs(
+        shape=SHAPE, params=None, degrees=Degrees(dp=dp, tp=tp, pp=pp, cp=cp), zero_stage=stage,
+        seq_len=4096, micro_batch=micro, num_microbatches=pp * extra,
+        schedule=schedule if pp > 1 else "1f1b", recompute=recompute, sequence_parallel=sp,
+        offload_optimizer=offload, gpus_per_node=8,
+    ),
+    tp=st.sampled_from([1, 2, 4, 8]), pp=st.sampled_from([1, 2, 4]), dp=st.sampled_from([1, 2, 4, 16]),
+    cp=st.sampled_from([1, 2]), stage=st.sampled_from([0, 1, 2, 3]),
+    recompute=st.sampled_from(["none", "selective", "op", "full"]),
+    schedule=st.sampled_from(["1f1b", "gpipe", "zero-bubble"]), micro=st.sampled_from([1, 2]),
+    extra=st.sampled_from([1, 2, 4]), sp=st.booleans(), offload=st.booleans(),
+)
+FIGURES = ["peak_flops", "memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth", "host_bandwidth",
+           "host_memory_bandwidth", "matmul_efficiency", "memory_efficiency", "intra_node_efficiency",
+           "inter_node_efficiency"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plan=plans, figure=st.sampled_from(FIGURES), factor=st.sampled_from([1.1, 1.5, 4.0]))
+def test_more_hardware_is_never_slower(plan, figure, factor):
+    faster = getattr(H100, figure) * factor
+    if figure.endswith("efficiency"):
+        faster = min(1.0, faster)
+    better = dataclasses.replace(H100, **{figure: faster})
+    assert step_time(plan, better).step_seconds <= step_time(plan, H100).step_seconds * (1 + ROUNDING)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plan=plans)
+def test_breakdown_adds_up(plan):
+    timing = step_time(plan, H100)
+    assert sum(timing.breakdown.values()) == pytest.approx(timing.step_seconds, rel=1e-9)
+    assert all(seconds >= 0 for seconds in timing.breakdown.values())
+    assert timing.tokens_per_second == pytest.approx(timing.tokens_per_step / timing.step_seconds)
+    assert timing.tokens_per_second_per_gpu * plan.degrees.world == pytest.approx(timing.tokens_per_second)
+    assert 0 < timing.mfu <= timing.hfu < 1
+    if plan.recompute == "none":
+        assert timing.hfu == pytest.approx(timing.mfu)
+    assert timing.bottleneck in {"compute", *timing.breakdown}
+
+
+def test_recompute_costs_time():
+    base = EstimateInputs(shape=SHAPE, params=None, degrees=Degrees(dp=8), zero_stage=3, seq_len=4096)
+    seconds = {mode: step_time(base.with_(recompute=mode), H100).step_seconds for mode in ("none", "selective", "op", "full")}
+    assert seconds["none"] < seconds["selective"] < seconds["op"] < seconds["full"]
+
+
+def test_offloading_the_optimizer_costs_time():
+    base = EstimateInputs(shape=SHAPE, params=None, degrees=Degrees(dp=8), zero_stage=3, seq_len=4096,
+                          framework="deepspeed")
+    on_gpu, on_cpu = step_time(base, H100), step_time(base.with_(offload_optimizer=True), H100)
+    assert on_cpu.step_seconds > on_gpu.step_seconds
+    assert on_cpu.breakdown["offload"] > 0 and on_cpu.breakdown["optimizer"] == 0
+
+    # Parameters kept on the host come in for every microbatch's forward and backward: the
+    # offload time grows with the microbatches, more than the gradients' copies alone make it.
+    short = base.with_(seq_len=256, offload_optimizer=True)
+
+    def growth(params: bool) -> float:
+        plan = short.with_(offload_params=params, resident_layers=0 if params else None)
+        per_step = [step_time(plan.with_(num_microbatches=m), H100).breakdown["offload"] for m in (1, 8)]
+        return per_step[1] - per_step[0]
+
+    assert growth(True) > growth(False) >= 0
+
+
+def test_tensor_parallel_across_nodes_is_slower():
+    # The same plan with tp spanning two nodes (gpus_per_node 4) pays the network for every layer.
+    inside = EstimateInputs(shape=SHAPE, params=None, degrees=Degrees(tp=8), seq_len=4096)
+    across = inside.with_(gpus_per_node=4)
+    assert step_time(across, H100).breakdown["tensor_parallel"] > 5 * step_time(inside, H100).breakdown["tensor_parallel"]
+
+
+def test_lora_trains_faster_than_full_fine_tuning():
+    base = EstimateInputs(shape=SHAPE, params=None, degrees=Degrees(dp=8), zero_stage=3, seq_len=4096)
+    lora = LoraShape(rank=16, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    full, adapted = step_time(base, H100), step_time(base, H100, lora=lora)
+    assert adapted.step_seconds < full.step_seconds
+    assert adapted.breakdown["optimizer"] < full.breakdown["optimizer"] / 100
+
+
+def test_the_narrow_function_is_what_estimate_reports():
+    job = load_job("llama-2-70b-3d", env={})
+    from shardplan.cli.estimate_cmd import limits_known
+    from shardplan.core.estimate_inputs import inputs_from_job
+
+    decided = estimate_memory(inputs_from_job(job.job, job.shape, limits_known(job))).inputs
+    direct = step_time(decided, hardware_of(job.job.cluster))
+    reported = run_cli("estimate", "llama-2-70b-3d", "--json").json["time"]
+    assert reported["step_seconds"] == direct.step_seconds
+    assert reported["breakdown"] == direct.breakdown
+    assert reported["mfu"] == direct.mfu
+
+
+def test_hardware_refuses_nonsense():
+    with pytest.raises(ValueError, match="memory_bandwidth"):
+        dataclasses.replace(H100, memory_bandwidth=-1.0)
+    with pytest.raises(ValueError, match="at most 1"):
+        dataclasses.replace(H100, matmul_efficiency=1.5)
+    assert isinstance(H100, Hardware)
+
+
+def test_run_reports_the_same_mfu_as_estimate():
+    # `shardplan run` measures tokens/s; at the predicted rate its MFU is the estimate's.
+    pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from shardplan.runtime.train import mfu
+
+    resolved = load_job("llama-2-70b-3d", env={})
+    reported = run_cli("estimate", "llama-2-70b-3d", "--json").json["time"]
+    runtime = SimpleNamespace(on_gpu=True, world=resolved.degrees.world, device=None)
+    assert mfu(reported["tokens_per_second"], resolved, runtime) == pytest.approx(reported["mfu"], rel=1e-12)
+
+
+def test_hybrid_sharding_keeps_the_gathers_inside_the_node():
+    # Two nodes of 8: full sharding gathers over the network every microbatch; hybrid
+    # sharding gathers over NVLink and all-reduces only the gradient shard across nodes.
+    base = EstimateInputs(shape=SHAPE, params=None, degrees=Degrees(dp=16), zero_stage=3, seq_len=1024,
+                          num_microbatches=4)
+    full, hybrid = step_time(base, H100), step_time(base.with_(hybrid=True), H100)
+    assert hybrid.breakdown["data_parallel"] < full.breakdown["data_parallel"]
+    assert "network" in next(t.formula for t in full.explain() if t.label.startswith("data parallel"))
