@@ -203,6 +203,7 @@ OWN_ARGUMENT_CASES = [
     (["run", "tiny-gpt2-cpu", "--set", "model.preset=mixtral-8x7b"], "model: `run` builds GPT-2 and Llama-style "
                                                                     "models, not mixture-of-experts layers"),
     (["presets", "llama-3-9b"], "no preset named 'llama-3-9b'"),
+    (["run", "tiny-gpt2-cpu", "--resume"], "--resume: the job has no [checkpoint] dir to resume from"),
 ]
 
 
@@ -217,3 +218,48 @@ def test_run_refuses_a_shared_norm_before_starting(write):
     job = write("shared.toml", '[model]\nfamily = "llama"\nnum_layers = 2\nhidden_size = 64\nnum_heads = 4\n'
                                'vocab_size = 128\nmax_seq_len = 64\nffn_hidden_size = 128\nshared_layer_norm = true\n')
     _check(run_cli("run", job), "not Falcon's parallel attention/MLP block")
+
+
+# --- the same corpus with --json: stdout carries the CONTRACT's error document ---------
+
+def _line(problem: dict) -> str:
+    """An error of the error document written as its stderr line (spec/errors.py Problem)."""
+    where = ""
+    if problem["file"]:
+        where = f"{problem['file']}:{problem['line']}: " if problem["line"] else f"{problem['file']}: "
+    path = f"{problem['path']}: " if problem["path"] else ""
+    return f"{where}{path}{problem['message']}"
+
+
+def _check_json(argv: list[str], needle: str) -> None:
+    result = run_cli(*argv, "--json")
+    _check(result, needle)
+    doc = result.json  # stdout is one JSON document and nothing else
+    assert doc["schema_version"] == 1 and doc["error"]["exit_code"] == 2, doc
+    problems = doc["error"]["problems"]
+    assert problems and all(set(p) == {"file", "line", "path", "message"} for p in problems), problems
+    assert any(needle in _line(p) for p in problems), problems
+    errors = [line for line in result.err_lines if "warning:" not in line and "note:" not in line]
+    assert [_line(p) for p in problems] == errors or len(problems) == len(errors) == 1, (errors, problems)
+
+
+@pytest.mark.parametrize("command", JOB_COMMANDS, ids=lambda c: c[0])
+@pytest.mark.parametrize("name, text, flags, needle", FILE_CASES, ids=[c[0] for c in FILE_CASES])
+def test_file_corpus_json(command, name, text, flags, needle, write):
+    if name == "missing_data" and command[0] not in CHECKS_PATHS:
+        pytest.skip("a missing data file only warns when nothing will read it")
+    if name == "world_mismatch" and command[0] in ("shards", "run"):
+        pytest.skip("shards' --world is the shard group's size; run's world is torchrun's")
+    _check_json([*command, write("job.toml", text), *flags], needle)
+
+
+@pytest.mark.parametrize("argv, needle", OWN_ARGUMENT_CASES + [(["estimat"], "No such command")],
+                         ids=[" ".join(c[0])[:60] for c in OWN_ARGUMENT_CASES] + ["estimat"])
+def test_own_argument_corpus_json(argv, needle):
+    _check_json(argv, needle)
+
+
+@pytest.mark.parametrize("command", [["presets", "gpt2"], ["schema"], ["schedule", "--pp", "2", "--microbatches",
+                                     "2", "--schedule", "gpipe"]], ids=lambda c: c[0])
+def test_commands_without_a_job_give_the_error_document(command):
+    _check_json([*command, "--no-such-flag"], "No such option: --no-such-flag")

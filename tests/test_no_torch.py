@@ -56,14 +56,17 @@ def test_runs_without_torch(args, blocked_env):
 
 
 def test_importing_the_cli_does_not_import_torch(blocked_env):
-    code = "import sys, shardplan.cli.app; assert 'torch' not in sys.modules, 'torch imported'"
+    # Every command registered (as `--help` and shell completion build them), run's included.
+    code = ("import sys; from shardplan.cli.app import COMMANDS; from shardplan.cli.root import build_app; "
+            "build_app(list(COMMANDS.values())); assert 'torch' not in sys.modules, 'torch imported'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=blocked_env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
 
 
 def test_starting_the_cli_does_not_import_yaml(blocked_env):
     """PyYAML is read only by `export --to accelerate` and `import`."""
-    code = "import sys, shardplan.cli.app; assert 'yaml' not in sys.modules, 'yaml imported'"
+    code = ("import sys; from shardplan.cli.app import COMMANDS; from shardplan.cli.root import build_app; "
+            "build_app(list(COMMANDS.values())); assert 'yaml' not in sys.modules, 'yaml imported'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=blocked_env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
 
@@ -82,3 +85,15 @@ def test_run_without_its_extra_says_what_to_install(missing, monkeypatch):
     assert result.code == 2, result.err
     assert f"`shardplan run` needs {missing}" in result.err
     assert "pip install" in result.err and "Traceback" not in result.err
+
+
+def test_the_install_hint_fits_the_installation(monkeypatch, tmp_path):
+    # From a clone (this checkout: an editable install) pip needs the folder; from a wheel,
+    # the extra's name. Both name PyTorch's CPU-only index for machines without a GPU.
+    from shardplan.cli import run_cmd
+
+    hint = run_cmd.install_hint()
+    assert hint.startswith(f"pip install -e '{ROOT}[run]'"), hint
+    assert "--index-url https://download.pytorch.org/whl/cpu" in hint
+    monkeypatch.setattr(run_cmd, "source_checkout", lambda: None)
+    assert run_cmd.install_hint().startswith("pip install 'shardplan[run]'")

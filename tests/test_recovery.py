@@ -61,12 +61,33 @@ def losses(report: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def finished(tmp_path_factory) -> tuple[Path, Path]:
+    """A job run to its last step (6) with checkpoints, and its report."""
     tmp = tmp_path_factory.mktemp("uninterrupted")
     job, _ = write_job(tmp, "full")
     proc = shardplan_run(job, "--report", str(tmp / "full.json"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return losses(tmp / "full.json")
+    return job, tmp / "full.json"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(finished):
+    return losses(finished[1])
+
+
+@pytest.mark.parametrize("json_out", [False, True], ids=["table", "json"])
+def test_resuming_a_finished_run_says_it_is_complete(finished, json_out):
+    job, _ = finished
+    proc = shardplan_run(job, "--resume", *(["--json"] if json_out else []))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nan" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+    if json_out:
+        doc = json.loads(proc.stdout)
+        assert (doc["complete"], doc["step"], doc["steps"]) == (True, 6, [])
+        assert doc["checkpoint"].endswith("step-00000006")
+    else:
+        assert proc.stdout.startswith("run complete: "), proc.stdout
+        assert "step-00000006 is at step 6 of 6; nothing to train" in proc.stdout
 
 
 def test_killed_rank_then_resume_continues_exactly(uninterrupted, tmp_path):

@@ -19,7 +19,7 @@ import pytest
 
 from conftest import run_cli
 from shardplan.core.schedule import plan_schedule
-from shardplan.render.schedule import IDLE_FILL, PALETTE, schedule_svg
+from shardplan.render.schedule import IDLE_FILL, MAX_SVG_WIDTH, PALETTE, schedule_svg, svg_bands
 
 SVG_NS = "{http://www.w3.org/2000/svg}"
 CHROMIUM = "/usr/bin/chromium"
@@ -33,12 +33,40 @@ def test_svg_is_well_formed_and_draws_every_action(schedule, virtual):
     assert root.tag == f"{SVG_NS}svg"
     assert int(root.get("width")) > 0 and int(root.get("height")) > 0
     rects = root.findall(f"{SVG_NS}rect")
-    actions = [r for r in rects if r.find(f"{SVG_NS}title") is not None]
+    actions = {r.find(f"{SVG_NS}title").text for r in rects if r.find(f"{SVG_NS}title") is not None}
     assert len(actions) == sum(len(order) for order in plan.orders)
     idle = [r for r in rects if r.get("fill") == IDLE_FILL and r.get("width") != "14"]
     assert len(idle) == plan.idle
     texts = "".join(t.text or "" for t in root.iter(f"{SVG_NS}text"))
     assert f"bubble {float(plan.bubble):.1%}" in texts
+
+
+@pytest.mark.parametrize("schedule, pp, microbatches, virtual", [
+    ("1f1b", 8, 64, 1), ("gpipe", 4, 128, 1), ("interleaved-1f1b", 4, 32, 2), ("zero-bubble", 8, 48, 1),
+])
+def test_a_long_schedule_wraps_into_bands_one_screen_wide(schedule, pp, microbatches, virtual):
+    plan = plan_schedule(schedule, pp, microbatches, virtual)
+    root = ET.fromstring(schedule_svg(plan).encode("utf-8"))
+    assert int(root.get("width")) <= MAX_SVG_WIDTH
+    bands = sum(1 for t in root.iter(f"{SVG_NS}text") if t.text == "rank 0")
+    assert bands > 1  # these would be 2,500-6,000 pixels wide in one band
+    rects = root.findall(f"{SVG_NS}rect")
+    idle = [r for r in rects if r.get("fill") == IDLE_FILL and r.get("width") != "14"]
+    cell = int(idle[0].get("width"))
+    drawn = [r for r in rects if r.find(f"{SVG_NS}title") is not None]
+    # Every time unit of every rank drawn exactly once: busy units in action boxes (an action
+    # across a band's end in two pieces), the rest idle.
+    assert len(idle) == plan.idle
+    assert sum(int(r.get("width")) for r in drawn) == cell * (plan.pp * plan.makespan - plan.idle)
+    assert len({r.find(f"{SVG_NS}title").text for r in drawn}) == sum(len(order) for order in plan.orders)
+    assert len(idle) + sum(int(r.get("width")) // cell for r in drawn) == plan.pp * plan.makespan
+
+
+def test_bands_are_as_few_and_as_even_as_fit():
+    assert svg_bands(30, 20, 60) == [(0, 30)]
+    bands = svg_bands(213, 27, 65)  # 1f1b pp 8 x 64: (1400 - 65 - 16) // 27 = 48 units fit
+    assert len(bands) == 5 and [stop - start for start, stop in bands] == [43, 43, 43, 43, 41]
+    assert bands[0][0] == 0 and bands[-1][1] == 213
 
 
 def test_svg_escapes_and_stays_standalone():

@@ -1,75 +1,72 @@
 """The `shardplan` application: commands, global options, and errors -> exit codes.
 
 CONTRACT, exit codes: 0 success, 1 infeasible, 2 bad input, 3 runtime failure. Bad input
-never shows a traceback unless `--debug` (or SHARDPLAN_DEBUG=1) asks for one.
+never shows a traceback unless `--debug` (or SHARDPLAN_DEBUG=1) asks for one; with `--json`
+stdout then carries the error document.
+
+Start-up is most of what a planning command costs, so this module imports nothing heavy:
+`--version` is answered before typer loads, and only the module of the command being run
+is imported (all of them only for the command list: `--help`, an unknown command, shell
+completion).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import Annotated, Optional
-
-import typer
-
-try:  # typer >= 0.20 vendors click
-    from typer._click.exceptions import NoArgsIsHelpError, UsageError
-except ImportError:  # pragma: no cover - older typer on top of click
-    from click.exceptions import NoArgsIsHelpError, UsageError
 
 from .. import __version__
-from ..spec.errors import EXIT_BAD_INPUT, EXIT_RUNTIME, ShardplanError
-from ..render.output import emit_diagnostics
-from . import (
-    estimate_cmd,
-    export_cmd,
-    import_cmd,
-    layout_cmd,
-    presets_cmd,
-    run_cmd,
-    schedule_cmd,
-    schema_cmd,
-    shards_cmd,
-    validate_cmd,
-)
 
-app = typer.Typer(
-    name="shardplan",
-    help="Plan, estimate and run distributed training jobs: layouts, shards, memory, schedules.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
+# Every command and the module (shardplan/cli/<module>.py) whose `register(app)` adds it, in
+# the order `--help` lists them. Adding a command is one line here.
+COMMANDS = {
+    "validate": "validate_cmd",
+    "layout": "layout_cmd",
+    "shards": "shards_cmd",
+    "estimate": "estimate_cmd",
+    "plan": "plan_cmd",
+    "schedule": "schedule_cmd",
+    "run": "run_cmd",
+    "export": "export_cmd",
+    "import": "import_cmd",
+    "presets": "presets_cmd",
+    "schema": "schema_cmd",
+}
 
-_state = {"debug": False}
+# Options of `shardplan` itself (none takes a value): the first other word names the command.
+ROOT_FLAGS = ("--debug", "--version", "--help", "-h", "--install-completion", "--show-completion")
+# typer's shell completion calls the program back with this variable set (click's
+# `_{PROG}_COMPLETE` convention) and the words typed so far in COMP_WORDS / COMP_CWORD (bash)
+# or _TYPER_COMPLETE_ARGS (zsh, fish, PowerShell).
+COMPLETE_VAR = "_SHARDPLAN_COMPLETE"
 
 
-def _version(value: bool) -> None:
-    if value:
-        typer.echo(f"shardplan {__version__}")
-        raise typer.Exit()
+def _completed_words() -> list[str]:
+    """The words before the one being completed, program name left out."""
+    if "COMP_WORDS" in os.environ:
+        words = os.environ["COMP_WORDS"].split()
+        cword = os.environ.get("COMP_CWORD", "")
+        return words[1:int(cword)] if cword.isdigit() else words[1:-1]
+    typed = os.environ.get("_TYPER_COMPLETE_ARGS", "")
+    words = typed.split()[1:]
+    return words if typed.endswith(" ") else words[:-1]
 
 
-@app.callback()
-def _main(
-    debug: Annotated[bool, typer.Option("--debug", help="show tracebacks of errors")] = False,
-    version: Annotated[
-        Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="print the version")
-    ] = None,
-) -> None:
-    if debug:
-        _state["debug"] = True
-
-
-# One module per command, in the order `--help` lists them.
-for _module in (validate_cmd, layout_cmd, shards_cmd, estimate_cmd, schedule_cmd, run_cmd, export_cmd, import_cmd,
-                presets_cmd, schema_cmd):
-    _module.register(app)
+def command_names(argv: list[str]) -> list[str]:
+    """The commands to build for this command line: the one it runs, or all of them. Shell
+    completion builds the command already typed, or all of them to complete its name."""
+    if os.environ.get(COMPLETE_VAR):
+        argv = _completed_words()
+    for arg in argv:
+        if arg in ("--help", "-h") or arg == "--" or (arg.startswith("-") and arg not in ROOT_FLAGS):
+            break  # the root's help lists every command
+        if not arg.startswith("-"):
+            return [arg] if arg in COMMANDS else list(COMMANDS)
+    return list(COMMANDS)
 
 
 def _debugging() -> bool:
-    return _state["debug"] or os.environ.get("SHARDPLAN_DEBUG", "") not in ("", "0")
+    return os.environ.get("SHARDPLAN_DEBUG", "") not in ("", "0")
 
 
 def _optional_values(argv: list[str]) -> list[str]:
@@ -78,41 +75,111 @@ def _optional_values(argv: list[str]) -> list[str]:
     return ["--resume=latest" if arg == "--resume" else arg for arg in argv]
 
 
+def _global_debug(argv: list[str]) -> list[str]:
+    """`--debug` may stand anywhere before `--`: it is taken out and read here, so that
+    `shardplan estimate job.toml --debug` works as `shardplan --debug estimate job.toml`."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    if "--debug" not in argv[:end]:
+        return argv
+    os.environ["SHARDPLAN_DEBUG"] = "1"  # workers started by `run` inherit it
+    return [arg for arg in argv[:end] if arg != "--debug"] + argv[end:]
+
+
+def _usage_problem(exc, command: str):
+    """A click usage error as a `Problem` whose path is the option or argument at fault."""
+    from ..spec.errors import Problem
+
+    param = getattr(exc, "param", None)
+    path = getattr(exc, "option_name", None) or (param.opts[0] if param is not None and param.opts else "")
+    if param is not None and not path:
+        path = param.name or ""
+    return Problem(path, f"{exc.format_message()} (see {command} --help)")
+
+
+def _fail(lines: list[str], code: int, json_out: bool, problems: list | None = None) -> int:
+    """Diagnostics on stderr and, with `--json`, the CONTRACT's error document on stdout."""
+    from ..render.output import emit_diagnostics, emit_json, error_document
+
+    emit_diagnostics(lines)
+    if json_out:
+        try:
+            emit_json(error_document(problems if problems is not None else lines, code))
+        except BrokenPipeError:  # stdout's reader is gone (`| head`): the exit code still says it
+            _quiet_stdout()
+    return code
+
+
+def _quiet_stdout() -> None:
+    """After a broken pipe, point stdout at /dev/null so the interpreter's final flush does
+    not complain again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # not a real file (tests' StringIO)
+        pass
+    finally:
+        os.close(devnull)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI and return its exit code (the console script exits with it)."""
     argv = _optional_values(list(argv if argv is not None else sys.argv[1:]))
-    _state["debug"] = "--debug" in argv
-    if _state["debug"]:
-        os.environ["SHARDPLAN_DEBUG"] = "1"  # workers started by `run` inherit it
+    if argv == ["--version"]:  # instant: no typer, no pydantic
+        sys.stdout.write(f"shardplan {__version__}\n")
+        return 0
+    saved_debug = os.environ.get("SHARDPLAN_DEBUG")
     try:
-        command = typer.main.get_command(app)
+        return _main(_global_debug(argv))
+    finally:  # in-process callers (tests) get their environment back
+        if saved_debug is None:
+            os.environ.pop("SHARDPLAN_DEBUG", None)
+        else:
+            os.environ["SHARDPLAN_DEBUG"] = saved_debug
+
+
+def _main(argv: list[str]) -> int:
+    json_out = "--json" in argv
+    from ..spec.errors import EXIT_BAD_INPUT, EXIT_RUNTIME, InputError, ShardplanError
+
+    import typer
+
+    from .root import build_app
+
+    try:  # typer >= 0.20 vendors click
+        from typer._click.exceptions import NoArgsIsHelpError, UsageError
+    except ImportError:  # pragma: no cover - older typer on top of click
+        from click.exceptions import NoArgsIsHelpError, UsageError
+
+    try:
+        command = typer.main.get_command(build_app([COMMANDS[name] for name in command_names(argv)]))
         result = command.main(args=argv, prog_name="shardplan", standalone_mode=False)
     except NoArgsIsHelpError:  # the help is already printed
         return EXIT_BAD_INPUT
     except UsageError as exc:
-        command = exc.ctx.command_path if exc.ctx else "shardplan"
-        emit_diagnostics([f"{command}: {exc.format_message()} (see {command} --help)"])
-        return EXIT_BAD_INPUT
+        name = exc.ctx.command_path if exc.ctx else "shardplan"
+        line = f"{name}: {exc.format_message()} (see {name} --help)"
+        return _fail([line], EXIT_BAD_INPUT, json_out, [_usage_problem(exc, name)])
     except typer.Exit as exc:
         return exc.exit_code
+    except SystemExit as exc:  # typer's completion options exit by themselves
+        return exc.code if isinstance(exc.code, int) else 0
     except typer.Abort:
-        emit_diagnostics(["shardplan: interrupted"])
-        return 130
+        return _fail(["shardplan: interrupted"], 130, False)
     except ShardplanError as exc:
         if _debugging():
             raise
-        emit_diagnostics(exc.lines())
-        return exc.exit_code
+        problems = exc.problems if isinstance(exc, InputError) else None
+        return _fail(exc.lines(), exc.exit_code, json_out, problems)
     except KeyboardInterrupt:
-        emit_diagnostics(["shardplan: interrupted"])
-        return 130
+        return _fail(["shardplan: interrupted"], 130, False)
     except BrokenPipeError:
+        _quiet_stdout()
         return 0
     except Exception as exc:  # an internal error: say so in one line, never a traceback
         if _debugging():
             raise
-        emit_diagnostics([f"shardplan: internal error: {type(exc).__name__}: {exc} (rerun with --debug)"])
-        return EXIT_RUNTIME
+        line = f"shardplan: internal error: {type(exc).__name__}: {exc} (rerun with --debug)"
+        return _fail([line], EXIT_RUNTIME, json_out)
     return result if isinstance(result, int) else 0
 
 

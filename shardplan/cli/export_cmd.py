@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -17,8 +16,8 @@ from ..io.interop import TARGETS
 from ..io.interop.common import Plan
 from ..io.job import ResolvedJob
 from ..io.problems import did_you_mean
-from ..render.output import emit_diagnostics, emit_json, error_document
-from ..spec.errors import InputError, PlanError, Problem, ShardplanError
+from ..render.output import emit_diagnostics, emit_json
+from ..spec.errors import InputError, PlanError, Problem
 from .options import JsonFlag, PlanFlags, plan_flags
 
 
@@ -44,18 +43,6 @@ def write_output(path: str, text: str) -> None:
         raise InputError(Problem("", f"cannot write: {exc.strerror or exc}", file=path)) from None
 
 
-@contextmanager
-def json_errors(json_out: bool):
-    """With --json, bad input also leaves CONTRACT's error document on stdout."""
-    try:
-        yield
-    except ShardplanError as exc:
-        if json_out:
-            problems = getattr(exc, "problems", None) or [Problem("", str(exc))]
-            emit_json(error_document(problems, exc.exit_code))
-        raise
-
-
 @plan_flags
 def export(
     file: Annotated[Optional[str], typer.Argument(help="job file (TOML/JSON) or job preset name")] = None,
@@ -71,25 +58,24 @@ def export(
     Megatron-LM: command-line arguments. Every key the target cannot express is named on
     stderr, one line each.
     """
-    with json_errors(json_out):
-        target = to.strip().lower()
-        if target not in TARGETS:
-            hint = did_you_mean(target, TARGETS) if target else ""
-            raise InputError(Problem("--to", f"must be one of {', '.join(TARGETS)} (got {to!r}){hint}"))
-        resolved = flags.load(file)
-        emit_diagnostics(resolved.warnings)
-        module = importlib.import_module(f"..io.interop.{target}", __package__)
-        exported = getattr(module, f"to_{target}")(plan_of(resolved))
-        text = module.dumps(exported.config)
-        if output:
-            write_output(output, text)
-        if json_out:
-            config = {"args": exported.config} if isinstance(exported.config, list) else exported.config
-            emit_json({"target": target, "file": output, "config": config,
-                       "notes": [{"path": n.path, "message": n.message} for n in exported.notes]})
-        elif not output:
-            sys.stdout.write(text)
-        emit_diagnostics(f"export: {n.path}: {n.message}" for n in exported.notes)
+    target = to.strip().lower()
+    if target not in TARGETS:
+        hint = did_you_mean(target, TARGETS) if target else ""
+        raise InputError(Problem("--to", f"must be one of {', '.join(TARGETS)} (got {to!r}){hint}"))
+    resolved = flags.load(file)
+    emit_diagnostics(resolved.warnings)
+    module = importlib.import_module(f"..io.interop.{target}", __package__)
+    exported = getattr(module, f"to_{target}")(plan_of(resolved))
+    text = module.dumps(exported.config)
+    if output:
+        write_output(output, text)
+    if json_out:
+        config = {"args": exported.config} if isinstance(exported.config, list) else exported.config
+        emit_json({"target": target, "file": output, "config": config,
+                   "notes": [{"path": n.path, "message": n.message} for n in exported.notes]})
+    elif not output:
+        sys.stdout.write(text)
+    emit_diagnostics(f"export: {n.path}: {n.message}" for n in exported.notes)
 
 
 def register(app: typer.Typer) -> None:

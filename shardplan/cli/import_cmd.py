@@ -18,7 +18,7 @@ from ..io.presets import find_preset
 from ..render.output import emit_diagnostics, emit_json
 from ..spec.errors import InputError, Problem
 from ..spec.model import SHAPE_KEYS, SOURCE_KEYS
-from .export_cmd import json_errors, write_output
+from .export_cmd import write_output
 from .options import JsonFlag, PlanFlags, plan_flags
 
 # Tables in the order a person reads a job file.
@@ -85,46 +85,45 @@ def import_config(
     (torchtitan), else from --set model.preset=NAME, --params or an inline shape. Keys that
     are not read are named on stderr, one line each.
     """
-    with json_errors(json_out):
-        fmt, doc = read_source(file)
-        overrides = flags.overrides()
-        imported = convert(fmt, doc.data, overrides)
+    fmt, doc = read_source(file)
+    overrides = flags.overrides()
+    imported = convert(fmt, doc.data, overrides)
 
-        def located(problem: Problem) -> Problem:
-            return problem.at(file, doc.line_of(problem.path) if problem.path else None)
+    def located(problem: Problem) -> Problem:
+        return problem.at(file, doc.line_of(problem.path) if problem.path else None)
 
-        if imported.problems:
-            raise InputError([located(p) for p in imported.problems])
-        ordered = sorted(imported.notes, key=lambda n: doc.line_of(n.path) or 1 << 30)  # in the file's order
-        notes = [f"import: {located(Problem(n.path, n.message))}" for n in ordered]
-        lines = {path: doc.line_of(key) for path, key in imported.origin.items() if key and doc.line_of(key)}
-        built = Document(file, apply_overrides(imported.tables, overrides), lines)
+    if imported.problems:
+        raise InputError([located(p) for p in imported.problems])
+    ordered = sorted(imported.notes, key=lambda n: doc.line_of(n.path) or 1 << 30)  # in the file's order
+    notes = [f"import: {located(Problem(n.path, n.message))}" for n in ordered]
+    lines = {path: doc.line_of(key) for path, key in imported.origin.items() if key and doc.line_of(key)}
+    built = Document(file, apply_overrides(imported.tables, overrides), lines)
 
-        def named(problem: Problem) -> Problem:  # messages name the user's key, then shardplan's
-            key = imported.origin.get(problem.path)
-            if not key or problem.file != file:
-                return problem
-            return replace(problem, path=key, message=f"{problem.path}: {problem.message}")
+    def named(problem: Problem) -> Problem:  # messages name the user's key, then shardplan's
+        key = imported.origin.get(problem.path)
+        if not key or problem.file != file:
+            return problem
+        return replace(problem, path=key, message=f"{problem.path}: {problem.message}")
 
-        try:
-            resolved = resolve_document(built, overrides, world=world, flag_labels=flags.labels())
-        except InputError as exc:
-            raise InputError([named(p) for p in exc.problems]) from None
-        tables = built.data
-        text = job_text(tables, file, fmt)
-        if output:
-            write_output(output, text)
-        if json_out:
-            emit_json({"format": fmt, "file": output, "job": tables,
-                       "notes": [{"path": n.path, "line": doc.line_of(n.path), "message": n.message}
-                                 for n in imported.notes]})
-        elif not output:
-            sys.stdout.write(text)
-        emit_diagnostics(notes)
-        emit_diagnostics(named(p) for p in resolved.warnings)
-        if resolved.shape is None and resolved.params_only is None:
-            emit_diagnostics([f"import: model: {file} names no model shardplan knows: add [model] preset = ... "
-                              "(or --set model.preset=NAME) before `shardplan estimate`"])
+    try:
+        resolved = resolve_document(built, overrides, world=world, flag_labels=flags.labels())
+    except InputError as exc:
+        raise InputError([named(p) for p in exc.problems]) from None
+    tables = built.data
+    text = job_text(tables, file, fmt)
+    if output:
+        write_output(output, text)
+    if json_out:
+        emit_json({"format": fmt, "file": output, "job": tables,
+                   "notes": [{"path": n.path, "line": doc.line_of(n.path), "message": n.message}
+                             for n in imported.notes]})
+    elif not output:
+        sys.stdout.write(text)
+    emit_diagnostics(notes)
+    emit_diagnostics(named(p) for p in resolved.warnings)
+    if resolved.shape is None and resolved.params_only is None:
+        emit_diagnostics([f"import: model: {file} names no model shardplan knows: add [model] preset = ... "
+                          "(or --set model.preset=NAME) before `shardplan estimate`"])
 
 
 def register(app: typer.Typer) -> None:

@@ -9,12 +9,14 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass, field
-from typing import Annotated, Callable, List, Optional
+from typing import TYPE_CHECKING, Annotated, Callable, List, Optional
 
 import typer
 
-from ..io.job import ResolvedJob, load_job
 from ..io.overrides import SHORTCUTS, collect_overrides, parse_value
+
+if TYPE_CHECKING:
+    from ..io.job import ResolvedJob
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="print one JSON document on stdout")]
 
@@ -76,6 +78,8 @@ class PlanFlags:
 
     def load(self, source: str | None, world: int | None = None, check_paths: bool = False,
              warn_only=None) -> ResolvedJob:
+        from ..io.job import load_job  # pydantic loads here, not when the command is registered
+
         return load_job(
             source, self.overrides(), world=world, flag_labels=self.labels(), check_paths=check_paths,
             warn_only=warn_only,

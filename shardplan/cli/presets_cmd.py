@@ -33,7 +33,7 @@ def presets(
     json_out: JsonFlag = False,
 ) -> None:
     """List the shipped models, cluster node types, GPUs and example jobs, or show one of them."""
-    from ..render.presets import preset_detail, preset_table  # rich.syntax loads only here
+    from ..render.presets import preset_detail, preset_table  # rich loads only here
     if name is None:
         rows = [
             {"name": p.name, "kind": p.kind.rstrip("s"), "description": p.description, "params": _params(p)}

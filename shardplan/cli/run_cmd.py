@@ -10,22 +10,50 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from ..render.output import emit_diagnostics
+from ..io.progress import PROGRESS_ENV
 from ..spec.errors import EXIT_BAD_INPUT, EXIT_RUNTIME, InputError, Problem, ShardplanError
 from .estimate_cmd import limits_known
 from .options import JsonFlag, PlanFlags, plan_flags
 
 # A worker's failure line (runtime/worker.py `describe_failure`).
 _FAILURE = re.compile(r"^rank (\d+): (.*)$")
+# How often the launcher looks for rank 0's next step: a bar that moves at once, for a
+# file read that costs microseconds.
+PROGRESS_POLL_SECONDS = 0.1
 
 
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+# PyTorch's own index of CPU-only wheels (pytorch.org, "Get started": "Compute Platform: CPU");
+# PyPI's Linux wheels are the CUDA build, several GB of NVIDIA libraries.
+CPU_WHEELS = "https://download.pytorch.org/whl/cpu"
+
+
+def source_checkout() -> Path | None:
+    """The clone this shardplan runs from (an editable install), or None for an installed
+    wheel: pip takes the `run` extra from the checkout's folder there, not by name."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").is_file() else None
+
+
+def extra_command(extra: str) -> str:
+    """The command that installs one of shardplan's extras for this installation."""
+    checkout = source_checkout()
+    return f"pip install -e '{checkout}[{extra}]'" if checkout else f"pip install 'shardplan[{extra}]'"
+
+
+def install_hint() -> str:
+    """The command that installs the `run` extra for this installation."""
+    return f"{extra_command('run')} (on a machine without a GPU, first: pip install torch --index-url {CPU_WHEELS})"
 
 
 def _require_torch(job) -> None:
@@ -34,8 +62,7 @@ def _require_torch(job) -> None:
     # measurements) call Tensor.numpy() and fail mid-run without it.
     missing = [name for name in ("torch", "numpy") if importlib.util.find_spec(name) is None]
     if missing:
-        raise InputError(Problem("", f"`shardplan run` needs {' and '.join(missing)}: pip install torch==2.13.0 "
-                                     "&& pip install 'shardplan[run]'"))
+        raise InputError(Problem("", f"`shardplan run` needs {' and '.join(missing)}: {install_hint()}"))
     # Fine-tuning's libraries (the `finetune` extra): peft for LoRA, torchao for NF4 and 8-bit AdamW.
     needed = []
     if job.lora is not None:
@@ -46,7 +73,7 @@ def _require_torch(job) -> None:
         needed.append(("torchao", "train.optimizer"))
     lacking = [(name, key) for name, key in needed if importlib.util.find_spec(name) is None]
     if lacking:
-        raise InputError([Problem(key, f"`shardplan run` needs {name} for this: pip install 'shardplan[finetune]'")
+        raise InputError([Problem(key, f"`shardplan run` needs {name} for this: {extra_command('finetune')}")
                           for name, key in lacking])
 
 
@@ -65,32 +92,82 @@ def _worker_args(file: str, flags: PlanFlags, options: dict) -> list[str]:
     return args
 
 
-def _spawn(nproc: int, max_restarts: int, argv: list[str], verbose: bool) -> int:
-    """torchrun on this node, returning the workers' exit code (torchrun's own is 1 for any
-    failure). Workers' stderr goes to files and their failure lines come back as one summary
-    instead of every rank's traceback and torchrun's report; `--verbose` shows everything."""
+class WorkersFailed(ShardplanError):
+    """The workers' failure, summarised by the launcher: one line per rank."""
+
+    def __init__(self, lines: list[str], exit_code: int):
+        super().__init__("; ".join(lines))
+        self.summary = lines
+        self.exit_code = exit_code
+
+    def lines(self) -> list[str]:
+        return self.summary
+
+
+def _drain(stream, into: list[str], echo: bool = False) -> threading.Thread:
+    """Read a child's stream to its end on a thread (a full pipe would block the child);
+    with `echo`, each line also goes to this process's stderr, looked up per line so that a
+    live progress bar (which redirects it) prints it above the bar."""
+
+    def read() -> None:
+        for line in stream:
+            into.append(line)
+            if echo:
+                sys.stderr.write(line)
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
+def _watch(proc: subprocess.Popen, progress_path: Path) -> None:
+    """Draw rank 0's progress on this terminal until torchrun exits."""
+    from ..io.progress import ProgressReader
+    from ..render.run import progress_bar
+
+    reader = ProgressReader(progress_path)
+    with progress_bar(None) as bar:
+        while proc.poll() is None:
+            bar.show(reader.poll())
+            time.sleep(PROGRESS_POLL_SECONDS)
+        bar.show(reader.poll())
+
+
+def _spawn(nproc: int, max_restarts: int, argv: list[str], verbose: bool, live: bool) -> None:
+    """torchrun on this node; a failure raises `WorkersFailed` with the workers' exit code
+    (torchrun's own is 1 for any failure). Workers' stderr goes to files and their failure
+    lines come back as one summary instead of every rank's traceback and torchrun's report;
+    `--verbose` shows everything. With `live` (a terminal, no --json) this process draws rank
+    0's progress and prints the workers' output once the bar is done."""
     torchrun = shutil.which("torchrun")
     command = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="shardplan-logs-") as logs:
+        progress_path = Path(logs) / "progress.jsonl"
+        env.pop(PROGRESS_ENV, None)
+        if live:
+            env[PROGRESS_ENV] = str(progress_path)
         command += ["--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}"]
         if not verbose:
             command += ["--redirects=2", f"--log-dir={logs}"]
         command += ["-m", "shardplan", "run", *argv]
-        proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
-        captured = []
-        for line in proc.stderr:
-            captured.append(line)
-            if verbose:
-                sys.stderr.write(line)
+        proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE if live else None,
+                                text=True)
+        captured, output = [], []
+        readers = [_drain(proc.stderr, captured, echo=verbose)]
+        if live:
+            readers.append(_drain(proc.stdout, output))
+            _watch(proc, progress_path)
         proc.wait()
+        for reader in readers:
+            reader.join()
+        sys.stdout.write("".join(output))
         if proc.returncode == 0:
-            return 0
+            return
         text = "".join(captured)
-        if not verbose:
-            emit_diagnostics(_signal_lines(text) + _failure_lines(Path(logs)) or _tail(text))
-        return _worker_exit_code(text)
+        lines = _signal_lines(text) + _failure_lines(Path(logs)) or _tail(text)
+        raise WorkersFailed(lines, _worker_exit_code(text))
 
 
 def _worker_exit_code(torchrun_stderr: str) -> int:
@@ -160,6 +237,9 @@ def run(
     (`--nproc`, default: the plan's world size).
     """
     resolved = flags.load(file, check_paths=True)
+    if resume == "latest" and not resolved.job.checkpoint.dir:  # before torchrun starts, not after
+        raise InputError(Problem("--resume", "the job has no [checkpoint] dir to resume from (set checkpoint.dir, "
+                                             "or name a checkpoint: --resume=PATH)"))
     from ..runtime.capabilities import require_supported
 
     require_supported(resolved)
@@ -169,9 +249,8 @@ def run(
         if nproc is not None and nproc != world:
             raise InputError(Problem("--nproc", f"{nproc} workers, but {resolved.degrees.arithmetic()}"))
         options = {"report": report, "resume": resume, "force": force, "verbose": verbose, "json": json_out}
-        code = _spawn(nproc or world, max_restarts, _worker_args(file, flags, options), verbose)
-        if code:
-            raise typer.Exit(code)
+        live = not json_out and sys.stderr.isatty()
+        _spawn(nproc or world, max_restarts, _worker_args(file, flags, options), verbose, live)
         return
     from ..runtime.worker import RunOptions, describe_failure, fail, run_worker
 

@@ -14,8 +14,6 @@ import typer
 
 from ..core.schedule import ScheduleInputError, default_costs, plan_schedule
 from ..core.schedule_sim import Costs
-from ..io.job import load_job
-from ..io.overrides import parse_set
 from ..render.output import emit_diagnostics, emit_json, stdout_console
 from ..spec.errors import InputError, Problem
 from .options import JsonFlag
@@ -51,6 +49,9 @@ def _resolve(job: str | None, flags: dict[str, object], sets: list[str]) -> tupl
     values: dict[str, object] = {"virtual": 1}
     from_file: dict[str, str] = {}
     if job is not None or sets:
+        from ..io.job import load_job  # only with a job: a schedule from flags needs no pydantic
+        from ..io.overrides import parse_set
+
         overrides = [(INPUTS[field][1], value) for field, value in flags.items()
                      if value is not None and INPUTS[field][1] is not None]
         # The file's pipeline keys are checked here, with their lines; keys a flag set are

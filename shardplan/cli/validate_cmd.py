@@ -8,7 +8,7 @@ import typer
 
 from ..core.params import count_params
 from ..io.job import ResolvedJob
-from ..render.output import emit_diagnostics, emit_json, emit_line
+from ..render.output import emit_diagnostics, emit_json, emit_line, error_document
 from ..render.summary import job_summary_line
 from ..spec.errors import EXIT_BAD_INPUT, InputError
 from .options import JsonFlag, PlanFlags, plan_flags
@@ -37,12 +37,12 @@ def validate(
     flags: PlanFlags,
 ) -> None:
     """Check job files and list every problem: file, line, dotted key, what is wrong."""
-    reports, failed = [], False
+    reports, errors = [], []
     for file in files:
         try:
             resolved = flags.load(file, world=world, check_paths=True)
         except InputError as exc:
-            failed = True
+            errors += exc.problems
             emit_diagnostics(exc.lines())
             reports.append({"file": file, "valid": False, "problems": [p.to_json() for p in exc.problems]})
             continue
@@ -53,9 +53,10 @@ def validate(
         })
         if not json_out:
             emit_line(job_summary_line(file, summary))
-    if json_out:
-        emit_json({"valid": not failed, "files": reports})
-    if failed:
+    if json_out:  # invalid: the report, and the CONTRACT's error document in the same object
+        error = error_document(errors, EXIT_BAD_INPUT) if errors else {}
+        emit_json({"valid": not errors, "files": reports, **error})
+    if errors:
         raise typer.Exit(EXIT_BAD_INPUT)
 
 

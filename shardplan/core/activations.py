@@ -70,10 +70,12 @@ class ActivationShape:
 
     def __hash__(self) -> int:
         # Planner caches key on this frozen value: hash its fields once, not at every lookup.
-        cached = self.__dict__.get("_hash")
+        values = self.__dict__
+        cached = values.get("_hash")
         if cached is None:
-            cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
-            object.__setattr__(self, "_hash", cached)
+            names = type(self).__dict__.get("_field_names") or _field_names(type(self))
+            cached = hash(tuple(values[name] for name in names))
+            values["_hash"] = cached
         return cached
 
     @property
@@ -318,3 +320,10 @@ def kept_logits_terms(act: ActivationShape) -> list[Term]:
     elements, e = logit_elements(act), act.act_bytes
     return [Term("logits, held by the training loop until backward", elements * e,
                  lambda: f"sb*V/t = {elements:,} * {e} B")]
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    """The dataclass's field names, computed once per class (for its cached hash)."""
+    names = tuple(f.name for f in fields(cls))
+    setattr(cls, "_field_names", names)
+    return names

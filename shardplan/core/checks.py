@@ -214,9 +214,11 @@ def sharding_problems(job: JobSpec, nodes: int) -> list[Problem]:
             f"DeepSpeed's pipeline engine supports ZeRO stages 0 and 1 only (pp = "
             f"{job.parallel.pp}, stage = {zero.stage})",
         ))
-    # Only budgets the user wrote are checked: a default adapts to the cluster instead.
+    # Only budgets the user wrote are checked: a default adapts to the cluster instead; and
+    # only against a GPU memory the job states (an unstated one is no claim about the GPU).
     written = off.model_fields_set
-    if "gpu_param_budget" in written and off.gpu_param_budget > cluster.gpu_memory:
+    if ("gpu_param_budget" in written and "gpu_memory" in cluster.model_fields_set
+            and off.gpu_param_budget > cluster.gpu_memory):
         problems.append(error(
             "offload.gpu_param_budget",
             f"{format_bytes(off.gpu_param_budget)} exceeds cluster.gpu_memory "

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..spec.common import MAX_WORLD_SIZE
 from ..spec.errors import PlanError
-from ..spec.job import AXES, parse_order
+from ..spec.names import AXES, parse_order
 
 
 @dataclass(frozen=True)

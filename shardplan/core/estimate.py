@@ -28,6 +28,7 @@ from .activations import (
 )
 from .buffers import allowance_terms, fsdp2_buffers, no_buffers, step_buffers
 from .deepspeed import DeepSpeedPlan, deepspeed_memory
+from .degrees import Degrees
 from .estimate_inputs import EstimateInputs
 from .finetune import (
     deepspeed_frozen_buffers,
@@ -94,10 +95,15 @@ def flat_rank_params(params: int, tp: int, pp: int, tp_rank: int = 0, pp_rank: i
 def shard_degree(inputs: EstimateInputs) -> int:
     """Ranks one ZeRO/FSDP group shards over (core.layout.shard_group_size)."""
     if inputs.hybrid:
-        from .layout import Layout, shard_group_size
-
-        return shard_group_size(Layout(inputs.degrees, inputs.order, inputs.gpus_per_node), hybrid=True)
+        return _hybrid_degree(inputs.degrees, inputs.order, inputs.gpus_per_node)
     return inputs.degrees.dp * inputs.degrees.cp
+
+
+@lru_cache(maxsize=1024)
+def _hybrid_degree(degrees: Degrees, order: str, gpus_per_node: int) -> int:
+    from .layout import Layout, shard_group_size
+
+    return shard_group_size(Layout(degrees, order, gpus_per_node), hybrid=True)
 
 
 def rank_coordinates(inputs: EstimateInputs, rank: int) -> Coordinates:
@@ -421,7 +427,9 @@ def _transients(inputs: EstimateInputs, act: ActivationShape | None, has_head: b
         # Who keeps the logits until backward: transformers' model output (the DeepSpeed
         # loops), and torch's pipeline stages, which cache each stage's output for its
         # backward; `shardplan run` and torchtitan free them before backward.
-        if inputs.framework == "deepspeed" or inputs.degrees.pp > 1:
+        # Only the held microbatches' logits: none when the peak holds none of the last stage's
+        # (an interleaved rank's other chunk), as the planner's figures count them.
+        if (inputs.framework == "deepspeed" or inputs.degrees.pp > 1) and head_held:
             kept = [t.scaled(head_held, f"{head_held} microbatches held") if head_held > 1 else t
                     for t in kept_logits_terms(act)]
             for moment in (FORWARD, LOSS, BACKWARD):

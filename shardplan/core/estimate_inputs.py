@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 from ..spec.job import JobSpec
 from ..spec.model import ModelShape
@@ -83,14 +83,26 @@ class EstimateInputs:
 
     def __hash__(self) -> int:
         # Planner caches key on this frozen value: hash its fields once, not at every lookup.
-        cached = self.__dict__.get("_hash")
+        values = self.__dict__
+        cached = values.get("_hash")
         if cached is None:
-            cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
-            object.__setattr__(self, "_hash", cached)
+            names = type(self).__dict__.get("_field_names") or _field_names(type(self))
+            cached = hash(tuple(values[name] for name in names))
+            values["_hash"] = cached
         return cached
 
     def with_(self, **changes) -> EstimateInputs:
-        return replace(self, **changes)
+        """A copy with `changes` (as `dataclasses.replace`, which the planner's inner loop cannot
+        afford: this class has no validation in its constructor to skip)."""
+        unknown = changes.keys() - self.__dict__.keys()
+        if unknown:
+            raise TypeError(f"EstimateInputs has no field {sorted(unknown)[0]!r}")
+        copy = object.__new__(EstimateInputs)
+        values = dict(self.__dict__)
+        values.pop("_hash", None)
+        values.update(changes)
+        copy.__dict__.update(values)
+        return copy
 
 
 def inputs_from_job(job: JobSpec, shape: ModelShape | None, limits_known: bool) -> EstimateInputs:
@@ -142,6 +154,13 @@ def inputs_from_job(job: JobSpec, shape: ModelShape | None, limits_known: bool) 
         checkpointing=bool(job.checkpoint.dir),
         lora=lora_plan(job),
     )
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    """The dataclass's field names, computed once per class (for its cached hash)."""
+    names = tuple(f.name for f in fields(cls))
+    setattr(cls, "_field_names", names)
+    return names
 
 
 def lora_plan(job: JobSpec) -> LoraPlan | None:

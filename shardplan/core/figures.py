@@ -135,3 +135,13 @@ def rank_figures(inputs: EstimateInputs, at: Coordinates) -> RankFigures:
         tensors += saved if name in (FORWARD, LOSS) else in_backward if name == BACKWARD else 0
         totals[name] = tensors + (CUDA_CONTEXT_BYTES + int(tensors * FRAGMENTATION) if inputs.on_gpu else 0)
     return RankFigures(totals, host, startup)
+
+
+def rank_states_bytes(inputs: EstimateInputs, at: Coordinates) -> int:
+    """The parameters and optimizer states the rank holds on its GPU through the step: a part
+    of every moment (the search's lower bound)."""
+    eb = element_bytes(inputs.framework, inputs.precision, inputs.optimizer)
+    rp = _rank_params(inputs, at)
+    degree = shard_degree(inputs)
+    resident = resident_layers(rp, eb, inputs, degree)
+    return _framework(_framework_key(inputs), rp, degree, resident)[0]

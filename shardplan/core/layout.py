@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from ..spec.errors import PlanError, Problem
-from ..spec.job import DEFAULT_ORDER
+from ..spec.names import DEFAULT_ORDER
 from .degrees import Degrees, full_order, missing_axes
 
 # The contract's groups, one per axis, in the order documents list them.

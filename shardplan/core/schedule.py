@@ -29,7 +29,7 @@ from fractions import Fraction
 from typing import Callable, Sequence
 
 from ..spec.errors import PlanError
-from ..spec.job import SCHEDULES
+from ..spec.names import SCHEDULES
 from .schedule_sim import BACKWARD, FORWARD, WEIGHT, Action, Costs, Timeline, simulate
 
 # Schedules that place several model chunks on one rank (the others hold one stage each).

@@ -66,10 +66,12 @@ class RankParams:
 
     def __hash__(self) -> int:
         # Planner caches key on this frozen value: hash its fields once, not at every lookup.
-        cached = self.__dict__.get("_hash")
+        values = self.__dict__
+        cached = values.get("_hash")
         if cached is None:
-            cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
-            object.__setattr__(self, "_hash", cached)
+            names = type(self).__dict__.get("_field_names") or _field_names(type(self))
+            cached = hash(tuple(values[name] for name in names))
+            values["_hash"] = cached
         return cached
 
     @cached_property
@@ -148,3 +150,10 @@ def rank_params(shape: ModelShape, pp: int, virtual: int, pp_rank: int, tp: int,
         has_head=last,
         adapters=local(adapter_params(base, lora)) if lora is not None else (),
     )
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    """The dataclass's field names, computed once per class (for its cached hash)."""
+    names = tuple(f.name for f in fields(cls))
+    setattr(cls, "_field_names", names)
+    return names

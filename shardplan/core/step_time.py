@@ -16,19 +16,25 @@ them with this plan's numbers, formatted from what was computed here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable
 
 from .collectives import group_link, inter_link, intra_link, spans_nodes
 from .estimate_inputs import EstimateInputs
 from .flops import hardware_flops_per_token, model_flops_per_token
 from .hardware import DEFAULT_CONSTANTS, Hardware, TimeConstants
-from .pipeline_time import PipelineRun, run_pipeline
+from .pipeline_time import RESOLUTION, PipelineRun, run_pipeline
+from .layer_time import LayerWork, layer_costs
+from .pipeline import stage_layers
+from .precision import element_bytes
+from .schedule import SPLIT_BACKWARD, chunks_per_rank
 from .stage_time import (
     BACKWARD, CATEGORIES, DATA_PARALLEL, FORWARD, OFFLOAD, OPTIMIZER, PIPELINE_BUBBLE, RECOMPUTE, StageCost,
+    edge_costs,
 )
 from .time_plan import LoraShape, Tail, edges_of, layer_of, make_plan, stage_costs, stage_elements, tail
 
-__all__ = ["LoraShape", "StepTime", "TimeTerm", "step_time"]
+__all__ = ["LoraShape", "StepTime", "TimeTerm", "step_time", "step_time_bound", "step_time_refined_bound"]
 
 # `bottleneck` is the largest group of breakdown categories; these group several.
 GROUPS = {"compute": (FORWARD, BACKWARD, RECOMPUTE)}
@@ -145,3 +151,128 @@ def step_time(inputs: EstimateInputs, hardware: Hardware, constants: TimeConstan
         hardware_flops_per_step=executed, hardware=hardware,
         _explain=lambda: explanation(plan, layer, edges, costs, run, tails, critical, breakdown, step, tokens, model, executed),
     )
+
+
+def step_time_bound(inputs: EstimateInputs, hardware: Hardware, constants: TimeConstants = DEFAULT_CONSTANTS,
+                    lora: LoraShape | None = None) -> float:
+    """A lower bound of `step_time(...).step_seconds`, much cheaper. Each stage's forward and
+    backward count only its layers and edges (compute, recomputation, and the tensor- and
+    context-parallel collectives, as `stage_cost` adds them), leaving out sends, exposed
+    data-parallel and host traffic and the tails, which are never negative. A pipeline rank
+    runs its actions one after another, cannot start before the first microbatch has gone
+    through the stages before it, and its last backward must go back through them: the step
+    takes at least that, for every rank (for uniform 1F1B stages, (m + p - 1)(F + B): the
+    bubble's closed form). `shardplan plan` walks candidates in the order of this bound and
+    stops when it exceeds the plans found (core/search.py; tests/test_plan.py holds bound <=
+    step time over random plans)."""
+    return _bound(inputs.shape, inputs.degrees, inputs.order, inputs.gpus_per_node, inputs.framework,
+                  inputs.precision, inputs.optimizer, inputs.micro_batch, inputs.seq_len, inputs.num_microbatches,
+                  inputs.schedule, inputs.virtual, inputs.stage_split, inputs.sequence_parallel, inputs.recompute,
+                  inputs.attention, inputs.dropout, inputs.loss, hardware, constants, lora)
+
+
+@lru_cache(maxsize=65536)
+def _bound(shape, d, order, gpus_per_node, framework, precision, optimizer, micro_batch, seq_len, microbatches,
+           schedule, virtual, stage_split, sequence_parallel, recompute, attention, dropout, loss, hardware,
+           constants, lora) -> float:
+    """`step_time_bound` on the inputs it reads (plans that differ in sharding share it)."""
+    inputs = EstimateInputs(shape=shape, params=None, degrees=d, order=order, gpus_per_node=gpus_per_node,
+                            framework=framework, precision=precision, optimizer=optimizer, micro_batch=micro_batch,
+                            seq_len=seq_len, num_microbatches=microbatches, schedule=schedule, virtual=virtual,
+                            stage_split=stage_split, sequence_parallel=sequence_parallel, recompute=recompute,
+                            attention=attention, dropout=dropout, loss=loss)
+    links = _bound_links(d, inputs.order, inputs.gpus_per_node, False, hardware, constants)
+    eb = element_bytes(inputs.framework, inputs.precision, inputs.optimizer)
+    peak = hardware.peak_for(inputs.precision)
+    frozen = lora is not None
+    work = LayerWork(
+        shape=inputs.shape, micro_batch=inputs.micro_batch, seq_len=inputs.seq_len, tp=d.tp, cp=d.cp,
+        sequence_parallel=inputs.sequence_parallel, attention=inputs.attention, dropout=inputs.dropout,
+        recompute=inputs.recompute, act_bytes=eb.compute, frozen=frozen, lora_rank=lora.rank if lora else 0,
+        lora_targets=lora.targets if lora else (), sp_regather=inputs.framework != "fsdp2",
+    )
+    layer = layer_costs(work, peak, hardware, constants, links["tp"], links["cp"])
+    per_layer = (layer.forward + layer.backward + layer.recompute.seconds + layer.tp_forward + layer.tp_backward
+                 + layer.tp_recompute + layer.cp_forward + layer.cp_backward)
+    tokens = inputs.micro_batch * inputs.seq_len // d.cp
+    sp = inputs.sequence_parallel and d.tp > 1
+    edges = edge_costs(inputs.shape, tokens, d.tp, sp, eb.compute, frozen, inputs.loss, peak, hardware, constants,
+                       links["tp"])
+    layer_f = layer.forward + layer.tp_forward + layer.cp_forward
+    layer_b = layer.backward + layer.recompute.seconds + layer.tp_backward + layer.tp_recompute + layer.cp_backward
+    chunks = chunks_per_rank(inputs.schedule, inputs.virtual)
+    counts = _stage_counts(inputs.shape.num_layers, d.pp * chunks, inputs.stage_split)
+    last_stage = len(counts) - 1
+    forward, backward = [], []
+    for stage, layers in enumerate(counts):
+        forward.append(layers * layer_f + (edges.embed_forward.seconds + edges.embed_tp if stage == 0 else 0.0)
+                       + (edges.head_forward.seconds + edges.head_tp_forward if stage == last_stage else 0.0))
+        backward.append(layers * layer_b + (edges.embed_backward.seconds if stage == 0 else 0.0)
+                        + (edges.head_backward.seconds + edges.head_tp_backward if stage == last_stage else 0.0))
+    m = inputs.num_microbatches
+    # Rank r starts once microbatch 0 has gone forward through the stages before it (chunk 0
+    # holds global stages 0..pp-1), runs its own microbatches one action at a time, and its
+    # last backward (chunk 0's) must still run back through those stages. With the backward
+    # split (zero-bubble) the weight passes may trail: only the forward chain is added.
+    chain_back = inputs.schedule not in SPLIT_BACKWARD
+    best = 0.0
+    before_f = before_b = 0.0
+    for rank in range(d.pp):
+        own = m * sum(forward[s] + backward[s] for s in range(rank, len(counts), d.pp))
+        best = max(best, before_f + own + (before_b if chain_back else 0.0))
+        before_f += forward[rank]
+        before_b += backward[rank]
+    return best
+
+
+@lru_cache(maxsize=4096)
+def _bound_links(degrees, order: str, gpus_per_node: int, hybrid: bool, hardware: Hardware,
+                 constants: TimeConstants) -> dict:
+    probe = EstimateInputs(shape=None, params=None, degrees=degrees, order=order, gpus_per_node=gpus_per_node,
+                           hybrid=hybrid)
+    return _links(probe, hardware, constants)
+
+
+@lru_cache(maxsize=4096)
+def _stage_counts(num_layers: int, stages: int, split: tuple[int, int]) -> tuple[int, ...]:
+    return tuple(len(s) for s in stage_layers(num_layers, stages, *split))
+
+
+def step_time_refined_bound(inputs: EstimateInputs, hardware: Hardware, constants: TimeConstants = DEFAULT_CONSTANTS,
+                            lora: LoraShape | None = None) -> float:
+    """A sharper lower bound of `step_time`, without the pipeline simulation: every stage's
+    whole per-microbatch cost (sends, exposed data-parallel and host traffic included) and
+    every rank's tail (gradient reduction, optimizer, offload), which do not depend on the
+    simulation. Rank r cannot start before the first microbatch has gone forward through the
+    stages before it and then runs its own actions one at a time: its end is at least that
+    plus its tail. Without a split backward its last action is a backward that must still go
+    back through those stages before rank 0 ends, and rank 0's tail follows. The step is the
+    latest end, so at least each of these."""
+    plan = make_plan(inputs, hardware, constants, lora, _links(inputs, hardware, constants))
+    costs = stage_costs(plan, layer_of(plan), edges_of(plan))
+    d, m = inputs.degrees, inputs.num_microbatches
+    elements = stage_elements(plan)
+    ends = []
+    for rank in range(d.pp):
+        last = costs[rank]
+        window = last.backward[BACKWARD] + last.backward[RECOMPUTE] + last.weight.get(BACKWARD, 0.0)
+        t = tail(plan, rank, elements, window)
+        ends.append(t.data_parallel + t.optimizer + t.offload)
+    totals = [c.totals() for c in costs]
+    chain_back = inputs.schedule not in SPLIT_BACKWARD
+    best = before_f = before_b = 0.0
+    for rank in range(d.pp):
+        own = m * sum(sum(totals[s]) for s in range(rank, len(costs), d.pp))
+        best = max(best, before_f + own + ends[rank])
+        if chain_back:
+            best = max(best, before_f + own + before_b + ends[0])
+        before_f += totals[rank][0]
+        before_b += totals[rank][1] + totals[rank][2]
+    # The simulator runs on integer units of 1/RESOLUTION of the largest action, so a
+    # simulated makespan can lie a fraction of a percent below this exact chain (0.046% at
+    # most over 1,500 random plans): the bound is taken REFINE_MARGIN low.
+    return best * (1 - REFINE_MARGIN)
+
+
+# How far below the exact chain the refined bound is taken: five units of the simulator.
+REFINE_MARGIN = 5 / RESOLUTION

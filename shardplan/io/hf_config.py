@@ -26,6 +26,15 @@ _GPT2_KEYS = {"num_layers": "n_layer", "hidden_size": "n_embd", "num_heads": "n_
               "ffn_hidden_size": "n_inner", "max_seq_len": "n_positions"}
 
 
+def looks_like_hf_config(data: dict) -> bool:
+    """A Hugging Face config.json rather than a job: `model_type` (every `PretrainedConfig`
+    writes it) or `architectures`, and none of the job file's tables."""
+    from ..spec.job import TABLES
+
+    marked = isinstance(data.get("model_type"), str) or isinstance(data.get("architectures"), list)
+    return marked and not any(isinstance(data.get(table), dict) for table in TABLES)
+
+
 def config_key(family: str, key: str) -> str:
     """The config.json key of a shape key (for messages about a config.json)."""
     if family == "gpt2" and key in _GPT2_KEYS:

@@ -21,10 +21,10 @@ from ..spec.errors import InputError, Problem
 from ..spec.job import JobSpec
 from ..spec.model import ModelShape, ModelSpec, resolve_shape
 from .files import Document, read_document
-from .hf_config import config_key, read_hf_config
+from .hf_config import config_key, looks_like_hf_config, read_hf_config
 from .overrides import Override, apply_overrides
-from .presets import find_preset
-from .problems import problems_from_validation
+from .presets import find_preset, list_presets
+from .problems import did_you_mean, problems_from_validation
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,29 @@ def open_job_source(source: str | None) -> Document:
     try:
         preset = find_preset(source, "jobs")
     except InputError:
-        raise InputError(Problem("", "no such file or job preset (see `shardplan presets`)", file=source)) from None
+        raise InputError(Problem("", "no such file or job preset" + _preset_hint(source), file=source)) from None
     return read_document(preset.path)
+
+
+def _preset_hint(name: str) -> str:
+    """What a name that is no job means: a model or cluster preset (how to give it), a job
+    preset misspelt, or nothing known."""
+    for kind, key in (("models", "model.preset"), ("clusters", "cluster.preset")):
+        if any(p.name == name for p in list_presets(kind)):
+            return f"; {name} is a {kind[:-1]} preset: give it as --set {key}={name}"
+    return did_you_mean(name, [p.name for p in list_presets("jobs")]) or " (see `shardplan presets`)"
+
+
+def hf_config_as_job(doc: Document) -> tuple[Document, list[Problem]]:
+    """A Hugging Face config.json given where a job is expected: the job whose model it is
+    (`[model] hf_config`, every other table at its defaults), and a note saying so."""
+    if not doc.path or not looks_like_hf_config(doc.data):
+        return doc, []
+    name = Path(doc.path).name
+    kind = doc.data.get("model_type") or doc.data["architectures"][0]
+    note = Problem("", f"a Hugging Face config.json ({kind}): planned as the model of a job with default "
+                       f"tables, as [model] hf_config = {name!r} would", severity="note", file=doc.path)
+    return Document(doc.path, {"model": {"hf_config": doc.path}}), [note]  # as given: relative to here
 
 
 def _expand_cluster_preset(data: dict) -> list[Problem]:
@@ -190,28 +211,33 @@ def resolve_document(
 ) -> ResolvedJob:
     """`load_job` for tables already read (a job file, or one built by `shardplan import`)."""
     env = os.environ if env is None else env
+    doc, notes = hf_config_as_job(doc)
     overrides = overrides or []
     flagged = {path: (flag_labels or {}).get(path, "--set") for path, _ in overrides}
     data = apply_overrides(doc.data, overrides)
-    problems = _expand_cluster_preset(data)
+    unknown_cluster = _expand_cluster_preset(data)
     try:
         job = JobSpec.model_validate(data)
-    except ValidationError as exc:
-        raise InputError(_locate(problems + problems_from_validation(JobSpec, exc), doc, flagged)) from None
-    if problems:
-        raise InputError(_locate(problems, doc, flagged))
+    except ValidationError as exc:  # the tables must be valid before any rule relates them
+        raise InputError(notes + _locate(unknown_cluster + problems_from_validation(JobSpec, exc), doc, flagged)) from None
     base_dir = Path(doc.path).parent if doc.path else Path.cwd()
-    if "model.hf_config" in flagged:
+    if "model.hf_config" in flagged or notes:
         base_dir = Path.cwd()
     try:
-        shape, name, problems = _resolve_model(job.model, base_dir)
+        shape, name, model_problems = _resolve_model(job.model, base_dir)
     except InputError as exc:
-        raise InputError(_locate(exc.problems, doc, flagged)) from None
-    if problems:
-        raise InputError(_locate(problems, doc, flagged))
-    job = _default_seq_len(job, shape)
-    worlds = external_worlds(job, world, env)
-    problems = job_problems(job, shape, worlds)
+        shape, name, model_problems = None, "", exc.problems
+    # A model that cannot be resolved hides nothing else: the rules that need no model still
+    # run. The cross-field rules need the cluster a preset names, so an unknown one stops them.
+    problems, worlds = [], []
+    if not unknown_cluster:
+        job = _default_seq_len(job, shape)
+        worlds = external_worlds(job, world, env)
+        problems = job_problems(job, shape, worlds)
+    if "model" in job.model_fields_set and job.model.source is None:
+        problems.append(Problem(
+            "model", "the table names no model, so nothing model-dependent is checked (give preset, "
+            "hf_config, params, or an inline shape with family)", severity="warning"))
     if job.data.path:
         data_path = Path(job.data.path)
         if not data_path.is_absolute():
@@ -224,7 +250,8 @@ def resolve_document(
     problems = _locate(problems, doc, flagged)
     if warn_only is not None:
         problems = [replace(p, severity="warning") if warn_only(p) else p for p in problems]
+    problems = _locate(unknown_cluster + model_problems, doc, flagged) + problems
     errors = [p for p in problems if p.severity == "error"]
     if errors:
-        raise InputError(problems)
-    return ResolvedJob(doc.path, job, shape, name, worlds, problems)
+        raise InputError(notes + problems)
+    return ResolvedJob(doc.path, job, shape, name, worlds, notes + problems)

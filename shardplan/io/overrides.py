@@ -15,7 +15,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from ..spec.errors import InputError, Problem
-from ..spec.model import SHAPE_KEYS, SOURCE_KEYS
+from ..spec.names import SHAPE_KEYS, SOURCE_KEYS
 
 # CONTRACT: shortcut flags and the job-file key each one sets.
 SHORTCUTS = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import typing
 
 from pydantic import BaseModel, ValidationError
 
@@ -49,6 +50,31 @@ def _model_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     return model
 
 
+def _tables(root: type[BaseModel]) -> dict[str, type[BaseModel]]:
+    """The tables of a document model (`[parallel]` -> ParallelSpec), optional ones included."""
+    tables = {}
+    for name, field in root.model_fields.items():
+        for candidate in (field.annotation, *typing.get_args(field.annotation)):
+            if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+                tables[name] = candidate
+    return tables
+
+
+def _other_table(root: type[BaseModel], owner: type[BaseModel] | None, key: str) -> str:
+    """` (it belongs in [parallel]: parallel.micro_batch_size)` for a key written in the
+    wrong table, or at the top; else a close key of another table; else empty."""
+    tables = {name: model for name, model in _tables(root).items() if model is not owner}
+    homes = [name for name, model in tables.items() if key in model.model_fields]
+    if homes:
+        where = " or ".join(f"[{name}]" for name in homes)
+        return f" (it belongs in {where}: {homes[0]}.{key})"
+    if owner is not None and did_you_mean(key, list(owner.model_fields)):
+        return ""  # a misspelling in its own table: that hint reads better
+    dotted = [f"{name}.{field}" for name, model in tables.items() for field in model.model_fields]
+    close = difflib.get_close_matches(key, [d.split(".", 1)[1] for d in dotted], n=1, cutoff=0.75)
+    return f" (did you mean {next(d for d in dotted if d.endswith('.' + close[0]))!r}?)" if close else ""
+
+
 def problem_from_error(root: type[BaseModel], err: dict) -> Problem:
     loc = tuple(err.get("loc", ()))
     path = ".".join(str(p) for p in loc)
@@ -58,8 +84,10 @@ def problem_from_error(root: type[BaseModel], err: dict) -> Problem:
     if kind == "extra_forbidden":
         owner = _model_at(root, loc)
         choices = list(owner.model_fields) if owner else []
-        what = "unknown table" if len(loc) == 1 and isinstance(value, dict) else "unknown key"
-        hint = did_you_mean(str(loc[-1]), choices)
+        table = len(loc) == 1 and isinstance(value, dict)
+        what = "unknown table" if table else "unknown key"
+        hint = "" if table else _other_table(root, owner, str(loc[-1]))
+        hint = hint or did_you_mean(str(loc[-1]), choices)
         if not hint and choices:
             hint = f" (known: {', '.join(choices)})"
         return Problem(path, what + hint)

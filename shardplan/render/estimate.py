@@ -15,7 +15,16 @@ SHORT = {"optimizer": "optim", "activations": "activ"}
 
 
 def _ranks(ranks: list[int]) -> str:
-    return ",".join(map(str, ranks)) if len(ranks) <= 2 else str(len(ranks))
+    """The stage's ranks in one form for every row: runs of consecutive ranks (`0-7`, `8-15`,
+    `0,8`); beyond three runs the middle ones elided (`0,2,..,14`). JSON lists them all."""
+    ordered = sorted(ranks)
+    runs, start = [], 0
+    for i in range(1, len(ordered) + 1):
+        if i == len(ordered) or ordered[i] != ordered[i - 1] + 1:
+            first, last = ordered[start], ordered[i - 1]
+            runs.append(str(first) if first == last else f"{first}-{last}")
+            start = i
+    return ",".join(runs if len(runs) <= 3 else [runs[0], runs[1], "..", runs[-1]])
 
 
 def _bar(gpu: dict[str, int], scale: int) -> Text:
@@ -80,7 +89,8 @@ def summary_lines(result: Estimate, gpu_memory: int | None, cpu_memory: int | No
             f"peak GPU {format_bytes(peak)} of {format_bytes(gpu_memory)} ({share:.0%}), "
             f"headroom {format_bytes(gpu_memory - peak)}", style=style))
     else:
-        lines.append(Text(f"peak GPU {format_bytes(peak)} (no GPU memory given: set [cluster] to check the fit)"))
+        lines.append(Text(f"peak GPU {format_bytes(peak)} (no GPU memory stated: set cluster.gpu_memory or "
+                          "[cluster] preset to check the fit)"))
     cpu = f"host per node {format_bytes(result.cpu_bytes_per_node)} at {result.host_moment}"
     if cpu_memory:
         cpu += f" of {format_bytes(cpu_memory)} (cpu_memory_budget: the node's RAM less a reserve unless written)"

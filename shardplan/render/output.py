@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Iterable
 
@@ -13,12 +14,57 @@ SCHEMA_VERSION = 1
 _encode = json.JSONEncoder(separators=(", ", ": "), check_circular=False).encode
 
 
-def stdout_console():
-    """A rich console on the current stdout (resolved per call so redirected stdout is
-    honoured; rich is imported only by commands that print tables)."""
+def _colour_wanted() -> bool:
+    """rich's rule for styled output: a terminal, or FORCE_COLOR / TTY_COMPATIBLE set."""
+    if os.environ.get("FORCE_COLOR") or os.environ.get("TTY_COMPATIBLE", "") == "1":
+        return True
+    isatty = getattr(sys.stdout, "isatty", None)
+    return bool(isatty and isatty())
+
+
+class PlainConsole:
+    """What rich's `Console` writes when stdout is not a terminal, for plain text: the
+    characters of each `Text`, no styles and no wrapping. Importing `rich.console` costs a
+    planning command about a tenth of its run, for output nobody sees styled; any other
+    renderable (tables, panels) still goes through rich."""
+
+    def __init__(self) -> None:
+        self._rich = None
+
+    @property
+    def width(self) -> int:
+        """rich's width: COLUMNS, else the terminal of stdin, stdout or stderr, else 80."""
+        columns = os.environ.get("COLUMNS", "")
+        if columns.isdigit() and int(columns):
+            return int(columns)
+        for descriptor in (0, 1, 2):
+            try:
+                width = os.get_terminal_size(descriptor).columns
+            except (AttributeError, ValueError, OSError):
+                continue
+            return width or 80
+        return 80
+
+    def print(self, *objects: object, **options: object) -> None:
+        texts = [getattr(o, "plain", None) for o in objects]  # rich.text.Text (str would be markup)
+        if None not in texts and set(options) <= {"soft_wrap", "no_wrap", "overflow"}:
+            sys.stdout.write(" ".join(texts) + "\n")  # type: ignore[arg-type]
+            return
+        if self._rich is None:
+            self._rich = _rich_console()
+        self._rich.print(*objects, **options)
+
+
+def _rich_console():
     from rich.console import Console
 
     return Console(file=sys.stdout, highlight=False, soft_wrap=False)
+
+
+def stdout_console():
+    """A console on the current stdout (resolved per call so redirected stdout is honoured):
+    rich on a terminal, `PlainConsole` otherwise."""
+    return _rich_console() if _colour_wanted() else PlainConsole()
 
 
 def emit_line(text: str) -> None:
@@ -83,7 +129,16 @@ def write_document(document: dict) -> None:
     sys.stdout.write(dumps_document(document))
 
 
-def error_document(problems: list, exit_code: int) -> dict:
-    """CONTRACT's error document for `--json` (stdout), beside the usual lines on stderr."""
-    rows = [{"file": p.file, "line": p.line, "path": p.path, "message": p.message} for p in problems]
+def error_document(problems: Iterable[object], exit_code: int) -> dict:
+    """CONTRACT's error document for `--json` (stdout), beside the usual lines on stderr: one
+    entry per error (warnings and notes stay on stderr); a plain line of text has no file,
+    line or path."""
+    rows = []
+    for problem in problems:
+        if getattr(problem, "severity", "error") != "error":
+            continue
+        if hasattr(problem, "path"):
+            rows.append({"file": problem.file, "line": problem.line, "path": problem.path, "message": problem.message})
+        else:
+            rows.append({"file": None, "line": None, "path": "", "message": str(problem)})
     return {"error": {"exit_code": exit_code, "problems": rows}}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from rich.console import Group
-from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
@@ -23,6 +22,8 @@ def preset_table(rows: list[dict]) -> Table:
 
 
 def preset_detail(doc: dict, text: str) -> Group:
+    from rich.syntax import Syntax  # pygments: only for showing one preset, not the list
+
     parts = [Text(f"{doc['kind']} preset {doc['name']}: {doc['file']}", style="bold")]
     if doc["params"]:
         p = doc["params"]

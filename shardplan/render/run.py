@@ -15,9 +15,10 @@ KINDS = ("params", "grads", "optimizer", "activations")
 
 
 class StepProgress:
-    """A rich progress bar on stderr: step, loss, tokens per second."""
+    """A rich progress bar on stderr: step, loss, tokens per second. Without a total yet (the
+    workers are starting), the bar pulses."""
 
-    def __init__(self, total: int, completed: int = 0):
+    def __init__(self, total: int | None, completed: int = 0):
         self.progress = Progress(
             TextColumn("training"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[speed]} tokens/s"),
@@ -36,8 +37,16 @@ class StepProgress:
     def advance(self, step: int, loss: float, tokens_per_second: float) -> None:
         self.progress.update(self.task, completed=step, loss=f"{loss:.4f}", speed=f"{tokens_per_second:,.0f}")
 
+    def show(self, records: list[dict]) -> None:
+        """Records of `io.progress`: a header (re)starts the count, a step advances it."""
+        for record in records:
+            if "total" in record:
+                self.progress.update(self.task, total=record["total"], completed=record["completed"])
+            elif "step" in record:
+                self.advance(record["step"], record["loss"], record["tokens_per_second"])
 
-def progress_bar(total: int, completed: int = 0) -> StepProgress:
+
+def progress_bar(total: int | None, completed: int = 0) -> StepProgress:
     return StepProgress(total, completed)
 
 

@@ -7,13 +7,16 @@ running then, idle cells shown) in the same colours.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 from xml.sax.saxutils import escape, quoteattr
 
-from rich.console import Console
 from rich.text import Text
 
 from ..core.schedule import SPLIT_BACKWARD, SchedulePlan
 from ..core.schedule_sim import BACKWARD, FORWARD, WEIGHT, Action
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 # Colour per kind, one shade per chunk (chunk c uses shade c % len): dark to light, so the
 # chunks of interleaved and round-robin schedules tell apart as in Megatron-LM's figure 4.
@@ -189,18 +192,34 @@ def print_schedule(console: Console, plan: SchedulePlan) -> None:
 # --- SVG ------------------------------------------------------------------------------
 
 CELL_HEIGHT, ROW_GAP, MARGIN, CHAR_WIDTH, FONT_SIZE = 22, 4, 16, 7, 11
+# The widest picture drawn: it reads at full size on a 1440-pixel laptop screen. A longer
+# timeline wraps into bands stacked top to bottom, as the terminal picture does, instead of
+# shrinking its labels to nothing.
+MAX_SVG_WIDTH = 1400
+RULER_HEIGHT, BAND_GAP = 18, 14
+
+
+def svg_bands(makespan: int, cell: int, gutter: int) -> list[tuple[int, int]]:
+    """[start, stop) time units of each band: as few bands as fit MAX_SVG_WIDTH, equally long."""
+    fits = max(1, (MAX_SVG_WIDTH - gutter - MARGIN) // cell)
+    count = max(1, -(-makespan // fits))
+    length = -(-makespan // count) if makespan else 1
+    return [(start, min(makespan, start + length)) for start in range(0, max(makespan, 1), length)]
 
 
 def schedule_svg(plan: SchedulePlan) -> str:
-    """A standalone SVG document of the timeline, its legend and its figures."""
+    """A standalone SVG document of the timeline (wrapped into bands), its legend and its
+    figures."""
     grid = plan.timeline.grid()
     longest = max([len(action_label(s.action, plan.virtual)) for rank in plan.timeline.spans for s in rank] + [1])
     cell = max(16, CHAR_WIDTH * longest + 6)
     gutter = MARGIN + CHAR_WIDTH * (len(f"rank {plan.pp - 1}") + 1)
-    top = MARGIN + 56
     row_step = CELL_HEIGHT + ROW_GAP
-    grid_width = cell * plan.makespan
-    legend_y = top + row_step * plan.pp + 14
+    bands = svg_bands(plan.makespan, cell, gutter)
+    band_height = RULER_HEIGHT + row_step * plan.pp + BAND_GAP
+    first_top = MARGIN + 38 + RULER_HEIGHT  # under the title lines, below the first ruler
+    grid_width = cell * max(stop - start for start, stop in bands)
+    legend_y = first_top - RULER_HEIGHT + band_height * len(bands)
     lines_y = legend_y + 30
     text_lines = ([chunk_note(plan)] if plan.virtual > 1 else []) + summary_lines(plan)
     width = max(gutter + grid_width + MARGIN, MARGIN * 2 + CHAR_WIDTH * max(len(x) for x in [costs_line(plan), *text_lines]))
@@ -215,31 +234,36 @@ def schedule_svg(plan: SchedulePlan) -> str:
         f'<text x="{MARGIN}" y="{MARGIN + 28}">{escape(costs_line(plan))}</text>',
     ]
     tick = 5 if cell * 5 >= CHAR_WIDTH * (len(str(plan.makespan)) + 1) else 10
-    for t in range(0, plan.makespan + 1, tick):
-        x = gutter + t * cell
-        out.append(f'<line x1="{x}" y1="{top - 8}" x2="{x}" y2="{top - 2}" stroke="#888888"/>')
-        out.append(f'<text x="{x + 2}" y="{top - 10}" fill="#555555">{t}</text>')
-    for rank, row in enumerate(grid):
-        y = top + rank * row_step
-        out.append(f'<text x="{MARGIN}" y="{y + CELL_HEIGHT - 7}">rank {rank}</text>')
-        for t, action in enumerate(row):
-            if action is None:
+    for index, (start, stop) in enumerate(bands):
+        top = first_top + index * band_height
+        x_of = lambda t: gutter + (t - start) * cell  # noqa: E731 - time unit -> x in this band
+        for t in range(start - start % tick + (tick if start % tick else 0), stop + 1, tick):
+            out.append(f'<line x1="{x_of(t)}" y1="{top - 8}" x2="{x_of(t)}" y2="{top - 2}" stroke="#888888"/>')
+            out.append(f'<text x="{x_of(t) + 2}" y="{top - 10}" fill="#555555">{t}</text>')
+        for rank, row in enumerate(grid):
+            y = top + rank * row_step
+            out.append(f'<text x="{MARGIN}" y="{y + CELL_HEIGHT - 7}">rank {rank}</text>')
+            for t in range(start, stop):
+                if row[t] is None:
+                    out.append(
+                        f'<rect x="{x_of(t)}" y="{y}" width="{cell}" height="{CELL_HEIGHT}" '
+                        f'fill="{IDLE_FILL}" stroke="{IDLE_STROKE}" stroke-width="0.5"/>'
+                    )
+            for span in plan.timeline.spans[rank]:
+                left, right = max(span.start, start), min(span.end, stop)
+                if left >= right:
+                    continue  # in another band (an action across a band's end is drawn in both)
+                x, w = x_of(left), (right - left) * cell
+                fill = action_fill(span.action, plan.pp)
+                label = escape(action_label(span.action, plan.virtual))
                 out.append(
-                    f'<rect x="{gutter + t * cell}" y="{y}" width="{cell}" height="{CELL_HEIGHT}" '
-                    f'fill="{IDLE_FILL}" stroke="{IDLE_STROKE}" stroke-width="0.5"/>'
+                    f'<rect x="{x}" y="{y}" width="{w}" height="{CELL_HEIGHT}" fill="{fill}" stroke="#ffffff" '
+                    f'stroke-width="1"><title>rank {rank} {label}: units {span.start}-{span.end}</title></rect>'
                 )
-        for span in plan.timeline.spans[rank]:
-            x, w = gutter + span.start * cell, (span.end - span.start) * cell
-            fill = action_fill(span.action, plan.pp)
-            label = escape(action_label(span.action, plan.virtual))
-            out.append(
-                f'<rect x="{x}" y="{y}" width="{w}" height="{CELL_HEIGHT}" fill="{fill}" '
-                f'stroke="#ffffff" stroke-width="1"><title>{label}: units {span.start}-{span.end}</title></rect>'
-            )
-            out.append(
-                f'<text x="{x + w / 2:g}" y="{y + CELL_HEIGHT - 7}" text-anchor="middle" '
-                f'fill="{_ink(fill)}">{label}</text>'
-            )
+                out.append(
+                    f'<text x="{x + w / 2:g}" y="{y + CELL_HEIGHT - 7}" text-anchor="middle" '
+                    f'fill="{_ink(fill)}">{label}</text>'
+                )
     x = MARGIN
     for kind, name in kind_names(plan.schedule).items():
         fill = PALETTE[kind][0]

@@ -19,7 +19,8 @@ from ..core.memory import estimate_memory
 from ..core.estimate_inputs import inputs_from_job
 from ..core.params import count_params
 from ..io.job import ResolvedJob
-from ..render.output import emit_diagnostics, stdout_console
+from ..io.progress import PROGRESS_ENV, ProgressFile
+from ..render.output import emit_diagnostics, emit_line, stdout_console
 from ..render.run import progress_bar, run_table
 from ..spec.errors import RunFailure, ShardplanError
 from . import checkpoint, faults, preflight
@@ -121,6 +122,8 @@ def _train(resolved: ResolvedJob, runtime: Runtime, limits_known: bool, options:
     plan = plan_record(resolved, runtime)
     Phase.current = "reading the checkpoint"
     resume = _resume_point(resolved, options, plan)
+    if resume is not None and resume[1]["step"] >= job.train.steps:
+        return _already_complete(resume[0], resume[1]["step"], job.train.steps, rank0, options)
     preload_libraries(job)  # their import is not the model's memory
     process = ProcessMemory()
     if runtime.on_gpu:
@@ -154,6 +157,19 @@ def _train(resolved: ResolvedJob, runtime: Runtime, limits_known: bool, options:
     return report
 
 
+def _already_complete(path: Path, step: int, steps: int, rank0: bool, options: RunOptions) -> dict | None:
+    """Resuming a run whose checkpoint has every step: nothing to train, nothing measured.
+    Rank 0 says so on stdout (the launcher's terminal; stderr goes to a log) and returns
+    the `--json` document."""
+    if not rank0:
+        return None
+    where = f"{step} of {steps}" if step == steps else f"{step}, past train.steps ({steps})"
+    if options.table:
+        emit_line(f"run complete: {path} is at step {where}; nothing to train "
+                  f"(raise train.steps to train further, e.g. --set train.steps={step + steps})")
+    return {"complete": True, "checkpoint": str(path), "step": step, "steps": []}
+
+
 def _loop(resolved, runtime, trainer, first_step, plan, options) -> dict:
     job = resolved.job
     rank0 = runtime.rank == 0
@@ -164,7 +180,7 @@ def _loop(resolved, runtime, trainer, first_step, plan, options) -> dict:
     measured = first_step + (1 if job.train.steps - first_step > 1 else 0)
     tokens_per_step = trainer.batching.global_batch * job.train.seq_len
     folder = Path(job.checkpoint.dir) if job.checkpoint.dir else None
-    bar = progress_bar(job.train.steps, first_step) if rank0 else None
+    bar = _progress(rank0, options.table, job.train.steps, first_step)
     with bar if bar else contextlib.nullcontext():
         for step in range(first_step, job.train.steps):
             faults.maybe("step", step + 1, runtime.rank)
@@ -201,6 +217,19 @@ def _loop(resolved, runtime, trainer, first_step, plan, options) -> dict:
         "_tracker": tracker,
         "_states": states or trainer.measure_states(),
     }
+
+
+def _progress(rank0: bool, table: bool, total: int, completed: int):
+    """Rank 0's progress: to the launcher that started torchrun (it draws the bar on its
+    terminal), else a bar on this worker's terminal; quiet off a terminal and with --json."""
+    if not rank0:
+        return None
+    path = os.environ.get(PROGRESS_ENV)
+    if path:
+        return ProgressFile(path, total, completed)
+    if table and sys.stderr.isatty():
+        return progress_bar(total, completed)
+    return None
 
 
 def _gather(runtime, trainer, tracker, states, mine, process) -> list[dict]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-Severity = Literal["error", "warning"]
+Severity = Literal["error", "warning", "note"]  # a note says how the input was read
 
 EXIT_INFEASIBLE = 1
 EXIT_BAD_INPUT = 2
@@ -33,7 +33,7 @@ class Problem:
         where = ""
         if self.file:
             where = f"{self.file}:{self.line}: " if self.line else f"{self.file}: "
-        kind = "warning: " if self.severity == "warning" else ""
+        kind = f"{self.severity}: " if self.severity != "error" else ""
         path = f"{self.path}: " if self.path else ""
         return f"{where}{kind}{path}{self.message}"
 

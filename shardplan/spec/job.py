@@ -13,12 +13,9 @@ from pydantic import BeforeValidator, Field, WithJsonSchema, field_validator, mo
 
 from .common import Bandwidth, Count, Degree, Dim, Size, Table
 from .model import MAX_LAYERS, ModelSpec
+from .names import AXES, DEFAULT_ORDER, SCHEDULES, parse_order  # noqa: F401 (re-exported)
 
-AXES = ("tp", "cp", "dp", "pp")
-DEFAULT_ORDER = "tp-cp-dp-pp"
-
-Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "round-robin"]
-SCHEDULES: tuple[str, ...] = Schedule.__args__  # type: ignore[attr-defined]
+Schedule = Literal[SCHEDULES]  # type: ignore[valid-type]
 
 # FSDP sharding-strategy names and the ZeRO stage each one behaves like (FSDP docs,
 # torch.distributed.fsdp.ShardingStrategy): NO_SHARD is DDP, SHARD_GRAD_OP shards gradients
@@ -31,20 +28,6 @@ FSDP_STAGE_NAMES = {
     "hybrid_shard": (3, True),
     "_hybrid_shard_zero2": (2, True),
 }
-
-
-def parse_order(order: str) -> tuple[str, ...]:
-    """Axis names of an order string, fastest first; unknown or repeated axes raise."""
-    names = tuple(part.strip() for part in order.split("-"))
-    unknown = [n for n in names if n not in AXES]
-    if unknown:
-        raise ValueError(
-            f"unknown axis {unknown[0]!r} in order {order!r} (axes: {', '.join(AXES)}, fastest first)"
-        )
-    repeated = sorted({n for n in names if names.count(n) > 1})
-    if repeated:
-        raise ValueError(f"axis {repeated[0]!r} appears twice in order {order!r}")
-    return names
 
 
 class ParallelSpec(Table):
@@ -81,12 +64,20 @@ class ParallelSpec(Table):
         return value
 
 
+ZERO_STAGES = ("0", "1", "2", "3")
+
+
 def _stage_from_name(value: object) -> object:
+    """An FSDP name, or a stage number written as a string (`stage = "3"`, as YAML and
+    environment variables give it) -> the stage number."""
     if isinstance(value, str):
         name = value.strip().lower()
+        if name in ZERO_STAGES:
+            return int(name)
         if name not in FSDP_STAGE_NAMES:
             raise ValueError(
-                f"unknown sharding {value!r} (0, 1, 2, 3 or one of {', '.join(FSDP_STAGE_NAMES)})"
+                f"unknown sharding {value!r}: write a stage number, stage = 0, 1, 2 or 3, "
+                f"or an FSDP name: {', '.join(repr(n) for n in FSDP_STAGE_NAMES)}"
             )
         return FSDP_STAGE_NAMES[name][0]
     return value
@@ -98,7 +89,7 @@ ZeroStage = Annotated[
     Field(ge=0, le=3),
     WithJsonSchema({"anyOf": [
         {"type": "integer", "minimum": 0, "maximum": 3},
-        {"type": "string", "enum": list(FSDP_STAGE_NAMES)},
+        {"type": "string", "enum": [*ZERO_STAGES, *FSDP_STAGE_NAMES]},
     ]}),
 ]
 
@@ -262,7 +253,10 @@ class ClusterSpec(Table):
         "(default: as many as dp*tp*pp*cp needs)"
     )
     gpus_per_node: Degree = Field(8, description="GPUs (ranks) per node")
-    gpu_memory: Size = Field(80 * 2**30, gt=0, description="memory of one GPU")
+    gpu_memory: Size = Field(
+        80 * 2**30, gt=0, description="memory of one GPU; `estimate` checks the fit only when the job states it "
+        "(here or through a cluster preset)"
+    )
     cpu_memory_per_node: Size = Field(2**40, gt=0, description="CPU RAM of one node")
     gpu: Optional[str] = Field(
         None, description="GPU hardware preset for the time model (`shardplan presets`: h100-sxm, a100-sxm-80gb, ...)"

@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 
 from .common import Count, Dim, Table
 from .errors import Problem
+from .names import SHAPE_KEYS, SOURCE_KEYS  # noqa: F401 (re-exported)
 
 Family = Literal["gpt2", "llama", "mistral", "mixtral", "qwen2", "gemma", "falcon", "phi3"]
 Norm = Literal["layernorm", "rmsnorm"]
@@ -54,15 +55,6 @@ FFN_MULTIPLIER_DEFAULT = {"gpt2": 4, "falcon": 4}
 # layer), low enough that planning stays interactive.
 MAX_LAYERS = 100_000
 MAX_EXPERTS = 4096
-
-SHAPE_KEYS = (
-    "family", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-    "ffn_hidden_size", "vocab_size", "max_seq_len", "tie_embeddings", "norm", "activation",
-    "position_embedding", "qkv_bias", "out_bias", "mlp_bias", "shared_layer_norm",
-    "num_experts", "experts_per_token",
-)
-SOURCE_KEYS = ("preset", "hf_config", "params")
-
 
 class ModelSpec(Table):
     """The model to plan for: a preset, a Hugging Face config.json, a parameter count, or a shape."""
@@ -164,10 +156,12 @@ class ModelShape:
 
     def __hash__(self) -> int:
         # Planner caches key on this frozen value: hash its fields once, not at every lookup.
-        cached = self.__dict__.get("_hash")
+        values = self.__dict__
+        cached = values.get("_hash")
         if cached is None:
-            cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
-            object.__setattr__(self, "_hash", cached)
+            names = type(self).__dict__.get("_field_names") or _field_names(type(self))
+            cached = hash(tuple(values[name] for name in names))
+            values["_hash"] = cached
         return cached
 
     @property
@@ -258,3 +252,10 @@ def resolve_shape(table: dict, where: str = "model") -> tuple[ModelShape | None,
         experts_per_token=top_k if num_experts > 1 else 1,
     )
     return shape, []
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    """The dataclass's field names, computed once per class (for its cached hash)."""
+    names = tuple(f.name for f in fields(cls))
+    setattr(cls, "_field_names", names)
+    return names

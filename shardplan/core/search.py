@@ -1,0 +1,477 @@
+"""`shardplan plan`: search the plans that fit, fastest first.
+
+The space (every key the job does not fix): the factorisations of the world into dp, tp, pp
+and cp that the model allows, sequence parallel, ZeRO stage 0-3 and hybrid sharding,
+recomputation, micro batch sizes with the accumulation that makes the global batch, the
+pipeline schedule with its virtual stages, the first and last stages' layers, and, only when
+nothing fits without, the offload modes the runtime executes.
+
+Each candidate goes through three gates, cheapest first, and only the last one costs a full
+evaluation:
+
+1. structure: the validation rules of `validate` that depend on the degrees alone (heads,
+   key/value heads, layers per stage, sequence divisibility, the schedule's microbatches);
+2. bounds: the model states a stage holds through the step, then those plus the saved
+   activations of stage 0 (both parts of every moment) against the GPU memory;
+3. the plan's exact figures: `core.memory.plan_figures` (equal to `estimate`'s, tested) and
+   the time model's step time.
+
+A rejected candidate counts under its reason; the fitting ones are ranked by step time (ties:
+less memory), and the closest misses are kept for when nothing fits.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from itertools import product
+from typing import Callable, Iterator
+
+from ..spec.model import ModelShape
+from .degrees import Degrees
+from .estimate import Coordinates, _activation_shape, _first_layer_bytes, _layer_bytes, _rank_params
+from .figures import rank_states_bytes
+from .estimate_inputs import EstimateInputs
+from .memory import PRESSURE, cpu_limit, plan_figures
+from .pipeline import split_layers, split_problem
+from .precision import element_bytes
+from .schedule import CHUNKED_SCHEDULES
+
+RECOMPUTE = ("none", "selective", "full")
+# What `shardplan run` executes (runtime/capabilities.py): the search's space under fsdp2.
+RUN_SCHEDULES = ("1f1b", "interleaved-1f1b")
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """Keys the job fixes (None: searched)."""
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    cp: int | None = None
+    sequence_parallel: bool | None = None
+    schedule: str | None = None
+    virtual: int | None = None
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    micro_batch: int | None = None
+    num_microbatches: int | None = None
+    zero_stage: int | None = None
+    hybrid: bool | None = None
+    recompute: str | None = None
+    offload: bool | None = None  # offload keys written: never searched
+
+
+@dataclass(frozen=True)
+class Space:
+    """What the search ranges over beside the fixed keys."""
+
+    world: int
+    global_batch: int  # sequences per optimizer step
+    runnable: bool = True  # only plans `shardplan run` executes (fsdp2)
+    offload: bool = True  # try the offload strategy when nothing fits without
+    max_microbatch: int = 64
+
+
+@dataclass(frozen=True)
+class Found:
+    """A plan that fits, with its figures: `asked` is the plan as a job states it, `inputs`
+    the plan after the offload strategy's decision (the same when nothing was offloaded)."""
+
+    inputs: EstimateInputs
+    peak_gpu_bytes: int
+    cpu_bytes_per_node: int
+    seconds: float
+    asked: EstimateInputs
+
+
+@dataclass(frozen=True)
+class Miss:
+    """A plan that does not fit, and by how much."""
+
+    inputs: EstimateInputs
+    peak_gpu_bytes: int
+    cpu_bytes_per_node: int
+    short_bytes: int  # beyond the GPU memory or the host limit
+    reason: str
+    at_least: bool = False  # only the model states were counted: short by at least this much
+
+
+@dataclass
+class SearchResult:
+    plans: list[Found]
+    evaluated: int
+    rejected: Counter = field(default_factory=Counter)
+    misses: list[Miss] = field(default_factory=list)
+    seconds: float = 0.0
+    offloaded: bool = False  # the plans needed offload: nothing fit without
+    fitting: int = 0  # plans that fit and were timed
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _options(fixed: int | None, values: list[int]) -> list[int]:
+    return [fixed] if fixed is not None else values
+
+
+def degree_options(shape: ModelShape, space: Space, fixed: Fixed, seq_len: int) -> Iterator[Degrees]:
+    """dp x tp x pp x cp = world, each allowed by the model (core/checks.py's rules): tp
+    divides the query heads and divides or is a multiple of the key/value heads (and, for
+    `run`, is at most them), pp at most the layers, cp splits the sequence into 2*cp
+    chunks (`run`: cp 1)."""
+    world = space.world
+    heads, kv = shape.num_heads, shape.num_kv_heads
+    for tp in _options(fixed.tp, divisors(world)):
+        if world % tp or heads % tp or (kv % tp and tp % kv) or (space.runnable and tp > kv):
+            continue
+        for cp in _options(fixed.cp, [1] if space.runnable else divisors(world // tp)):
+            if world % (tp * cp) or (cp > 1 and seq_len % (2 * cp)):
+                continue
+            for pp in _options(fixed.pp, divisors(world // (tp * cp))):
+                if world % (tp * cp * pp) or pp > shape.num_layers:
+                    continue
+                dp = world // (tp * cp * pp)
+                if fixed.dp is not None and dp != fixed.dp:
+                    continue
+                yield Degrees(dp=dp, tp=tp, pp=pp, cp=cp)
+
+
+def schedule_options(shape: ModelShape, pp: int, space: Space, fixed: Fixed) -> list[tuple[str, int, tuple[int, int]]]:
+    """(schedule, virtual stages, (first, last) stage layers) for pp stages. One stage runs
+    gradient accumulation: no schedule to choose. 1F1B takes uneven end stages: the first
+    holds the most microbatches and the last the loss, so one or two layers fewer there
+    (Megatron-LM's first/last pipeline layers; Llama 3 405B: one fewer on each). Interleaved
+    1F1B takes the virtual stages that divide the layers evenly (its validation rule)."""
+    if pp == 1:
+        return [(fixed.schedule or "1f1b", 1, (0, 0))]
+    schedules = [fixed.schedule] if fixed.schedule else list(RUN_SCHEDULES if space.runnable else
+                                                              ("1f1b", "interleaved-1f1b", "zero-bubble"))
+    out = []
+    layers = shape.num_layers
+    for schedule in schedules:
+        if schedule in CHUNKED_SCHEDULES:
+            virtuals = [fixed.virtual] if fixed.virtual else [v for v in range(2, layers // pp + 1)
+                                                              if layers % (pp * v) == 0 and v <= 8]
+            for v in virtuals:
+                if v > 1 and layers % (pp * v) == 0:
+                    out.append((schedule, v, (0, 0)))
+            continue
+        base = -(-layers // pp)
+        firsts = [fixed.first_stage_layers] if fixed.first_stage_layers is not None else sorted({0, base - 1, base - 2} - {-1})
+        lasts = [fixed.last_stage_layers] if fixed.last_stage_layers is not None else sorted({0, base - 1} - {-1})
+        for first, last in product(firsts, lasts):
+            if (first or last) and split_problem(layers, pp, first, last):
+                continue
+            if (first or last) and split_layers(layers, pp, first, last) == split_layers(layers, pp):
+                continue  # the same split as the even one
+            out.append((schedule, 1, (first, last)))
+    return out
+
+
+def batch_options(dp: int, pp: int, schedule: str, space: Space, fixed: Fixed) -> list[tuple[int, int]]:
+    """(micro batch, microbatches) making the global batch over dp ranks; pipelines need at
+    least pp microbatches (1F1B's warm-up), interleaved 1F1B a multiple of pp."""
+    if space.global_batch % dp:
+        return []
+    local = space.global_batch // dp
+    out = []
+    for mbs in _options(fixed.micro_batch, [d for d in divisors(local) if d <= space.max_microbatch]):
+        if local % mbs:
+            continue
+        m = local // mbs
+        if fixed.num_microbatches is not None and m != fixed.num_microbatches:
+            continue
+        if pp > 1 and (m < pp or (schedule == "interleaved-1f1b" and m % pp)):
+            continue
+        out.append((mbs, m))
+    return out
+
+
+def _hybrid_even(degrees: Degrees, order: str, gpus_per_node: int) -> bool:
+    """Hybrid sharding splits every shard group evenly over its nodes (core/layout.py)."""
+    from .estimate import _hybrid_degree
+    from ..spec.errors import PlanError
+
+    try:
+        _hybrid_degree(degrees, order, gpus_per_node)
+    except PlanError:
+        return False
+    return True
+
+
+def sharding_options(degrees: Degrees, nodes: int, space: Space, fixed: Fixed,
+                     framework: str, gpus_per_node: int = 8, order: str = "tp-cp-dp-pp") -> list[tuple[int, bool]]:
+    """(ZeRO stage, hybrid): stage 1 runs under DDP, which cannot wrap tensor-parallel
+    parameters (`run`); DeepSpeed's pipeline engine takes stages 0 and 1 only; hybrid
+    sharding needs stage 2 or 3 and more than one node."""
+    out = []
+    for stage in _options(fixed.zero_stage, [0, 1, 2, 3]):
+        if space.runnable and stage == 1 and degrees.tp > 1:
+            continue
+        if framework != "fsdp2" and degrees.pp > 1 and stage >= 2:
+            continue
+        # Hybrid differs from plain sharding only when the shard group (dp x cp, every tp*cp
+        # ranks apart in the default order) leaves the node.
+        spans = degrees.dp * degrees.cp > 1 and degrees.dp * degrees.cp * degrees.tp > gpus_per_node
+        hybrids = [fixed.hybrid] if fixed.hybrid is not None else ([False, True] if stage >= 2 and spans else [False])
+        out += [(stage, h) for h in hybrids
+                if not (h and (stage < 2 or nodes == 1 or not _hybrid_even(degrees, order, gpus_per_node)))]
+    return out
+
+
+def _states(inputs: EstimateInputs, stage: int) -> int:
+    """Parameters and optimizer states a stage's fullest rank holds on its GPU through the step."""
+    return rank_states_bytes(inputs, Coordinates(pp_rank=stage))
+
+
+def states_bound(inputs: EstimateInputs) -> int:
+    """The larger of stage 0's and the last stage's GPU model states: part of every moment of
+    that stage, so a lower bound of the plan's peak."""
+    return max(_states(inputs, 0), _states(inputs, inputs.degrees.pp - 1))
+
+
+def forward_bound(inputs: EstimateInputs) -> int:
+    """Stage 0's states and the saved activations of its first chunk's layers at the least it
+    holds them (1F1B-like schedules: min(pp, microbatches) microbatches; otherwise one): both
+    are in stage 0's `forward` moment, so a lower bound of the plan's peak."""
+    states = _states(inputs, 0)
+    if inputs.shape is None:
+        return states
+    eb = element_bytes(inputs.framework, inputs.precision, inputs.optimizer)
+    rp = _rank_params(inputs, Coordinates(pp_rank=0))
+    pp = inputs.degrees.pp
+    held = min(pp, inputs.num_microbatches) if pp > 1 and inputs.schedule in ("1f1b", "gpipe", "zero-bubble") else 1
+    first_chunk = rp.chunk_layers[0] if rp.chunk_layers else 0
+    act = _activation_shape(inputs, eb)
+    saved = first_chunk * _layer_bytes(act)
+    if first_chunk and act.lora is not None:  # LoRA's first layer keeps less (core/lora_activations.py)
+        saved += _first_layer_bytes(act) - _layer_bytes(act)
+    return states + held * saved
+
+
+def candidates(base: EstimateInputs, space: Space, fixed: Fixed, rejected: Counter,
+               bound: bool = True, too_big: Callable[[EstimateInputs, int, int], None] | None = None,
+               ) -> Iterator[list[EstimateInputs]]:
+    """Every structurally valid plan of the space, cheapest checks first, rejections counted:
+    in lists that differ only in the micro batch (ascending, the accumulation making the
+    global batch). `bound`: skip the (structure, sharding) groups whose model states alone
+    exceed the GPU, counting their plans and telling `too_big(plan, states, plans)`."""
+    shape = base.shape
+    assert shape is not None
+    gpn = base.gpus_per_node
+    nodes = -(-space.world // gpn)
+    for degrees in degree_options(shape, space, fixed, base.seq_len):
+        sps = [fixed.sequence_parallel] if fixed.sequence_parallel is not None else ([False, True] if degrees.tp > 1 else [False])
+        if degrees.tp > 1 and any(sp for sp in sps) and (base.seq_len // degrees.cp) % degrees.tp:
+            sps = [sp for sp in sps if not sp]
+        if space.runnable and shape.position_embedding == "learned":
+            sps = [sp for sp in sps if not sp]
+        for schedule, virtual, split in schedule_options(shape, degrees.pp, space, fixed):
+            batches = batch_options(degrees.dp, degrees.pp, schedule, space, fixed)
+            if not batches:
+                rejected["the global batch does not divide into microbatches"] += 1
+                continue
+            for stage, hybrid in sharding_options(degrees, nodes, space, fixed, base.framework, gpn, base.order):
+                keep = fixed.offload is not None  # the job's own offload stays as written
+                bare = base.with_(degrees=degrees, schedule=schedule, virtual=virtual, stage_split=split,
+                                  zero_stage=stage, hybrid=hybrid, micro_batch=1, num_microbatches=batches[0][1],
+                                  sequence_parallel=False, recompute="full",
+                                  offload_params=base.offload_params and keep, offload_grads=base.offload_grads and keep,
+                                  offload_optimizer=base.offload_optimizer and keep, strategy="conservative")
+                if bound and base.gpu_memory is not None:
+                    states = states_bound(bare)
+                    if states > base.gpu_memory:
+                        plans = len(batches) * len(sps) * len(_options(fixed.recompute, list(RECOMPUTE)))
+                        rejected[STATES] += plans
+                        if too_big is not None:
+                            too_big(bare, states, plans)
+                        continue
+                for recompute, sp in product(_options(fixed.recompute, list(RECOMPUTE)), sps):
+                    yield [bare.with_(recompute=recompute, sequence_parallel=sp, micro_batch=mbs, num_microbatches=m)
+                           for mbs, m in batches]
+
+
+def _with_offload(inputs: EstimateInputs, strategy: str) -> EstimateInputs:
+    """The plan left to the offload strategy (core/memory.py), which adds the offload modes
+    the runtime executes, cheapest first, only as far as the plan needs to fit."""
+    return inputs.with_(strategy=strategy)
+
+
+PRUNED = "slower than the plans found (lower bound of the step time)"
+SMALLER = "GPU memory (a smaller micro batch already does not fit)"
+STATES = "model states exceed the GPU memory"
+FORWARD = "GPU memory (states and stage 0's activations)"
+
+
+class _Walk:
+    """The search's state: the best plans so far, rejections, near misses, each group's
+    largest fitting micro batch. Every plan the walk reaches counts once in `evaluated` and
+    once either under a rejection reason or in `fitting` (tests/test_plan_cli.py)."""
+
+    def __init__(self, base: EstimateInputs, top_k: int, timer, progress, refine=None):
+        share = PRESSURE.get(base.strategy)  # the job's strategy keeps its headroom
+        self.capacity = base.gpu_memory
+        if self.capacity is not None and share is not None and share < 1:
+            self.capacity = int(share * self.capacity)
+        self.limit = cpu_limit(base)
+        self.top_k, self.timer, self.progress, self.refine = top_k, timer, progress, refine
+        self.result = SearchResult(plans=[], evaluated=0)
+        self.best: list[tuple] = []  # min-heap of (-seconds, -peak, -order, inputs, peak, host, asked)
+        self.misses: list[Miss] = []
+        self.order = 0
+        self.fits: dict[int, int] = {}  # group -> index of its largest fitting micro batch (-1: none)
+        self.checked: dict[tuple[int, int], tuple[bool, int, int, str]] = {}  # (group, index) -> memory()
+
+    def kth(self) -> float | None:
+        return -self.best[0][0] if len(self.best) == self.top_k else None
+
+    def miss(self, inputs: EstimateInputs, peak: int, host: int, short: int, reason: str) -> None:
+        self.misses.append(Miss(inputs, peak, host, short, reason))
+        if len(self.misses) > 4 * self.top_k:
+            self.misses.sort(key=lambda m: m.short_bytes)
+            del self.misses[2 * self.top_k:]
+
+    def too_big(self, inputs: EstimateInputs, states: int, plans: int) -> None:
+        """A group whose model states alone exceed the GPU: a miss by at least that much."""
+        self.misses.append(Miss(inputs, states, 0, states - (self.capacity or 0), "GPU memory", at_least=True))
+
+    def memory(self, inputs: EstimateInputs) -> tuple[bool, int, int, str]:
+        """(fits, peak, host, why not) of a plan; near misses are kept."""
+        if self.capacity is not None and max(forward_bound(inputs), states_bound(inputs)) > self.capacity:
+            return False, 0, 0, FORWARD
+        peak, host = plan_figures(inputs)
+        over_gpu = peak - self.capacity if self.capacity is not None else 0
+        over_host = host - self.limit
+        if over_gpu > 0 or over_host > 0:
+            reason = "GPU memory" if over_gpu > 0 else "host memory"
+            self.miss(inputs, peak, host, max(over_gpu, over_host), reason)
+            return False, peak, host, reason
+        return True, peak, host, ""
+
+    def checked_memory(self, group: int, index: int, inputs: EstimateInputs) -> tuple[bool, int, int, str]:
+        key = (group, index)
+        if key not in self.checked:
+            self.checked[key] = self.memory(inputs)
+        return self.checked[key]
+
+    def largest_fitting(self, group: int, plans: list[EstimateInputs]) -> int:
+        """Memory grows with the micro batch at a fixed accumulation rule (activations and the
+        loss's transients scale with it, the rest does not change; tests/test_plan.py): the
+        fitting micro batches are a prefix, found by binary search. A list's last plan with a
+        single microbatch is left out: it frees its gradients in forward and is tried alone."""
+        if group not in self.fits:
+            low, high, best = 0, len(plans) - 1, -1
+            while low <= high:
+                middle = (low + high) // 2
+                if self.checked_memory(group, middle, plans[middle])[0]:
+                    best, low = middle, middle + 1
+                else:
+                    high = middle - 1
+            self.fits[group] = best
+        return self.fits[group]
+
+    def reject(self, reason: str, count: int = 1) -> None:
+        self.result.rejected[reason] += count
+
+    def rank(self, inputs: EstimateInputs, asked: EstimateInputs | None = None, figures=None) -> None:
+        kth = self.kth()
+        if self.refine is not None and kth is not None and self.refine(inputs) > kth:
+            self.reject(PRUNED)
+            return
+        peak, host = figures if figures is not None else plan_figures(inputs)
+        seconds = self.timer(inputs)
+        self.order += 1
+        self.result.fitting += 1
+        item = (-seconds, -peak, -self.order, inputs, peak, host, asked or inputs)
+        if len(self.best) < self.top_k:
+            heapq.heappush(self.best, item)
+        elif item > self.best[0]:
+            heapq.heapreplace(self.best, item)
+
+    def tick(self, count: int = 1) -> None:
+        before = self.result.evaluated
+        self.result.evaluated += count
+        if self.progress and before // 256 != self.result.evaluated // 256:
+            self.progress(self.result.evaluated)
+
+
+def _keyed(groups: list[list[EstimateInputs]], bound) -> list[tuple[float, int, int, EstimateInputs]]:
+    keyed = [(bound(inputs) if bound else 0.0, g, i, inputs) for g, plans in enumerate(groups)
+             for i, inputs in enumerate(plans)]
+    keyed.sort(key=lambda k: k[:3])
+    return keyed
+
+
+def search(base: EstimateInputs, space: Space, fixed: Fixed, timer: Callable[[EstimateInputs], float],
+           top_k: int = 5, progress: Callable[[int], None] | None = None,
+           resolve: Callable[[EstimateInputs], EstimateInputs] | None = None,
+           bound: Callable[[EstimateInputs], float] | None = None,
+           refine: Callable[[EstimateInputs], float] | None = None) -> SearchResult:
+    """The `top_k` fastest plans that fit, best first. `timer` predicts a plan's step seconds;
+    `resolve` turns an offload candidate into the plan the offload strategy decides
+    (core.memory.estimate_memory's inputs), so its figures are the estimate's.
+
+    `bound` (branch and bound): a lower bound of `timer`, cheap to compute. Candidates are
+    taken in increasing order of it, and the walk stops when the bound of the next one exceeds
+    the `top_k`-th best time found: no later candidate can enter the ranking, so the result is
+    the exhaustive search's (tests/test_plan.py compares them). `refine`: a sharper lower bound,
+    dearer, checked before `timer` on the plans the walk reaches."""
+    start = time.perf_counter()
+    walk = _Walk(base, top_k, timer, progress, refine)
+    result = walk.result
+    groups = list(candidates(base, space, fixed, result.rejected, too_big=walk.too_big))
+    result.evaluated = sum(result.rejected.values())  # the plans the structure and states rejected
+    keyed = _keyed(groups, bound)
+    for position, (lower, g, i, inputs) in enumerate(keyed):
+        kth = walk.kth()
+        if bound is not None and kth is not None and lower > kth:
+            walk.reject(PRUNED, len(keyed) - position)
+            walk.tick(len(keyed) - position)
+            break
+        walk.tick()
+        plans = groups[g]
+        if inputs.num_microbatches == 1 and i == len(plans) - 1:  # the single-microbatch plan, alone
+            fits, peak, host, reason = walk.checked_memory(g, i, inputs)
+            if fits:
+                walk.rank(inputs, figures=(peak, host))
+            else:
+                walk.reject(reason)
+            continue
+        limit = walk.largest_fitting(g, plans[:-1] if plans[-1].num_microbatches == 1 else plans)
+        if i > limit:
+            walk.reject(walk.checked[(g, i)][3] if (g, i) in walk.checked else SMALLER)
+            continue
+        walk.rank(inputs)
+    if not walk.best and fixed.offload is None and space.offload and base.strategy != "conservative":
+        # Nothing fits as it is: the offload strategy adds the offload the runtime executes,
+        # cheapest first, only as far as each plan needs. Offload adds time, so the same bound
+        # still holds.
+        result.offloaded = True
+        strategy = base.strategy
+        groups = list(candidates(base, space, fixed, Counter(), bound=False))
+        keyed = _keyed(groups, bound)
+        for position, (lower, g, i, inputs) in enumerate(keyed):
+            kth = walk.kth()
+            if bound is not None and kth is not None and lower > kth:
+                walk.reject(PRUNED, len(keyed) - position)
+                walk.tick(len(keyed) - position)
+                break
+            walk.tick()
+            asked = _with_offload(inputs, strategy)
+            offloaded = resolve(asked) if resolve is not None else asked
+            fits, peak, host, reason = walk.memory(offloaded)
+            if fits:
+                walk.rank(offloaded, asked, figures=(peak, host))
+            else:
+                walk.reject(reason)
+    ranked = sorted(walk.best, reverse=True)
+    result.plans = [Found(inputs, peak, host, -neg, asked) for neg, _, _, inputs, peak, host, asked in ranked]
+    result.misses = sorted(walk.misses, key=lambda m: m.short_bytes)[:top_k]
+    result.seconds = time.perf_counter() - start
+    return result

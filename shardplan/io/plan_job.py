@@ -1,0 +1,88 @@
+"""A searched plan as job-file tables, and the job a search starts from.
+
+`plan_tables` gives the tables the search set (CONTRACT: `plan` JSON `job`, and `--write`),
+`written_job` the whole job file: the original document with those tables written over, so
+`validate`, `estimate`, `run` and `export` take it unchanged and `estimate` reproduces the
+plan's figures. `fixed_keys` reads which plan keys the job (its file, a preset, `--set`)
+gives explicitly: those stay fixed, the others are searched.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from ..core.estimate_inputs import EstimateInputs
+from ..core.search import Fixed
+from ..spec.job import JobSpec
+
+# The tables and keys the search may set; everything else in the job is kept as written.
+SEARCHED = {
+    "parallel": ("dp", "tp", "pp", "cp", "sequence_parallel", "pipeline_schedule", "virtual_stages",
+                 "first_stage_layers", "last_stage_layers", "micro_batch_size", "num_microbatches"),
+    "zero": ("stage", "hybrid"),
+    "train": ("activation_checkpointing", "global_batch_size"),
+    "offload": ("params", "grads", "optimizer"),
+}
+
+
+def plan_tables(inputs: EstimateInputs, global_batch: int) -> dict[str, dict[str, object]]:
+    """The tables the search set, for the JSON and the written job file."""
+    d = inputs.degrees
+    parallel: dict[str, object] = {"dp": d.dp, "tp": d.tp, "pp": d.pp, "cp": d.cp,
+                                   "sequence_parallel": inputs.sequence_parallel,
+                                   "micro_batch_size": inputs.micro_batch, "num_microbatches": inputs.num_microbatches}
+    if d.pp > 1:
+        parallel["pipeline_schedule"] = inputs.schedule
+        if inputs.virtual > 1:
+            parallel["virtual_stages"] = inputs.virtual
+        first, last = inputs.stage_split
+        if first:
+            parallel["first_stage_layers"] = first
+        if last:
+            parallel["last_stage_layers"] = last
+    tables: dict[str, dict[str, object]] = {
+        "parallel": parallel,
+        "zero": {"stage": inputs.zero_stage, "hybrid": inputs.hybrid},
+        "train": {"activation_checkpointing": inputs.recompute, "global_batch_size": global_batch},
+    }
+    # Offload the balanced strategy decided is the estimate's own decision again when the
+    # written job is estimated or run; only offload the plan itself asks for is written.
+    offload = {key: True for key, on in (("params", inputs.offload_params), ("grads", inputs.offload_grads),
+                                          ("optimizer", inputs.offload_optimizer)) if on}
+    if offload:
+        tables["offload"] = offload
+    return tables
+
+
+def written_job(document: dict, tables: dict[str, dict[str, object]]) -> dict:
+    """The job document with the plan's tables written over the keys the search sets."""
+    data = copy.deepcopy(document)
+    for table, keys in SEARCHED.items():
+        section = data.setdefault(table, {})
+        if not isinstance(section, dict):
+            section = data[table] = {}
+        for key in keys:
+            section.pop(key, None)
+        section.update(tables.get(table, {}))
+        if not section:
+            del data[table]
+    return data
+
+
+def fixed_keys(job: JobSpec) -> Fixed:
+    """The plan keys the job gives explicitly (pydantic's fields_set of each table)."""
+    par, zero, train, off = job.parallel, job.zero, job.train, job.offload
+
+    def given(table, key: str):
+        return getattr(table, key) if key in table.model_fields_set else None
+
+    offload_given = any(k in off.model_fields_set for k in ("params", "grads", "optimizer"))
+    return Fixed(
+        dp=given(par, "dp"), tp=given(par, "tp"), pp=given(par, "pp"), cp=given(par, "cp"),
+        sequence_parallel=given(par, "sequence_parallel"), schedule=given(par, "pipeline_schedule"),
+        virtual=given(par, "virtual_stages"), first_stage_layers=given(par, "first_stage_layers"),
+        last_stage_layers=given(par, "last_stage_layers"), micro_batch=given(par, "micro_batch_size"),
+        num_microbatches=given(par, "num_microbatches"), zero_stage=given(zero, "stage"),
+        hybrid=given(zero, "hybrid"), recompute=given(train, "activation_checkpointing"),
+        offload=True if offload_given else None,
+    )

@@ -1,0 +1,225 @@
+"""`shardplan plan` from a resolved job: the world, the global batch, the hardware, the fixed
+keys; the search; each plan's figures as `estimate` gives them; the job file of the best.
+
+A plan's figures are computed again by `estimate_memory` and the time model on the plan's
+inputs, which are the inputs `estimate` derives from the written job file: the two agree to
+the byte and the microsecond (tests/test_plan.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..core.degrees import Degrees
+from ..core.estimate_inputs import EstimateInputs, inputs_from_job
+from ..core.memory import Estimate, estimate_memory
+from ..core.search import Fixed, SearchResult, Space, search
+from ..spec.errors import InputError, Problem
+from ..spec.units import format_bytes
+from .files import read_document
+from .job import ResolvedJob
+from .overrides import apply_overrides
+from .plan_job import fixed_keys, plan_tables, written_job
+
+PROGRESS_AFTER = 0.3  # seconds before a search shows its progress bar
+
+
+@dataclass
+class PlanEntry:
+    """One plan with its figures, as `estimate` would print them."""
+
+    inputs: EstimateInputs
+    tables: dict[str, dict[str, object]]
+    estimate: Estimate
+    timing: object  # core.step_time.StepTime
+
+
+@dataclass
+class PlanOutcome:
+    resolved: ResolvedJob
+    document: dict
+    world: int
+    global_batch: int
+    gpu_memory: int
+    entries: list[PlanEntry]
+    result: SearchResult
+    fixed: Fixed
+    hardware: object = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def found(self) -> bool:
+        return bool(self.entries)
+
+    def miss_lines(self) -> list[str]:
+        """Nothing fits: the closest misses and what would take them under the GPU."""
+        lines = [f"plan: no plan of {self.world} GPUs fits (evaluated {self.result.evaluated}; "
+                 + ", ".join(f"{n} {reason}" for reason, n in self.result.rejected.most_common()) + ")"]
+        shown = set()
+        for miss in self.result.misses:
+            d = miss.inputs.degrees
+            key = (d, miss.inputs.zero_stage, miss.at_least or (miss.inputs.recompute, miss.inputs.micro_batch))
+            if key in shown:
+                continue
+            shown.add(key)
+            if len(shown) > 3:
+                break
+            what = "GPU" if miss.reason == "GPU memory" else "host"
+            detail = ("the model states alone are " if miss.at_least else
+                      f"{miss.inputs.recompute} recomputation, micro batch {miss.inputs.micro_batch}: ")
+            lines.append(f"plan: closest: dp {d.dp} tp {d.tp} pp {d.pp} cp {d.cp}, ZeRO {miss.inputs.zero_stage}, "
+                         f"{detail}{format_bytes(miss.short_bytes)} over the {what} memory")
+        lines += [f"plan: {note}" for note in self.notes]
+        return lines
+
+    def write_best(self, path: Path) -> None:
+        import tomli_w
+
+        best = self.entries[0]
+        data = written_job(self.document, best.tables)
+        _fit_cluster(data, self.world, self.resolved.job.cluster.gpus_per_node)
+        d = best.inputs.degrees
+        header = (f"# shardplan plan: the fastest of the plans that fit {self.world} GPUs: dp {d.dp} x tp {d.tp} "
+                  f"x pp {d.pp} x cp {d.cp}, {best.timing.step_seconds:.3f} s per step\n")
+        path.write_text(header + tomli_w.dumps(data), encoding="utf-8")
+
+
+def _fit_cluster(data: dict, world: int, gpus_per_node: int) -> None:
+    """A written `cluster.nodes` must multiply to the plan's world."""
+    cluster = data.get("cluster")
+    if isinstance(cluster, dict) and "nodes" in cluster:
+        if world % gpus_per_node == 0:
+            cluster["nodes"] = world // gpus_per_node
+        else:
+            del cluster["nodes"]
+
+
+def _world(resolved: ResolvedJob, gpus: int | None, nodes: int | None, fixed: Fixed) -> int:
+    cluster = resolved.job.cluster
+    if gpus is not None:
+        return gpus
+    if nodes is not None:
+        return nodes * cluster.gpus_per_node
+    if cluster.nodes is not None:
+        return cluster.nodes * cluster.gpus_per_node
+    if None not in (fixed.dp, fixed.tp, fixed.pp, fixed.cp):
+        return resolved.world
+    raise InputError(Problem("--gpus", "how many GPUs? give --gpus N or --nodes N (or [cluster] nodes)"))
+
+
+def _global_batch(resolved: ResolvedJob, global_batch: int | None, fixed: Fixed) -> int:
+    if global_batch is not None:
+        return global_batch
+    train, par = resolved.job.train, resolved.job.parallel
+    if train.global_batch_size:
+        return train.global_batch_size
+    if None not in (fixed.dp, fixed.micro_batch, fixed.num_microbatches):
+        return par.dp * par.micro_batch_size * par.num_microbatches
+    raise InputError(Problem("--global-batch", "how many sequences per optimizer step? give --global-batch B "
+                                               "(or train.global_batch_size)"))
+
+
+class _Progress:
+    """A rich progress bar on stderr, shown only when the search takes longer than a moment."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and sys.stderr.isatty()
+        self.start = time.perf_counter()
+        self.bar = None
+        self.task = None
+
+    def __call__(self, evaluated: int) -> None:
+        if not self.enabled or time.perf_counter() - self.start < PROGRESS_AFTER:
+            return
+        if self.bar is None:
+            from rich.console import Console
+            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(SpinnerColumn(), TextColumn("searching plans: {task.fields[n]:,} evaluated"),
+                                TimeElapsedColumn(), console=Console(file=sys.stderr), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("plan", n=0, total=None)
+        self.bar.update(self.task, n=evaluated)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None, global_batch: int | None,
+                    top: int, progress: bool = True, overrides=None) -> PlanOutcome:
+    from ..core.step_time import step_time, step_time_bound, step_time_refined_bound
+    from .hardware import hardware_of, lora_of
+
+    job, shape = resolved.job, resolved.shape
+    if shape is None:
+        raise InputError(Problem("model", "plan needs the model's architecture (a preset, hf_config or inline "
+                                          "shape), not a bare parameter count"))
+    if "gpu_memory" not in job.cluster.model_fields_set:
+        raise InputError(Problem("cluster.gpu_memory", "plan needs the GPU memory: set [cluster] gpu_memory or a "
+                                                       "cluster preset (--set cluster.preset=h100-80gb)"))
+    hardware = hardware_of(job.cluster)
+    if hardware is None:
+        raise InputError(Problem("cluster.gpu", "plan ranks plans by predicted step time and needs the GPU: set "
+                                                "[cluster] gpu (e.g. --set cluster.gpu=h100-sxm) or a cluster preset"))
+    fixed = fixed_keys(job)
+    world = _world(resolved, gpus, nodes, fixed)
+    batch = _global_batch(resolved, global_batch, fixed)
+    lora = lora_of(job.lora)
+    base = inputs_from_job(job, shape, True).with_(degrees=Degrees(dp=world))
+    space = Space(world=world, global_batch=batch, runnable=job.zero.framework == "fsdp2")
+
+    def timer(inputs: EstimateInputs) -> float:
+        return step_time(inputs, hardware, lora=lora).step_seconds
+
+    def resolve(inputs: EstimateInputs) -> EstimateInputs:
+        return estimate_memory(inputs).inputs
+
+    def bound(inputs: EstimateInputs) -> float:
+        return step_time_bound(inputs, hardware, lora=lora)
+
+    def refine(inputs: EstimateInputs) -> float:
+        return step_time_refined_bound(inputs, hardware, lora=lora)
+
+    bar = _Progress(progress)
+    try:
+        result = search(base, space, fixed, timer, top_k=top, progress=bar, resolve=resolve, bound=bound, refine=refine)
+    finally:
+        bar.close()
+    document = read_document(Path(resolved.file)).data if resolved.file else {}
+    document = apply_overrides(document, overrides or [])
+    entries = []
+    for found in result.plans:
+        estimate = estimate_memory(found.asked)  # what `estimate` does with the written job
+        timing = step_time(estimate.inputs, hardware, lora=lora)
+        entries.append(PlanEntry(estimate.inputs, plan_tables(found.asked, batch), estimate, timing))
+    outcome = PlanOutcome(resolved, document, world, batch, job.cluster.gpu_memory, entries, result, fixed, hardware)
+    if not entries:
+        outcome.notes += _what_it_would_take(base, space, fixed, timer, bound, refine, resolve)
+    return outcome
+
+
+def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer, bound, refine,
+                        resolve) -> list[str]:
+    """Nothing fits: what would, at this global batch. Offload first when the job's strategy
+    forbids it (the same GPUs), then the fewest GPUs, up to 64 times as many."""
+    notes = []
+
+    def fits(inputs: EstimateInputs, world: int, dp_fixed: bool) -> bool:
+        bigger = Space(world=world, global_batch=space.global_batch, runnable=space.runnable, offload=space.offload)
+        keep = fixed if dp_fixed else Fixed(**{**fixed.__dict__, "dp": None})
+        return bool(search(inputs.with_(degrees=Degrees(dp=world)), bigger, keep, timer, top_k=1,
+                           resolve=resolve, bound=bound, refine=refine).plans)
+
+    if base.strategy == "conservative" and fixed.offload is None and space.offload:
+        if fits(base.with_(strategy="balanced"), space.world, True):
+            notes.append(f'with offload (--set offload.strategy=balanced) a plan fits {space.world} GPUs')
+    for factor in (2, 4, 8, 16, 32, 64):
+        world = space.world * factor
+        if fits(base, world, False):
+            return notes + [f"with {world} GPUs (--gpus {world}) a plan fits at this global batch"]
+    return notes + [f"not even {64 * space.world} GPUs fit this global batch: lower the sequence length, "
+                    "or plan a smaller model"]

@@ -1,0 +1,119 @@
+"""Plans found by `shardplan plan` -> a table, or the contract's JSON."""
+
+from __future__ import annotations
+
+from rich.text import Text
+
+from ..spec.units import format_bytes
+
+
+def _sharding(inputs) -> str:
+    stage = f"ZeRO-{inputs.zero_stage}"
+    return stage + " hybrid" if inputs.hybrid else stage
+
+
+def _schedule(inputs) -> str:
+    d = inputs.degrees
+    if d.pp == 1:
+        return "-"
+    text = inputs.schedule + (f" v{inputs.virtual}" if inputs.virtual > 1 else "")
+    first, last = inputs.stage_split
+    if first or last:  # uneven end stages: the layers of the first, the others, the last
+        from ..core.pipeline import split_layers
+
+        counts = split_layers(inputs.shape.num_layers, d.pp, first, last)
+        middle = f"/{max(counts[1:-1])}" if d.pp > 2 else ""
+        text += f", layers {counts[0]}{middle}/{counts[-1]}"
+    return text
+
+
+def _offload(entry) -> str:
+    inputs = entry.inputs
+    kinds = [k for k, on in (("params", inputs.offload_params), ("grads", inputs.offload_grads),
+                             ("optimizer", inputs.offload_optimizer)) if on]
+    if not kinds:
+        return ""
+    resident = entry.estimate.assumptions.get("offload", {}).get("resident_layers")
+    layers = max(d.num_layers for d in entry.estimate.devices)
+    note = f" ({layers - max(resident)} of {layers} layers)" if inputs.offload_params and resident else ""
+    return "+".join(kinds) + note
+
+
+def plan_rows(outcome) -> tuple[list[str], list[list[str]]]:
+    headers = ["#", "dp", "tp", "pp", "cp", "sp", "sharding", "recompute", "mbs x acc", "schedule",
+               "peak GPU", "step s", "tok/s/GPU", "MFU", "bottleneck"]
+    if any(_offload(e) for e in outcome.entries):
+        headers.insert(10, "offload")
+    rows = []
+    for index, entry in enumerate(outcome.entries, 1):
+        inputs, t = entry.inputs, entry.timing
+        d = inputs.degrees
+        share = entry.estimate.peak_gpu_bytes / outcome.gpu_memory
+        row = [str(index), str(d.dp), str(d.tp), str(d.pp), str(d.cp), "yes" if inputs.sequence_parallel else "-",
+               _sharding(inputs), inputs.recompute, f"{inputs.micro_batch} x {inputs.num_microbatches}",
+               _schedule(inputs), f"{format_bytes(entry.estimate.peak_gpu_bytes)} ({share:.0%})",
+               f"{t.step_seconds:.3f}", f"{t.tokens_per_second_per_gpu:,.0f}", f"{t.mfu:.1%}", t.bottleneck]
+        if "offload" in headers:
+            row.insert(10, _offload(entry) or "-")
+        rows.append(row)
+    return headers, rows
+
+
+def print_plans(console, outcome) -> None:
+    """The table of plans, best first, then what the search did."""
+    result = outcome.result
+    name = outcome.resolved.model_name or "model"
+    lines = [Text(f"{name}: plans for {outcome.world} GPUs ({outcome.hardware.name}, "
+                  f"{format_bytes(outcome.gpu_memory)} each), global batch {outcome.global_batch} x "
+                  f"{outcome.resolved.job.train.seq_len} tokens, fastest first",
+                  style="bold")]
+    if outcome.entries:
+        headers, rows = plan_rows(outcome)
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+        right = {"#", "dp", "tp", "pp", "cp", "peak GPU", "step s", "tok/s/GPU", "MFU"}
+
+        def line(cells: list[str]) -> str:
+            return "  ".join(c.rjust(w) if headers[i] in right else c.ljust(w)
+                             for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+        lines.append(Text(line(headers)))
+        lines += [Text(line(r)) for r in rows]
+    searched = f"evaluated {result.evaluated:,} plans in {result.seconds:.2f} s"
+    if result.rejected:
+        searched += "; rejected: " + ", ".join(f"{n:,} {reason}" for reason, n in result.rejected.most_common())
+    lines.append(Text(searched, style="dim"))
+    if result.offloaded and outcome.entries:
+        lines.append(Text("nothing fits without offload: these plans offload as the balanced strategy decides",
+                          style="yellow"))
+    for line_ in lines:
+        console.print(line_, soft_wrap=True)
+
+
+def plan_document(outcome) -> dict:
+    """The contract's `plan` JSON: the plans best first, each with the job tables the search
+    set, its figures and its time; what was evaluated and rejected."""
+    from .time import time_document
+
+    plans = []
+    for entry in outcome.entries:
+        plans.append({
+            "job": entry.tables,
+            "peak_gpu_bytes": entry.estimate.peak_gpu_bytes,
+            "cpu_bytes_per_node": entry.estimate.cpu_bytes_per_node,
+            "time": time_document(entry.timing, False),
+        })
+    result = outcome.result
+    return {
+        "plans": plans,
+        "evaluated": result.evaluated,
+        "fitting": result.fitting,
+        "rejected": dict(result.rejected),
+        "seconds": result.seconds,
+        "world_size": outcome.world,
+        "global_batch_size": outcome.global_batch,
+        "offloaded": result.offloaded,
+        "misses": [{"job_degrees": {"dp": m.inputs.degrees.dp, "tp": m.inputs.degrees.tp, "pp": m.inputs.degrees.pp,
+                                    "cp": m.inputs.degrees.cp}, "zero_stage": m.inputs.zero_stage,
+                    "activation_checkpointing": m.inputs.recompute, "micro_batch_size": m.inputs.micro_batch,
+                    "short_bytes": m.short_bytes, "reason": m.reason} for m in result.misses] if not plans else [],
+    }

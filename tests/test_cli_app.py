@@ -1,0 +1,153 @@
+"""The application shell: `--version` without typer, one command's module per run, `--debug`
+anywhere, shell completion, and `validate --json`'s error member."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, run_cli
+from shardplan import __version__
+from shardplan.cli.app import COMMANDS, command_names
+
+
+def _python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    environment = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    environment.pop("WORLD_SIZE", None)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=environment,
+                          timeout=120)
+
+
+def test_version_is_answered_before_typer_and_pydantic_load():
+    proc = _python("import sys; from shardplan.cli.app import main; code = main(['--version']); "
+                   "print(sorted(m for m in ('typer', 'pydantic', 'rich') if m in sys.modules)); sys.exit(code)")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [f"shardplan {__version__}", "[]"]
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--debug", "--version"]])
+def test_version_in_process(argv):
+    result = run_cli(*argv)
+    assert (result.code, result.out) == (0, f"shardplan {__version__}\n")
+
+
+def test_a_command_imports_only_its_own_module():
+    # A heavy command (run, presets' pygments, a future exporter) costs the others nothing.
+    proc = _python(
+        "import sys, io, contextlib; from shardplan.cli.app import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()): code = main(['estimate', 'llama-3-8b-h100', '--json'])\n"
+        "print(sorted(m.split('.')[-1] for m in sys.modules if m.startswith('shardplan.cli.') and m.endswith('_cmd')))\n"
+        "sys.exit(code)")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "['estimate_cmd']", proc.stdout
+
+
+def test_a_schedule_from_flags_never_reads_a_job():
+    proc = _python(
+        "import sys, io, contextlib; from shardplan.cli.app import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    code = main(['schedule', '--pp', '4', '--microbatches', '8', '--schedule', '1f1b'])\n"
+        "print([m for m in ('shardplan.spec.job', 'shardplan.io.job', 'rich.console') if m in sys.modules])\n"
+        "sys.exit(code)")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["estimate", "job.toml"], ["estimate"]),
+    (["--debug", "layout", "--dp", "2"], ["layout"]),
+    (["--help"], list(COMMANDS)),
+    ([], list(COMMANDS)),
+    (["estimat"], list(COMMANDS)),  # click's "did you mean" needs every name
+    (["--bogus", "estimate"], list(COMMANDS)),
+    (["-h", "estimate"], list(COMMANDS)),
+    (["estimate", "--help"], ["estimate"]),
+])
+def test_which_commands_are_built(argv, expected):
+    assert command_names(argv) == expected
+
+
+def test_every_command_is_listed_in_help():
+    result = run_cli("--help")
+    for name in COMMANDS:
+        assert name in result.out
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_debug_before_or_after_the_command(where, write):
+    job = write("job.toml", "[parallel]\ndp = 0\n")
+    argv = ["--debug", "estimate", job] if where == "before" else ["estimate", job, "--debug"]
+    with pytest.raises(Exception) as raised:  # --debug lets the error through with its traceback
+        run_cli(*argv)
+    assert "parallel.dp: must be >= 1" in str(raised.value)
+    assert "SHARDPLAN_DEBUG" not in os.environ  # restored for the next caller
+
+
+def test_debug_after_the_command_in_a_process(write):
+    job = write("job.toml", "[parallel]\ndp = 0\n")
+    proc = subprocess.run([sys.executable, "-m", "shardplan", "estimate", job, "--debug"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode != 0 and "Traceback" in proc.stderr and "No such option" not in proc.stderr
+
+
+def test_show_completion_prints_a_script():
+    proc = subprocess.run([sys.executable, "-m", "shardplan", "--show-completion", "bash"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120,
+                          env=dict(os.environ, _TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION="1"))
+    assert proc.returncode == 0, proc.stderr
+    assert "_SHARDPLAN_COMPLETE=complete_bash" in proc.stdout
+
+
+def test_install_completion_writes_the_script(tmp_path):
+    env = dict(os.environ, HOME=str(tmp_path), _TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION="1")
+    proc = subprocess.run([sys.executable, "-m", "shardplan", "--install-completion", "bash"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    script = tmp_path / ".bash_completions" / "shardplan.sh"
+    assert "_SHARDPLAN_COMPLETE" in script.read_text()
+    assert str(script) in (tmp_path / ".bashrc").read_text()
+
+
+def test_completion_builds_only_the_command_typed(monkeypatch):
+    monkeypatch.setenv("_SHARDPLAN_COMPLETE", "complete_bash")
+    monkeypatch.setenv("COMP_WORDS", "shardplan estimate --ex")
+    monkeypatch.setenv("COMP_CWORD", "2")
+    assert command_names([]) == ["estimate"]
+    monkeypatch.setenv("COMP_WORDS", "shardplan est")
+    monkeypatch.setenv("COMP_CWORD", "1")
+    assert command_names([]) == list(COMMANDS)  # completing the name itself
+    monkeypatch.delenv("COMP_WORDS")
+    monkeypatch.setenv("_SHARDPLAN_COMPLETE", "complete_zsh")
+    monkeypatch.setenv("_TYPER_COMPLETE_ARGS", "shardplan schedule --sch")
+    assert command_names([]) == ["schedule"]
+    monkeypatch.setenv("_TYPER_COMPLETE_ARGS", "shardplan sche")
+    assert command_names([]) == list(COMMANDS)
+
+
+@pytest.mark.parametrize("words, cword, expected", [
+    ("shardplan est", 1, "estimate"),
+    ("shardplan estimate --ex", 2, "--explain"),
+    ("shardplan schedule --sched", 2, "--schedule"),
+])
+def test_completion_answers(words, cword, expected):
+    env = dict(os.environ, _SHARDPLAN_COMPLETE="complete_bash", COMP_WORDS=words, COMP_CWORD=str(cword))
+    proc = subprocess.run([sys.executable, "-m", "shardplan"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert expected in proc.stdout.split()
+
+
+def test_validate_json_carries_the_error_document(write):
+    good = write("good.toml", "[parallel]\ndp = 2\n")
+    bad = write("bad.toml", "[parallel]\ndp = 0\n[train]\nseq_len = 0\n")
+    result = run_cli("validate", good, bad, "--json")
+    assert result.code == 2
+    doc = result.json
+    assert doc["valid"] is False and [f["valid"] for f in doc["files"]] == [True, False]
+    assert doc["error"]["exit_code"] == 2
+    assert [(p["file"], p["line"], p["path"]) for p in doc["error"]["problems"]] == [
+        (bad, 2, "parallel.dp"), (bad, 4, "train.seq_len")]
+    assert "error" not in run_cli("validate", good, "--json").json

@@ -1,0 +1,196 @@
+"""What a new user reads: a config.json where a job goes, preset names where a job goes, keys in
+the wrong table, stage numbers as strings, every problem of a file at once, the ranks column,
+an empty [model] table and an unstated GPU memory."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from conftest import DATA, ROOT, run_cli
+from shardplan.render.estimate import _ranks
+
+LLAMA_CONFIG = DATA / "hf_configs" / "llama-3-8b.json"
+
+
+# --- a Hugging Face config.json where a job file goes ------------------------------------
+
+def test_config_json_is_planned_as_the_model(tmp_path, write):
+    config = tmp_path / "config.json"
+    shutil.copy(LLAMA_CONFIG, config)
+    direct = run_cli("estimate", str(config), "--json")
+    assert direct.code == 0, direct.err
+    assert direct.err_lines[0] == (f"{config}: note: a Hugging Face config.json (llama): planned as the model of "
+                                   "a job with default tables, as [model] hf_config = 'config.json' would")
+    assert not any("unknown key" in line for line in direct.err_lines)
+    # The same numbers as the job that names it.
+    job = write("job.toml", '[model]\nhf_config = "config.json"\n')
+    named = run_cli("estimate", job, "--json")
+    assert direct.json["params"] == named.json["params"]
+    assert direct.json["peak_gpu_bytes"] == named.json["peak_gpu_bytes"]
+
+
+def test_config_json_path_is_the_one_given(tmp_path, monkeypatch):
+    (tmp_path / "models").mkdir()
+    shutil.copy(LLAMA_CONFIG, tmp_path / "models" / "config.json")
+    monkeypatch.chdir(tmp_path)
+    result = run_cli("validate", "models/config.json", "--set", "parallel.tp=3")
+    assert result.code == 2
+    assert result.err_lines[0].startswith("models/config.json: note: a Hugging Face config.json (llama)")
+    assert "parallel.tp: 3 does not divide model.num_heads (32)" in result.err
+
+
+def test_an_unsupported_config_json_says_what_it_was_read_as(write):
+    config = write("config.json", '{"model_type": "bert", "hidden_size": 8}')
+    result = run_cli("estimate", config)
+    assert result.code == 2
+    assert "note: a Hugging Face config.json (bert)" in result.err_lines[0]
+    assert "model_type: 'bert' is not supported" in result.err_lines[1]
+
+
+def test_a_json_job_is_not_taken_for_a_config(write):
+    job = write("job.json", '{"parallel": {"dp": 2}, "model_type": "llama"}')
+    result = run_cli("validate", job)
+    assert result.code == 2 and "model_type: unknown key" in result.err and "note:" not in result.err
+
+
+# --- preset names where a job goes -------------------------------------------------------
+
+@pytest.mark.parametrize("name, hint", [
+    ("llama-3-8b", "llama-3-8b: no such file or job preset; llama-3-8b is a model preset: give it as "
+                   "--set model.preset=llama-3-8b"),
+    ("h100-80gb", "h100-80gb: no such file or job preset; h100-80gb is a cluster preset: give it as "
+                  "--set cluster.preset=h100-80gb"),
+    ("llama-3-8b-h10", "llama-3-8b-h10: no such file or job preset (did you mean 'llama-3-8b-h100'?)"),
+    ("qwerty", "qwerty: no such file or job preset (see `shardplan presets`)"),
+])
+def test_a_name_that_is_no_job(name, hint):
+    result = run_cli("estimate", name)
+    assert (result.code, result.err_lines) == (2, [hint])
+
+
+def test_the_hint_works():
+    assert run_cli("estimate", "--set", "model.preset=llama-3-8b").code == 0
+
+
+# --- keys in the wrong table -------------------------------------------------------------
+
+@pytest.mark.parametrize("text, line", [
+    ("[train]\nmicro_batch_size = 2\n", "train.micro_batch_size: unknown key (it belongs in [parallel]: "
+                                        "parallel.micro_batch_size)"),
+    ("micro_batch_size = 2\n", "micro_batch_size: unknown key (it belongs in [parallel]: parallel.micro_batch_size)"),
+    ("[parallel]\nseq_len = 4096\n", "parallel.seq_len: unknown key (it belongs in [train]: train.seq_len)"),
+    ("[offload]\nstage = 3\n", "offload.stage: unknown key (it belongs in [zero]: zero.stage)"),
+    ("[train]\nmicro_batch = 2\n", "train.micro_batch: unknown key (did you mean 'parallel.micro_batch_size'?)"),
+    # A misspelling in its own table keeps its own hint.
+    ("[parallel]\nsequence_paralel = true\n", "parallel.sequence_paralel: unknown key (did you mean "
+                                              "'sequence_parallel'?)"),
+])
+def test_a_key_in_the_wrong_table_names_its_table(text, line, write):
+    path = write("job.toml", text)
+    result = run_cli("validate", path)
+    assert result.code == 2
+    assert result.err_lines[0].endswith(line), result.err
+
+
+def test_a_key_set_in_the_wrong_table():
+    result = run_cli("validate", "llama-3-8b-h100", "--set", "train.micro_batch_size=2")
+    assert result.err_lines == ["--set: train.micro_batch_size: unknown key (it belongs in [parallel]: "
+                                "parallel.micro_batch_size)"]
+
+
+# --- zero.stage as a string --------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", ["0", "1", "2", "3", " 3 "])
+def test_stage_numbers_as_strings(stage, write):
+    quoted = run_cli("estimate", write("q.toml", f'[model]\npreset = "gpt2"\n[zero]\nstage = "{stage}"\n'), "--json")
+    number = run_cli("estimate", write("n.toml", f'[model]\npreset = "gpt2"\n[zero]\nstage = {stage.strip()}\n'),
+                     "--json")
+    assert quoted.code == number.code == 0, quoted.err
+    assert quoted.json == number.json
+
+
+def test_an_unknown_stage_name_says_what_to_write(write):
+    job = write("job.toml", '[zero]\nstage = "full"\n')
+    result = run_cli("validate", job)
+    assert result.err_lines == [
+        f"{job}:2: zero.stage: unknown sharding 'full': write a stage number, stage = 0, 1, 2 or 3, or an FSDP "
+        "name: 'no_shard', 'shard_grad_op', 'full_shard', 'hybrid_shard', '_hybrid_shard_zero2'"]
+
+
+# --- every problem of a file at once -----------------------------------------------------
+
+def test_a_model_problem_hides_nothing(write):
+    job = write("job.toml", '[model]\npreset = "llama-3-9b"\n\n[parallel]\ndp = 2\ntp = 3\npp = 4\n'
+                            'num_microbatches = 2\n\n[offload]\nparams = true\n')
+    result = run_cli("validate", job, "--world", "16")
+    assert result.code == 2
+    paths = [line.split(": ")[1] for line in result.err_lines]
+    assert paths == ["model.preset", "parallel", "parallel.num_microbatches", "warning", "offload.params"], result.err
+    assert "did you mean 'llama-3-8b'" in result.err_lines[0]
+
+
+def test_a_broken_config_json_hides_nothing(write):
+    write("config.json", '{"model_type": "llama"}')
+    job = write("job.toml", '[model]\nhf_config = "config.json"\n[parallel]\ndp = 2\ntp = 4\n')
+    result = run_cli("validate", job, "--world", "6")
+    assert "num_hidden_layers: required" in result.err
+    assert "dp(2) * tp(4) * pp(1) * cp(1) = 8 != world size 6 (from --world)" in result.err
+
+
+def test_an_unknown_cluster_preset_and_model_together(write):
+    job = write("job.toml", '[cluster]\npreset = "h100"\n[model]\npreset = "llama-9b"\n')
+    result = run_cli("validate", job)
+    assert [line.split(": ")[1] for line in result.err_lines] == ["cluster.preset", "model.preset"]
+
+
+# --- the ranks column --------------------------------------------------------------------
+
+@pytest.mark.parametrize("ranks, shown", [
+    ([0], "0"), ([0, 1], "0-1"), (list(range(8)), "0-7"), (list(range(8, 16)), "8-15"), ([0, 8], "0,8"),
+    ([0, 1, 2, 3, 8, 9, 10, 11], "0-3,8-11"), ([0, 4, 8], "0,4,8"), (list(range(0, 64, 4)), "0,4,..,60"),
+])
+def test_ranks_are_always_ranks(ranks, shown):
+    assert _ranks(ranks) == shown
+
+
+def test_the_estimate_table_shows_ranks_on_every_row():
+    result = run_cli("estimate", "llama-2-70b-3d")  # pp 4 x 16 ranks a stage (presets/jobs)
+    rows = [line.split() for line in result.out.splitlines()[2:6]]
+    assert [row[:2] for row in rows] == [["0", "0-15"], ["1", "16-31"], ["2", "32-47"], ["3", "48-63"]]
+
+
+# --- an empty [model] table, an unstated GPU memory --------------------------------------
+
+def test_an_empty_model_table_is_warned_about(write):
+    job = write("job.toml", "[model]\n[parallel]\ndp = 2\n")
+    result = run_cli("validate", job)
+    assert result.code == 0
+    assert result.err_lines == [f"{job}:1: warning: model: the table names no model, so nothing model-dependent "
+                                "is checked (give preset, hf_config, params, or an inline shape with family)"]
+    assert run_cli("validate", write("none.toml", "[parallel]\ndp = 2\n")).err == ""  # no table: no claim
+
+
+def test_the_fit_is_checked_only_against_a_stated_gpu_memory(write):
+    unstated = run_cli("estimate", write("a.toml", '[model]\npreset = "gpt2"\n'), "--json").json
+    assert unstated["fits"] is None and unstated["gpu_memory"] is None
+    text = run_cli("estimate", write("b.toml", '[model]\npreset = "gpt2"\n')).out
+    assert "(no GPU memory stated: set cluster.gpu_memory or [cluster] preset to check the fit)" in text
+    stated = run_cli("estimate", write("c.toml", '[model]\npreset = "gpt2"\n[cluster]\ngpu_memory = "80GiB"\n'),
+                     "--json").json
+    assert stated["fits"] is True and stated["gpu_memory"] == 80 * 2**30
+
+
+def test_a_budget_is_not_checked_against_an_unstated_gpu_memory(write):
+    # 90 GiB of parameters on the GPU: no GPU memory stated, nothing to exceed.
+    assert run_cli("validate", write("a.toml", '[offload]\ngpu_param_budget = "90GiB"\n')).code == 0
+    stated = run_cli("validate", write("b.toml", '[offload]\ngpu_param_budget = "90GiB"\n'
+                                                 '[cluster]\ngpu_memory = "80GiB"\n'))
+    assert stated.code == 2 and "exceeds cluster.gpu_memory (80.00 GiB)" in stated.err
+
+
+def test_the_docs_state_no_gpu_memory_default():
+    row = next(line for line in (ROOT / "docs" / "job-file.md").read_text().splitlines()
+               if line.startswith("| `gpu_memory`"))
+    assert "80GiB" not in row and "checked only when given" in row

@@ -1,0 +1,144 @@
+"""`shardplan plan` as a user runs it: the CONTRACT's JSON, a written job that every other
+command takes unchanged and whose estimate is the plan's to the byte and the microsecond, keys
+the job fixes, exit 1 with the closest misses, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_cli
+
+JOB = """
+[model]
+preset = "llama-3-8b"
+[train]
+seq_len = 8192
+[cluster]
+preset = "h100-80gb"
+"""
+ARGS = ("--gpus", "8", "--global-batch", "64")
+PLAN_KEYS = {"job", "peak_gpu_bytes", "cpu_bytes_per_node", "time"}
+
+
+@pytest.fixture
+def job(write):
+    return write("job.toml", JOB)
+
+
+def test_json_document(job):
+    result = run_cli("plan", job, *ARGS, "--top", "4", "--json")
+    assert result.code == 0, result.err
+    doc = result.json
+    assert {"plans", "evaluated", "rejected", "seconds"} <= set(doc)
+    assert len(doc["plans"]) == 4
+    for plan in doc["plans"]:
+        assert PLAN_KEYS <= set(plan)
+        assert {"parallel", "zero", "train"} <= set(plan["job"])
+        p = plan["job"]["parallel"]
+        assert p["dp"] * p["tp"] * p["pp"] * p["cp"] == 8
+        assert p["dp"] * p["micro_batch_size"] * p["num_microbatches"] == 64
+        assert plan["peak_gpu_bytes"] <= 80 * 2**30
+    seconds = [plan["time"]["step_seconds"] for plan in doc["plans"]]
+    assert seconds == sorted(seconds)
+    # Every plan counted once: rejected for one reason, or fitting (and timed).
+    assert doc["evaluated"] == sum(doc["rejected"].values()) + doc["fitting"]
+    assert doc["fitting"] >= 4
+
+
+def test_written_job_is_the_plan(job, tmp_path):
+    """`--write` saves the best plan; `estimate` on it gives the plan's figures exactly, and
+    `validate` and `export` take it as it is."""
+    out = tmp_path / "best.toml"
+    result = run_cli("plan", job, *ARGS, "--json", "--write", str(out))
+    assert result.code == 0, result.err
+    best = result.json["plans"][0]
+    estimate = run_cli("estimate", str(out), "--json")
+    assert estimate.code == 0, estimate.err
+    doc = estimate.json
+    assert doc["peak_gpu_bytes"] == best["peak_gpu_bytes"]
+    assert doc["cpu_bytes_per_node"] == best["cpu_bytes_per_node"]
+    assert doc["time"]["step_seconds"] == best["time"]["step_seconds"]
+    assert doc["time"]["mfu"] == best["time"]["mfu"]
+    assert doc["fits"] is True
+    assert run_cli("validate", str(out)).code == 0
+    for target in ("deepspeed", "torchtitan", "accelerate", "megatron"):
+        exported = run_cli("export", str(out), "--to", target, "-o", str(tmp_path / f"cfg.{target}"))
+        assert exported.code == 0, (target, exported.err)
+    # What the job said is still there; the searched keys are the plan's.
+    text = out.read_text()
+    assert 'preset = "llama-3-8b"' in text and "seq_len = 8192" in text
+    assert f"dp = {best['job']['parallel']['dp']}" in text
+
+
+def test_written_job_runs(write, tmp_path):
+    """A plan for the framework `run` executes passes run's own capability check."""
+    from shardplan.io.job import load_job
+    from shardplan.runtime.capabilities import unsupported
+
+    job = write("tiny.toml", '[model]\npreset = "tiny-llama"\n[train]\nseq_len = 128\n'
+                             '[cluster]\ngpu = "h100-sxm"\ngpus_per_node = 4\n')
+    out = tmp_path / "best.toml"
+    result = run_cli("plan", job, "--gpus", "4", "--global-batch", "16", "--top", "10", "--json", "--write", str(out))
+    assert result.code == 0, result.err
+    assert unsupported(load_job(str(out))) == []
+
+
+def test_fixed_keys_stay(write):
+    job = write("job.toml", JOB + "[parallel]\ntp = 2\n[zero]\nstage = 3\n")
+    doc = run_cli("plan", job, *ARGS, "--json").json
+    assert doc["plans"]
+    for plan in doc["plans"]:
+        assert plan["job"]["parallel"]["tp"] == 2 and plan["job"]["zero"]["stage"] == 3
+
+
+def test_global_batch_from_the_job(write):
+    job = write("job.toml", JOB.replace("seq_len = 8192", "seq_len = 8192\nglobal_batch_size = 32"))
+    doc = run_cli("plan", job, "--nodes", "1", "--json").json
+    for plan in doc["plans"]:
+        p = plan["job"]["parallel"]
+        assert p["dp"] * p["micro_batch_size"] * p["num_microbatches"] == 32
+
+
+def test_table(job):
+    result = run_cli("plan", job, *ARGS, "--top", "3")
+    assert result.code == 0
+    lines = result.out.splitlines()
+    assert lines[0].startswith("llama-3-8b: plans for 8 GPUs")
+    assert lines[1].split()[:5] == ["#", "dp", "tp", "pp", "cp"]
+    assert [line.split()[0] for line in lines[2:5]] == ["1", "2", "3"]
+    assert "evaluated" in lines[5]
+
+
+def test_nothing_fits(write):
+    job = write("job.toml", JOB.replace("llama-3-8b", "llama-3-70b") + "[offload]\nstrategy = \"conservative\"\n")
+    result = run_cli("plan", job, "--gpus", "1", "--global-batch", "8")
+    assert result.code == 1
+    assert "no plan of 1 GPUs fits" in result.err
+    assert "closest:" in result.err
+    assert "--gpus" in result.err  # what it would take
+    doc = run_cli("plan", job, "--gpus", "1", "--global-batch", "8", "--json")
+    assert doc.code == 1 and doc.json["plans"] == [] and doc.json["misses"]
+
+
+@pytest.mark.parametrize("extra,text,message", [
+    (("--gpus", "8", "--nodes", "1", "--global-batch", "8"), JOB, "not both"),
+    (("--global-batch", "8"), JOB, "how many GPUs"),
+    (("--gpus", "8"), JOB, "how many sequences"),
+    (("--gpus", "8", "--global-batch", "8"), '[model]\npreset = "llama-3-8b"\n[cluster]\ngpu_memory = "80GiB"\n',
+     "needs the GPU"),
+    (("--gpus", "8", "--global-batch", "8"), '[model]\npreset = "llama-3-8b"\n', "GPU memory"),
+    (("--gpus", "8", "--global-batch", "8"), '[model]\nparams = 8000000000\n[cluster]\npreset = "h100-80gb"\n',
+     "architecture"),
+    (("--gpus", "0", "--global-batch", "8"), JOB, "--gpus"),
+    (("--gpus", "8", "--global-batch", "8", "--top", "0"), JOB, "--top"),
+])
+def test_bad_input(write, extra, text, message):
+    job = write("job.toml", text)
+    result = run_cli("plan", job, *extra)
+    assert result.code == 2, result.err
+    assert message in result.err
+    assert "Traceback" not in result.err
+    doc = run_cli("plan", job, *extra, "--json")
+    assert doc.code == 2 and json.loads(doc.out)["error"]["exit_code"] == 2
