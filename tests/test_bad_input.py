@@ -198,7 +198,10 @@ OWN_ARGUMENT_CASES = [
     (["run", "tiny-gpt2-cpu", "--nproc", "3"], "--nproc: 3 workers, but dp(2) * tp(1) * pp(1) * cp(1) = 2"),
     (["run", "tiny-gpt2-cpu", "--set", "parallel.cp=2", "--dp", "1"], "parallel.cp: context parallelism is not executed"),
     (["run", "tiny-gpt2-cpu", "--params", "1B"], "model: `run` needs an architecture"),
-    (["run", "tiny-gpt2-cpu", "--set", "offload.cpu_compression=int8"], "offload.cpu_compression: int8 compression"),
+    (["run", "tiny-gpt2-cpu", "--set", "offload.grads=true"], "offload.grads: gradients on the CPU serve only"),
+    (["estimate", "tiny-gpt2-cpu", "--set", "offload.grads=true"], "offload.grads: gradients on the CPU serve only"),
+    (["run", "tiny-gpt2-cpu", "--set", "offload.optimizer=true", "--set", "train.optimizer=adamw8bit"],
+     "offload.optimizer: the offload engine steps adamw and sgd"),
     (["run", "tiny-gpt2-cpu", "--set", "offload.overlap=false"], "offload.overlap: FSDP2 always prefetches"),
     (["run", "tiny-gpt2-cpu", "--set", "model.preset=mixtral-8x7b"], "model: `run` builds GPT-2 and Llama-style "
                                                                     "models, not mixture-of-experts layers"),

@@ -12,11 +12,12 @@ from collections import Counter
 
 import pytest
 from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from shardplan.core.degrees import Degrees
 from shardplan.core.estimate_inputs import EstimateInputs, default_cpu_budget
 from shardplan.core.hardware import TimeConstants
-from shardplan.core.memory import cpu_limit, estimate_memory, plan_figures
+from shardplan.core.memory import cpu_limit, estimate_memory, plan_figures, resolve_offload
 from shardplan.core.search import Fixed, Space, candidates, forward_bound, search, states_bound
 from shardplan.core.step_time import step_time, step_time_bound, step_time_refined_bound
 from test_plan_figures import SHAPES, plans
@@ -77,6 +78,29 @@ def test_branch_and_bound_returns_the_exhaustive_ranking(name, world, batch, run
     assert pruned.rejected["slower than the plans found (lower bound of the step time)"] > pruned.evaluated / 2
 
 
+def test_offload_search_returns_the_exhaustive_ranking():
+    """Nothing fits without offload: the search's second phase (each plan offloaded as the
+    balanced strategy decides, the micro batches' fit found by binary search, the floor and
+    time bounds) returns what timing every offloaded plan returns."""
+    base = small_base("llama", 8, 560 * MiB).with_(strategy="balanced")
+    space = Space(world=8, global_batch=32)
+    timer, bound, refine = timers()
+    fitting = []
+    for group in candidates(base, space, Fixed(), Counter(), bound=False):
+        for plan in group:
+            resolved = resolve_offload(plan.with_(strategy="balanced"))
+            peak, host = plan_figures(resolved)
+            if peak <= base.gpu_memory and host <= cpu_limit(base):
+                fitting.append((timer(resolved), peak))
+    fitting.sort()
+    assert len(fitting) >= 5
+    result = search(base, space, Fixed(), timer, top_k=5, resolve=resolve_offload, bound=bound, refine=refine)
+    assert result.offloaded
+    assert [p.seconds for p in result.plans] == pytest.approx([f[0] for f in fitting[:5]], rel=1e-12)
+    assert [p.peak_gpu_bytes for p in result.plans] == [f[1] for f in fitting[:5]]
+    assert all(p.inputs.offload_optimizer or p.inputs.offload_params for p in result.plans)
+
+
 @pytest.mark.parametrize("name,world,batch,runnable,memory", SPACES)
 def test_memory_grows_with_the_micro_batch(name, world, batch, runnable, memory):
     """The binary search over a group's micro batches rests on this: at a fixed plan, a larger
@@ -94,6 +118,23 @@ def test_memory_grows_with_the_micro_batch(name, world, batch, runnable, memory)
     assert checked > 50
 
 
+@pytest.mark.parametrize("memory", [650 * MiB, 800 * MiB])
+def test_fit_after_offload_is_a_prefix_of_micro_batches(memory):
+    """The second phase's binary search rests on this: after the balanced strategy's offload,
+    the micro batches that fit are still the smallest ones."""
+    base = small_base("llama", 8, memory).with_(strategy="balanced")
+    checked = 0
+    for group in candidates(base, Space(world=8, global_batch=32), Fixed(), Counter(), bound=False):
+        plans_ = [p for p in group if p.num_microbatches > 1]
+        fits = []
+        for plan in plans_:
+            peak, host = plan_figures(resolve_offload(plan))
+            fits.append(peak <= memory and host <= cpu_limit(base))
+        assert fits == sorted(fits, reverse=True), fits
+        checked += len(set(fits)) > 1
+    assert checked > 5
+
+
 @settings(max_examples=300, deadline=None)
 @given(plans())
 def test_bounds_never_exceed_what_they_bound(inputs):
@@ -105,6 +146,16 @@ def test_bounds_never_exceed_what_they_bound(inputs):
     peak = plan_figures(inputs)[0]
     assert states_bound(inputs) <= peak
     assert forward_bound(inputs) <= peak
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans(), st.sampled_from(["balanced", "aggressive", "extreme"]), st.integers(4, 400))
+def test_numeric_offload_decision_is_the_estimates(inputs, strategy, memory_mib):
+    """The planner resolves the offload strategy from the numeric figures; the decision is the
+    one `estimate_memory` takes from its explained figures."""
+    inputs = inputs.with_(strategy=strategy, gpu_memory=memory_mib * MiB, offload_params=False,
+                          offload_optimizer=False, cpu_memory_per_node=2**36, cpu_memory_budget=2**35)
+    assert resolve_offload(inputs) == estimate_memory(inputs).inputs
 
 
 def test_found_plans_carry_the_estimates_figures():
@@ -156,31 +207,49 @@ def _published_search(run, fixed: Fixed, runnable: bool = True):
 
 
 def test_narayanan_table_1_plans_are_found():
-    """Table 1's runs: Megatron-LM of 2021 (1F1B or interleaved 1F1B, no context parallel, full
-    recomputation, no ZeRO, no sequence parallel). The published plan fits and is in the space,
-    so the best plan found is at least as fast as the time model rates it; and the published
-    tensor x pipeline split is among the five fastest in at least 8 of the 10 rows (measured:
-    all but 18.4B and 39.1B, where tp 2-4 with a deeper interleaved pipeline rates 14-19%
-    faster; docs/plan.md)."""
-    hits = []
+    """Table 1's runs in the space of Megatron-LM in 2021 (1F1B or interleaved 1F1B, no context
+    parallel, full recomputation, no ZeRO, no sequence parallel). The published plan fits and
+    is in the space, so the best plan found is at least as fast as the time model rates it.
+    The published tensor x pipeline split is among the five fastest, or its best plan is
+    rated within 5% of the best found, in at least 8 of the 10 rows (measured: all but 18.4B
+    and 39.1B, where tp 2 with a deeper interleaved pipeline rates 14% and 12% faster than tp 8;
+    docs/plan.md)."""
+    met = {}
     for run in narayanan_table_1():
-        base, timer, result = _published_search(run, Fixed(recompute="full", zero_stage=0, sequence_parallel=False))
+        fixed = dict(recompute="full", zero_stage=0, sequence_parallel=False)
+        base, timer, result = _published_search(run, Fixed(**fixed))
         assert plan_figures(base)[0] <= 80 * GiB, run.name
-        published = timer(base)
-        assert result.plans[0].seconds <= published * (1 + 1e-9), run.name
+        assert result.plans[0].seconds <= timer(base) * (1 + 1e-9), run.name
         d = base.degrees
-        hits.append(any((p.inputs.degrees.tp, p.inputs.degrees.pp) == (d.tp, d.pp) for p in result.plans))
-    assert sum(hits) >= 8, hits
+        in_top = any((p.inputs.degrees.tp, p.inputs.degrees.pp) == (d.tp, d.pp) for p in result.plans)
+        _, _, published = _published_search(run, Fixed(tp=d.tp, pp=d.pp, **fixed))
+        met[run.name] = in_top or published.plans[0].seconds <= 1.05 * result.plans[0].seconds
+    assert sum(met.values()) >= 8, met
 
 
-@pytest.mark.parametrize("gpus", [384, 768, 1536])
-def test_narayanan_table_2_model_parallel_beats_zero3(gpus):
-    """Table 2: on the same GPUs, 175B trains faster with tensor x pipeline parallelism than
-    with ZeRO-3 alone (153 vs 144, 149 vs 88, 141 vs 44 teraFLOP/s per GPU). Free to choose
-    any sharding and degrees, the search's best plan is model-parallel and rated faster than
-    the ZeRO-3 run."""
-    zero3 = next(r for r in narayanan_table_2() if r.name == f"175B ZeRO-3 {gpus} GPUs")
-    base, timer, result = _published_search(zero3, Fixed(recompute="full", sequence_parallel=False))
+# Narayanan et al. 2021 Table 2, 175B: achieved teraFLOP/s per GPU of ZeRO-3 and PTD-P.
+TABLE_2_175B = {384: (144, 153), 768: (88, 149), 1536: (44, 141)}
+
+
+@pytest.mark.parametrize("gpus", sorted(TABLE_2_175B))
+def test_narayanan_table_2_zero3_against_model_parallel(gpus):
+    """Table 2: PTD-P's lead over ZeRO-3 grows with the GPUs as ZeRO-3's per-GPU batch
+    shrinks: 6% on 384 GPUs, 1.7x on 768, 3.2x on 1536. The time model rates each of the two
+    runs within 7% (tests/test_time_published.py), so their ratio within 15%; and the search,
+    free to choose any sharding and degrees, finds a model-parallel plan at least as fast as
+    the published PTD-P one."""
+    runs = {r.name: r for r in narayanan_table_2()}
+    zero3, ptd = runs[f"175B ZeRO-3 {gpus} GPUs"], runs[f"175B PTD-P {gpus} GPUs"]
+    zero3_base, timer, result = _published_search(zero3, Fixed(recompute="full", sequence_parallel=False))
+    ptd_base = ptd.inputs.with_(gpu_memory=80 * GiB, gpus_per_node=8)
+    ptd_timer = timers(ptd.constants)[0]  # Megatron-LM's DDP of 2021: no overlap (time_references.py)
+    predicted = timer(zero3_base) / ptd_timer(ptd_base)
+    zero3_tflops, ptd_tflops = TABLE_2_175B[gpus]
+    assert predicted == pytest.approx(ptd_tflops / zero3_tflops, rel=0.15)
     best = result.plans[0]
     assert best.inputs.degrees.tp * best.inputs.degrees.pp > 1
-    assert best.seconds < timer(base)
+    assert best.seconds <= timer(ptd_base)  # under the search's own assumptions
+    if gpus == 384:
+        assert predicted < 1.15  # close: PTD-P barely ahead
+    if gpus == 1536:
+        assert predicted > 3  # far ahead

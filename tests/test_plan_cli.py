@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import tomli_w
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from conftest import run_cli
 
@@ -142,3 +145,35 @@ def test_bad_input(write, extra, text, message):
     assert "Traceback" not in result.err
     doc = run_cli("plan", job, *extra, "--json")
     assert doc.code == 2 and json.loads(doc.out)["error"]["exit_code"] == 2
+
+
+MODELS = ["tiny-llama", "gpt2-medium", "llama-3-8b", "mixtral-8x7b", "qwen2.5-7b", "llama-2-13b"]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(model=st.sampled_from(MODELS), gpus=st.sampled_from([1, 2, 4, 6, 8, 16]), batch=st.sampled_from([8, 12, 32]),
+       seq=st.sampled_from([1024, 2048, 4096]), cluster=st.sampled_from(["a100-40gb", "a100-80gb", "h100-80gb"]),
+       strategy=st.sampled_from(["balanced", "conservative"]))
+def test_every_plan_is_its_written_jobs_estimate(tmp_path_factory, model, gpus, batch, seq, cluster, strategy):
+    """Every plan the search returns, written as a job file, is estimated by `estimate` to the
+    byte (peak GPU, host per node) and to the microsecond (step time)."""
+    assume(not (model.startswith("gpt2") and seq > 1024))  # learned positions: 1024
+    folder = tmp_path_factory.mktemp("plans")
+    job = folder / "job.toml"
+    job.write_text(f'[model]\npreset = "{model}"\n[train]\nseq_len = {seq}\n[cluster]\npreset = "{cluster}"\n'
+                   f'[offload]\nstrategy = "{strategy}"\n')
+    result = run_cli("plan", str(job), "--gpus", str(gpus), "--global-batch", str(batch), "--top", "3", "--json")
+    assert result.code in (0, 1), result.err
+    for index, plan in enumerate(result.json["plans"]):
+        written = folder / f"plan{index}.toml"
+        document = {"model": {"preset": model}, "train": {"seq_len": seq}, "cluster": {"preset": cluster},
+                    "offload": {"strategy": strategy}}
+        for table, keys in plan["job"].items():
+            document.setdefault(table, {}).update(keys)
+        written.write_text(tomli_w.dumps(document))
+        estimate = run_cli("estimate", str(written), "--json")
+        assert estimate.code == 0, estimate.err
+        doc = estimate.json
+        assert (doc["peak_gpu_bytes"], doc["cpu_bytes_per_node"]) == (plan["peak_gpu_bytes"], plan["cpu_bytes_per_node"])
+        assert doc["time"]["step_seconds"] == plan["time"]["step_seconds"]
+        assert doc["fits"] is True

@@ -128,7 +128,7 @@ def test_plan_matches_reference_and_estimate(name, model, mbs, m, flags, referen
         assert abs(got - want) <= LOSS_TOLERANCE * abs(want), (losses, reference)
     for entry in report["ranks"]:
         measured, estimated = entry["measured"], entry["estimated"]
-        for kind in ("params", "grads", "optimizer", "resident_layers"):
+        for kind in ("params", "grads", "optimizer", "resident_layers", "placement"):
             assert measured[kind] == estimated[kind], (entry["rank"], kind, measured, estimated)
         error = abs(measured["activations"] - estimated["activations"]) / measured["activations"]
         assert error <= ACTIVATION_TOLERANCE, (entry["rank"], measured["activations"], estimated["activations"])
@@ -144,8 +144,12 @@ def test_report_document(references):
     assert report["schema_version"] == 1 and report["world_size"] == 1 and report["device"] in ("cpu", "cuda")
     assert report["tokens_per_second"] > 0
     rank = report["ranks"][0]
-    keys = {"params", "grads", "optimizer", "activations", "peak_device", "resident_layers"}
+    keys = {"params", "grads", "optimizer", "activations", "peak_device", "resident_layers", "placement"}
     assert set(rank["measured"]) == keys and set(rank["estimated"]) == keys | {"peak_moment"}
+    # Without offload everything is on the device (CONTRACT: placement, measured and estimated).
+    for side in ("measured", "estimated"):
+        assert rank[side]["placement"] == {kind: {"device": rank[side][kind], "host": 0}
+                                           for kind in ("params", "grads", "optimizer")}
     assert rank["estimated"]["peak_moment"] in ("forward", "loss", "backward", "backward end", "step")
 
 

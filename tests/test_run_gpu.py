@@ -38,13 +38,16 @@ steps = 4
 [offload]
 params = {offload}
 gpu_param_budget = "{budget}"
+optimizer = {optimizer}
+grads = {grads}
+cpu_compression = "{compression}"
 """
 
 
 def run(tmp_path, **values):
     dp = min(2, torch.cuda.device_count())
     defaults = dict(model="gpt2", dp=dp, mbs=4, stage=3, seq=512, precision="bf16-mixed", offload="false",
-                    budget="2GiB")
+                    budget="2GiB", optimizer="false", grads="false", compression="none")
     values = {**defaults, **values}
     job = tmp_path / "job.toml"
     job.write_text(JOB.format(**values), encoding="utf-8")
@@ -73,3 +76,22 @@ def test_cuda_run_matches_the_estimate(values, tmp_path):
         assert error <= 0.05, (measured["activations"], estimated["activations"])
         peak_error = abs(measured["peak_device"] - estimated["peak_device"]) / measured["peak_device"]
         assert peak_error <= PEAK_TOLERANCE, (measured["peak_device"], estimated["peak_device"])
+
+
+@pytest.mark.parametrize("values", [
+    dict(stage=2, optimizer="true"),
+    dict(stage=3, optimizer="true", grads="true"),
+    dict(stage=3, optimizer="true", grads="true", compression="int8"),
+    dict(stage=3, offload="true", budget="64MiB", optimizer="true", compression="bf16"),
+], ids=["zero2-optimizer", "zero3-grads-optimizer", "zero3-int8", "zero3-params-optimizer-bf16"])
+def test_cuda_offload_engine(values, tmp_path):
+    """The offload engine with pinned buffers and copy streams: bytes by placement equal the
+    estimate, the peak is within the tolerance, and the exposed copy time is measured."""
+    report = run(tmp_path, **values)
+    for entry in report["ranks"]:
+        measured, estimated = entry["measured"], entry["estimated"]
+        assert measured["placement"] == estimated["placement"]
+        assert measured["placement"]["optimizer"]["device"] == 0
+        peak_error = abs(measured["peak_device"] - estimated["peak_device"]) / measured["peak_device"]
+        assert peak_error <= PEAK_TOLERANCE, (measured["peak_device"], estimated["peak_device"])
+        assert entry["exposed_copy_seconds"] >= 0

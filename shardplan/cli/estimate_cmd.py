@@ -61,16 +61,31 @@ def estimate(
     gpu_memory = cluster.gpu_memory if known else None
     cpu_memory = cpu_limit(inputs) if known else None  # the limit `fits` is checked against
     timing = step_time_of(resolved, result.inputs or inputs)
+    changes = None
+    if result.fits is False:
+        from ..io.hardware import hardware_of, lora_of
+        from ..io.to_fit import changes_to_fit
+
+        changes = changes_to_fit(inputs, hardware_of(cluster), lora_of(resolved.job.lora))
     if json_out:
         document = estimate_document(result, gpu_memory, explain)
         if timing is not None:
             from ..render.time import time_document
 
             document["time"] = time_document(timing, explain)
+        if changes is not None:
+            document["to_fit"] = [{"lever": c.lever, "set": c.settings, "peak_gpu_bytes": c.peak_gpu_bytes,
+                                   "cpu_bytes_per_node": c.cpu_bytes_per_node, "step_seconds": c.step_seconds}
+                                  for c in changes]
         emit_json(document)
     else:
         title = f"{resolved.model_name or 'model'}: memory per device"
-        print_estimate(stdout_console(), result, gpu_memory, cpu_memory, title, explain, timing)
+        console = stdout_console()
+        print_estimate(console, result, gpu_memory, cpu_memory, title, explain, timing)
+        if changes is not None:
+            from ..render.estimate import print_changes
+
+            print_changes(console, changes, gpu_memory)
     emit_diagnostics(f"warning: {w}" for w in result.warnings)
     if result.fits is False:
         raise typer.Exit(EXIT_INFEASIBLE)

@@ -14,7 +14,7 @@ from .options import JsonFlag, PlanFlags, plan_flags
 # Job keys the search sets: their cross-field problems in the job as written (defaults such
 # as one microbatch with pp > 1) are the search's to solve, not the user's.
 SEARCHED_PATHS = ("parallel", "zero.stage", "zero.hybrid", "train.global_batch_size",
-                  "train.activation_checkpointing", "train.seq_len", "cluster.gpus_per_node", "cluster.nodes")
+                  "train.activation_checkpointing", "cluster.gpus_per_node", "cluster.nodes")
 
 
 def _searched(problem: Problem) -> bool:

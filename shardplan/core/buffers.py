@@ -121,6 +121,24 @@ def _fsdp2_buffer_lists(rp: RankParams, eb: ElementBytes, stage: int, degree: in
     return at
 
 
+def grads_in_flight(rp: RankParams, eb: ElementBytes, stage: int, degree: int,
+                    resident: int) -> dict[str, list[Term]]:
+    """Gradients on the device between their reduction and their copy to the host, when the
+    offload engine frees them once copied (`offload.grads` + `offload.optimizer`): one
+    resident block's sharded gradients during backward, the root's when backward ends."""
+    at = no_buffers()
+    degree = 1 if stage == 0 else degree
+    block = sum(p.padded_shard_numel(degree) for p in rp.layer) * eb.grads
+    if block and resident:
+        at[BACKWARD].append(Term("one block's sharded gradients awaiting their copy to the host", block,
+                                 lambda: f"{block // eb.grads:,} elements * {eb.grads} B"))
+    root = sum(p.padded_shard_numel(degree) for p in rp.root) * eb.grads
+    if root:
+        at[BACKWARD_END].append(Term("root gradients awaiting their copy to the host", root,
+                                     lambda: f"{root // eb.grads:,} elements * {eb.grads} B"))
+    return at
+
+
 def step_buffers(optimizer_elements: int, eb: ElementBytes, optimizer: str) -> list[Term]:
     """The optimizer step's temporaries on the GPU.
 

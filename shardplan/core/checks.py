@@ -230,15 +230,39 @@ def sharding_problems(job: JobSpec, nodes: int) -> list[Problem]:
             f"{format_bytes(off.cpu_memory_budget)} exceeds cluster.cpu_memory_per_node "
             f"({format_bytes(cluster.cpu_memory_per_node)})",
         ))
-    if zero.framework == "fsdp2" and (off.grads or off.optimizer) and not off.params:
-        problems.append(warning(
-            "offload.params", "under fsdp2 a layer's gradients and optimizer states move to the CPU with its "
-            "parameters: offload.grads / offload.optimizer alone change nothing",
+    problems += offload_problems(job)
+    return problems
+
+
+def offload_problems(job: JobSpec) -> list[Problem]:
+    """What the offload flags mean together (core/offload.py, docs/estimate.md "Offload")."""
+    zero, off = job.zero, job.offload
+    problems = []
+    host_states = off.optimizer or off.params
+    if zero.framework == "fsdp2" and off.grads and not off.optimizer:
+        # DeepSpeed offers no such mode either: its gradients go to the CPU with offload_optimizer.
+        problems.append(error(
+            "offload.grads", "gradients on the CPU serve only an optimizer that steps there: set "
+            "offload.optimizer = true too (ZeRO-Offload), or remove offload.grads",
         ))
-    if off.cpu_compression != "none" and not off.params:
+    if zero.framework == "fsdp2" and off.grads and off.optimizer and zero.stage == 1:
         problems.append(warning(
-            "offload.cpu_compression", "has no effect unless offload.params is true"
+            "offload.grads", "at zero.stage 1 the gradients are views of DDP's buckets, which stay on the GPU: "
+            "they are copied to the CPU, but no GPU memory is freed",
         ))
+    if off.cpu_compression != "none":
+        if zero.framework != "fsdp2":
+            problems.append(warning(
+                "offload.cpu_compression", f"only the fsdp2 offload engine (`run`) compresses; the {zero.framework} "
+                "accounting keeps optimizer states uncompressed",
+            ))
+        elif not host_states:
+            problems.append(warning(
+                "offload.cpu_compression", "compresses optimizer states on the CPU: it has no effect unless "
+                "offload.optimizer or offload.params is true",
+            ))
+        elif job.train.optimizer == "sgd":
+            problems.append(warning("offload.cpu_compression", "SGD keeps no optimizer state to compress"))
     return problems
 
 

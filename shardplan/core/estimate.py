@@ -26,7 +26,7 @@ from .activations import (
     recompute_working_terms,
     stored_layer_terms,
 )
-from .buffers import allowance_terms, fsdp2_buffers, no_buffers, step_buffers
+from .buffers import allowance_terms, fsdp2_buffers, grads_in_flight, no_buffers, step_buffers
 from .deepspeed import DeepSpeedPlan, deepspeed_memory
 from .degrees import Degrees
 from .estimate_inputs import EstimateInputs
@@ -40,12 +40,13 @@ from .finetune import (
 )
 from .lora import lora_counts
 from .host import checkpoint_staging, rank_host, startup_host
+from .offload import frees_device_grads
 from .params import ParamInfo, count_params
 from .precision import MIXED, ElementBytes, element_bytes, uses_autocast
 from .schedule import ALL_FORWARDS_FIRST, SPLIT_BACKWARD, chunks_per_rank, held_peak, rank_order
 from .schedule_sim import BACKWARD as BACKWARD_ACTION, WEIGHT, Action
 from .stages import LocalParam, RankParams, chunk_size, rank_params
-from .states import Offload, Sharding, rank_states
+from .states import HostGroup, Offload, Sharding, rank_states
 from .terms import Term
 from .timeline import BACKWARD, BACKWARD_END, FORWARD, LOSS, MOMENTS, STEP, Moment, peak
 
@@ -285,6 +286,7 @@ class _RankMemory:
     cpu: dict[str, list[Term]]
     grads_at: dict[str, list[Term]]
     buffers_at: dict[str, list[Term]]
+    host_groups: list[HostGroup] = field(default_factory=list)  # what the offload engine steps (fsdp2)
 
 
 @lru_cache(maxsize=1024)
@@ -357,7 +359,10 @@ def _torch_or_paper(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, de
     alive in forward and backward only when microbatches accumulate into them; DDP's (stage 1)
     gradients are views of buckets allocated once. The paper counts every state throughout."""
     sharding = Sharding(inputs.framework, inputs.zero_stage, degree, index, inputs.min_num_params)
-    offload = Offload(inputs.offload_params, inputs.offload_grads, inputs.offload_optimizer, resident, inputs.compression)
+    # Compressed host states exist only in the engine `run` executes (fsdp2).
+    compression = inputs.compression if inputs.framework == "fsdp2" else "none"
+    offload = Offload(inputs.offload_params, inputs.offload_grads, inputs.offload_optimizer, resident, compression,
+                      inputs.optimizer)
     states = rank_states(rp, eb, sharding, offload)
     grads = states.gpu["grads"]
     if inputs.framework == "zero-paper":
@@ -367,9 +372,12 @@ def _torch_or_paper(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, de
     buffers_at = no_buffers()
     if inputs.shape is not None and buffers:
         buffers_at = fsdp2_buffers(rp, eb, inputs.zero_stage, degree, inputs.prefetch_layers, inputs.precision in MIXED)
+        if frees_device_grads(inputs.offload_grads, inputs.offload_optimizer, inputs.zero_stage):
+            for moment, terms in grads_in_flight(rp, eb, inputs.zero_stage, degree, resident).items():
+                buffers_at[moment] += terms
     gpu_optimizer_elements = sum(t.bytes for t in states.gpu["optimizer"]) // max(eb.optimizer, 1)
     buffers_at[STEP] += step_buffers(gpu_optimizer_elements, eb, inputs.optimizer)
-    return _RankMemory(states.gpu, states.cpu, grads_at, buffers_at)
+    return _RankMemory(states.gpu, states.cpu, grads_at, buffers_at, states.host_groups)
 
 
 def _backward_activations(activations: list[Term], act: ActivationShape | None, has_head: bool,
@@ -460,7 +468,7 @@ def rank_parts(inputs: EstimateInputs, at: Coordinates) -> RankParts:
         memory, host = _deepspeed(inputs, rp, degree, at.shard_index)
     else:
         memory = _torch_or_paper(inputs, rp, eb, degree, at.shard_index, resident)
-        host = rank_host(inputs, rp, eb, degree, resident, memory.cpu)
+        host = rank_host(inputs, rp, eb, degree, resident, memory.cpu, memory.host_groups)
     activations, head_held = activation_terms(inputs, rp, eb, at.pp_rank)
     act = _activation_shape(inputs, eb) if inputs.shape is not None else None
     in_backward = _backward_activations(activations, act, rp.has_head, head_held)

@@ -50,6 +50,7 @@ class RankFigures:
 
 
 _ONE = Degrees()
+_PIPELINED = Degrees(pp=2)
 
 
 def _sum(terms) -> int:
@@ -67,7 +68,7 @@ def _framework(inputs: EstimateInputs, rp: RankParams, degree: int, resident: in
         memory, host = _deepspeed(inputs, rp, degree, 0)
     else:
         memory = _torch_or_paper(inputs, rp, eb, degree, 0, resident)
-        host = rank_host(inputs, rp, eb, degree, resident, memory.cpu)
+        host = rank_host(inputs, rp, eb, degree, resident, memory.cpu, memory.host_groups)
     fixed = _sum(memory.gpu["params"]) + _sum(memory.gpu["optimizer"])
     grads = {m: _sum(memory.grads_at[m]) for m in MOMENTS}
     buffers = {m: _sum(memory.buffers_at[m]) for m in MOMENTS}
@@ -78,9 +79,10 @@ def _framework_key(inputs: EstimateInputs) -> EstimateInputs:
     """The inputs with what the framework's part does not read set to fixed values, so plans
     that differ only in their activations share it: `_torch_or_paper`, `_deepspeed`,
     `rank_host` and `checkpoint_staging` read the framework, stage, precision, optimizer,
-    offload, the DeepSpeed knobs, whether microbatches accumulate, and whether there is an
-    architecture; the rank's parameters and shard degree come beside the key."""
-    return inputs.with_(degrees=_ONE, order="tp-cp-dp-pp", gpus_per_node=8, micro_batch=1, seq_len=1,
+    offload, the DeepSpeed knobs, whether microbatches accumulate, whether there is an
+    architecture, and whether stages pipeline (the offload engine's gradient staging, core/host.py);
+    the rank's parameters and shard degree come beside the key."""
+    return inputs.with_(degrees=_ONE if inputs.degrees.pp == 1 else _PIPELINED, order="tp-cp-dp-pp", gpus_per_node=8, micro_batch=1, seq_len=1,
                         num_microbatches=min(inputs.num_microbatches, 2), schedule="1f1b", virtual=1,
                         stage_split=(0, 0), sequence_parallel=False, recompute="none", attention="flash",
                         loss="fp32", dropout=False, gpu_memory=None, cpu_memory_per_node=None,

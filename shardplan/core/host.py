@@ -19,9 +19,16 @@ from __future__ import annotations
 
 from .deepspeed import SUB_GROUP_SIZE, flat_groups, ordered_params, pinned_bytes
 from .estimate_inputs import EstimateInputs
+from .offload import CODE_BYTES, INT8_BLOCK, MOMENTS, frees_device_grads
 from .precision import FP32, ElementBytes
-from .stages import RankParams
+from .stages import RankParams, chunk_size
+from .states import HOST_GRADS, MASTER, HostGroup
 from .terms import Term
+
+# Bytes per element torchao's int8 quantisation holds at once (quantize_8bit_with_qmap): the
+# int64 codes and the next candidate index (8 + 8), the gathered fp32 map value (4) and the
+# fp32 scaled input (4), rounded up to a stated allowance.
+INT8_TEMPORARY = 32
 
 # Host memory of one training process beside its tensors: Python, torch and the CUDA, cuDNN,
 # cuBLAS and NCCL libraries mapped into it, the CUDA driver's host-side state, NCCL's host
@@ -58,37 +65,90 @@ def startup_host(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes) -> li
 
 
 def rank_host(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, degree: int, resident: int,
-              cpu: dict[str, list[Term]]) -> list[Term]:
+              cpu: dict[str, list[Term]], groups: list[HostGroup] | None = None) -> list[Term]:
     """Host memory of one rank's offloaded states while training, under fsdp2 or the paper.
 
-    fsdp2 (`CPUOffloadPolicy`): each offloaded sharded parameter is pinned on its own
-    (`FSDPParam`: `pin_memory()` per parameter) and so is each gradient it receives
-    (copied device-to-host with `non_blocking=True`, which allocates pinned memory); each
-    takes the power of two above its size. AdamW's moments are `zeros_like` of the parameter
-    (not pinned), and its step's temporary runs on the CPU too."""
+    fsdp2: each parameter of an offloaded layer (`CPUOffloadPolicy`) is pinned on its own
+    (`FSDPParam`: `pin_memory()` per parameter) and so is each gradient it receives (copied
+    device-to-host with `non_blocking=True`, which allocates pinned memory): each takes the
+    power of two above its size. The offload engine (runtime/offload.py) pins one buffer per
+    group for the fp32 master weights and one for the gradient copies; its optimizer states
+    are not pinned (never copied); its staging and working buffers follow (`engine_buffers`)."""
     if inputs.framework != "fsdp2":
         return [Term(t.label, t.bytes, t.source) for kind in ("params", "grads", "optimizer") for t in cpu[kind]]
+    groups = groups or []
+    pin = inputs.pin_memory and inputs.on_gpu
     offloaded = rp.num_layers - resident if inputs.offload_params else 0
     flat = inputs.shape is None and inputs.offload_params  # a bare count offloads as one block
-    if not offloaded and not flat:
+    terms = []
+    if offloaded or flat:
+        tensors = rp.root if flat else rp.layer
+        count = 1 if flat else offloaded
+        for kind, unit in (("params", eb.params), ("grads", eb.grads)):
+            sizes = [p.padded_shard_numel(degree) * unit for p in tensors]
+            held = count * sum(pinned_bytes(size) if pin else size for size in sizes)
+            label = f"offloaded {kind}" + (" (pinned, each rounded up to a power of two)" if pin else "")
+            terms.append(Term(label, held, lambda sizes=sizes, count=count: f"{count} blocks * sum over {len(sizes)} tensors"))
+    for g in groups:
+        if g.offloaded:
+            continue
+        for what, unit in ((MASTER, FP32), (HOST_GRADS, eb.grads)):
+            size = g.elements * unit
+            held = g.count * (pinned_bytes(size) if pin else size)
+            note = " (pinned, rounded up to a power of two)" if pin else ""
+            terms.append(Term(f"{g.label} {what}{note}", held,
+                              lambda g=g, size=size: f"{g.count} groups * {size:,} B" if g.count > 1 else f"{size:,} B"))
+    engine_terms = {f"{g.label} {what}" for g in groups if not g.offloaded for what in (MASTER, HOST_GRADS)}
+    terms += [t for t in cpu["optimizer"] if t.label not in engine_terms]
+    return terms + engine_buffers(inputs, rp, eb, degree, groups)
+
+
+def engine_buffers(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, degree: int,
+                   groups: list[HostGroup]) -> list[Term]:
+    """The offload engine's transient host buffers (runtime/offload.py), each allocated once:
+
+    - gradient staging, `1 + prefetch_layers` slots of the largest tensor, pinned: when
+      the device gradient is freed after its copy and a later microbatch's gradient must be
+      added on the host (FSDP2 reduces every microbatch; pipelines and DDP reduce once);
+    - cast staging, as many slots, when the device parameters are not fp32: the updated fp32
+      master is cast on the host, then copied;
+    - decompression: the fp32 moments of the largest group while it steps (compression);
+    - int8 quantisation temporaries of the largest group: torchao's branchless binary search
+      keeps int64 codes, their next index and the fp32 neighbours (`INT8_TEMPORARY` bytes
+      per element, an allowance);
+    - an fp32 copy of a group's gradients when they are 16-bit (the fused CPU AdamW kernel
+      steps one dtype)."""
+    on_device = [g for g in groups if not g.offloaded]
+    if not groups:
         return []
     pin = inputs.pin_memory and inputs.on_gpu
-    tensors = rp.root if flat else rp.layer
-    count = 1 if flat else offloaded
+    ring = 1 + inputs.prefetch_layers
+    shard = degree if inputs.zero_stage >= 2 else 1
+    largest = max(chunk_size(p.rows, shard, 0) * p.row_numel for p in (*rp.layer, *rp.root))
+    biggest = max(g.elements for g in groups)
+    padded = max(g.blocks * INT8_BLOCK if inputs.compression in CODE_BYTES else g.elements for g in groups)
     terms = []
-    for kind, unit in (("params", eb.params), ("grads", eb.grads)):
-        if inputs.compression != "none" and kind == "params":
-            terms += cpu["params"]
-            continue
-        sizes = [p.padded_shard_numel(degree) * unit for p in tensors]
-        held = count * sum(pinned_bytes(size) if pin else size for size in sizes)
-        label = f"offloaded {kind}" + (" (pinned, each rounded up to a power of two)" if pin else "")
-        terms.append(Term(label, held, lambda sizes=sizes: f"{count} blocks * sum over {len(sizes)} tensors"))
-    terms += cpu["optimizer"]
-    optimizer_bytes = sum(t.bytes for t in cpu["optimizer"])
-    if inputs.optimizer == "adamw" and optimizer_bytes:
-        temporary = optimizer_bytes // 2
-        terms.append(Term("AdamW step temporary on the CPU", temporary, "one moment's size"))
+
+    def slots(label: str, unit: int) -> Term:
+        size = largest * unit
+        held = pinned_bytes(size) if pin else size
+        return Term(label, ring * held, lambda: f"(1 + prefetch {inputs.prefetch_layers}) * {held:,} B "
+                                                f"({largest:,} elements * {unit} B{', pinned' if pin else ''})")
+
+    accumulating = inputs.num_microbatches > 1 and inputs.degrees.pp == 1
+    if on_device and accumulating and frees_device_grads(inputs.offload_grads, inputs.offload_optimizer, inputs.zero_stage):
+        terms.append(slots("gradient staging (accumulation on the host)", eb.grads))
+    if on_device and eb.params != FP32:
+        terms.append(slots("cast staging (fp32 master to device dtype)", eb.params))
+    moments = MOMENTS.get(inputs.optimizer, 2)
+    if inputs.compression != "none" and moments:
+        terms.append(Term("decompressed moments of the group stepping", moments * padded * FP32,
+                          lambda: f"{moments} * {padded:,} elements * {FP32} B"))
+    if inputs.compression == "int8" and moments:
+        terms.append(Term("int8 quantisation temporaries (allowance)", padded * INT8_TEMPORARY,
+                          lambda: f"{padded:,} elements * {INT8_TEMPORARY} B"))
+    if eb.grads != FP32:
+        terms.append(Term("fp32 copy of a group's gradients", biggest * FP32, lambda: f"{biggest:,} elements * {FP32} B"))
     return terms
 
 

@@ -9,8 +9,11 @@ more, in the order that costs the least speed, and stops as soon as the peak is 
 
 - deepspeed: optimizer states (ZeRO-Offload), then gradients, then parameters layer by
   layer (ZeRO-Infinity, stage 3 only);
-- fsdp2: parameters layer by layer (stage 3 only), each offloaded layer taking its gradients
-  and optimizer states along (`CPUOffloadPolicy`).
+- fsdp2: optimizer states with fp32 master weights (the offload engine of `run`, core/offload.py),
+  then gradients, then parameters layer by layer (stage 3 only), each offloaded layer taking
+  its gradients and optimizer states along (`CPUOffloadPolicy`). Moving optimizer states costs
+  the CPU step and one copy of gradients and parameters per step; moving parameters costs
+  copies in every forward and backward: the cheaper first.
 
 What the job file asks for is never undone; the strategy only adds, and says so.
 """
@@ -19,21 +22,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Callable
 
 from .buffers import CUDA_CONTEXT_BYTES, FRAGMENTATION
 from .estimate import (
     Coordinates,
     DeviceEstimate,
+    _rank_params,
     moment_totals,
     param_counts,
     rank_estimate,
     rank_parts,
+    resident_layers,
+    shard_degree,
     torch_sequence_parallel_extra,
 )
+from .precision import element_bytes
 from .estimate_inputs import EstimateInputs
 from .figures import rank_figures
 from .host import PROCESS_HOST_BYTES, PROCESS_HOST_BYTES_CPU, node_host, process_allowance
 from .layout import Layout
+from .offload import ENGINE_OPTIMIZERS
 from ..spec.units import format_bytes
 
 # Share of the GPU memory the peak may use under each strategy (None: never offload more).
@@ -154,17 +163,66 @@ def cpu_limit(inputs: EstimateInputs) -> int:
     return min(inputs.cpu_memory_per_node or inputs.cpu_memory_budget, inputs.cpu_memory_budget)
 
 
+# What the offload strategy reads of a plan: (peak GPU bytes, host bytes of the busiest node,
+# most layers of a stage, most resident layers of a stage).
+Measure = Callable[[EstimateInputs], tuple[int, int, int, int]]
+
+
+def _explained_measure(layout: Layout, first: EstimateInputs, devices: list[DeviceEstimate]) -> Measure:
+    """The strategy's figures from the explained estimate (`estimate_memory`)."""
+    seen: dict[EstimateInputs, tuple[int, int, int, int]] = {}
+
+    def figures(devices: list[DeviceEstimate], inputs: EstimateInputs) -> tuple[int, int, int, int]:
+        return (_peak(devices), _cpu_per_node(devices, layout, inputs.on_gpu),
+                max(d.num_layers for d in devices), max(d.resident_layers for d in devices))
+
+    seen[first] = figures(devices, first)
+
+    def measure(inputs: EstimateInputs) -> tuple[int, int, int, int]:
+        if inputs not in seen:
+            seen[inputs] = figures(_devices(inputs, layout), inputs)
+        return seen[inputs]
+
+    return measure
+
+
+def numeric_measure(inputs: EstimateInputs) -> tuple[int, int, int, int]:
+    """The same figures from the planner's numeric twin (`plan_figures`, equal to the
+    explained estimate's: tests/test_plan_figures.py)."""
+    peak, host = plan_figures(inputs)
+    eb = element_bytes(inputs.framework, inputs.precision, inputs.optimizer)
+    degree = shard_degree(inputs)
+    layers = resident = 0
+    for stage in range(inputs.degrees.pp):
+        rp = _rank_params(inputs, Coordinates(pp_rank=stage))
+        layers = max(layers, rp.num_layers)
+        resident = max(resident, resident_layers(rp, eb, inputs, degree))
+    return peak, host, layers, resident
+
+
+def resolve_offload(inputs: EstimateInputs) -> EstimateInputs:
+    """The plan after the offload strategy's decision, as `estimate_memory(inputs).inputs`
+    gives it, from the numeric figures (the planner's path; tests/test_plan.py)."""
+    return decide_offload(inputs, numeric_measure)[0]
+
+
 def _strategy(inputs: EstimateInputs, layout: Layout,
               devices: list[DeviceEstimate]) -> tuple[EstimateInputs, list[str]]:
+    """The offload strategy's decision and its reasons; `devices` are the figures without
+    further offload."""
+    return decide_offload(inputs, _explained_measure(layout, inputs, devices))
+
+
+def decide_offload(inputs: EstimateInputs, measure: Measure) -> tuple[EstimateInputs, list[str]]:
     """Offload more until the peak is under the strategy's share of the GPU memory, never
-    past the node's CPU limit; `devices` are the figures without further offload."""
+    past the node's CPU limit."""
     if inputs.gpu_memory is None:
         return inputs, []
     threshold = PRESSURE[inputs.strategy]
-    peak = _peak(devices)
-    share = lambda value: f"{format_bytes(value)} ({value / inputs.gpu_memory:.0%})"
     if threshold is None:
         return inputs, []
+    peak = measure(inputs)[0]
+    share = lambda value: f"{format_bytes(value)} ({value / inputs.gpu_memory:.0%})"
     target = int(threshold * inputs.gpu_memory)
     limit = cpu_limit(inputs)
     if threshold >= 1:
@@ -175,34 +233,38 @@ def _strategy(inputs: EstimateInputs, layout: Layout,
     if peak <= target:
         return inputs, []
     decisions = [f"{head}: without more offload the peak would be {share(peak)}"]
-    # DeepSpeed moves the fp32 gradients with the optimizer (offload_optimizer); the paper
-    # counts gradients on their own.
-    steps = {"deepspeed": ["offload_optimizer"], "zero-paper": ["offload_optimizer", "offload_grads"]}.get(
-        inputs.framework, [])
+    # DeepSpeed moves the fp32 gradients with the optimizer (offload_optimizer); the paper and
+    # the fsdp2 engine count gradients on their own.
+    steps = {"deepspeed": ["offload_optimizer"]}.get(inputs.framework, ["offload_optimizer", "offload_grads"])
+    if inputs.framework == "fsdp2" and inputs.optimizer not in ENGINE_OPTIMIZERS:
+        steps = []  # the offload engine of `run` steps these optimizers only
     for flag in steps:
         if getattr(inputs, flag):
             continue
         trial = inputs.with_(**{flag: True})
-        trial_devices = _devices(trial, layout)
+        trial_peak, cpu, _, _ = measure(trial)
         what = flag.removeprefix("offload_").replace("optimizer", "optimizer states").replace("grads", "gradients")
-        cpu = _cpu_per_node(trial_devices, layout, inputs.on_gpu)
         if cpu > limit:
             decisions.append(f"not offloading {what}: a node would need {format_bytes(cpu)} of CPU memory, "
                              f"over its {format_bytes(limit)} (cpu_memory_budget / cpu_memory_per_node)")
             return inputs, decisions
-        inputs, peak = trial, _peak(trial_devices)
+        if trial_peak >= peak:
+            # Freed gradients only help a peak at the step: in backward a block's are in flight.
+            decisions.append(f"not offloading {what}: the peak would not fall ({share(trial_peak)})")
+            continue
+        inputs, peak = trial, trial_peak
         decisions.append(f"offload {what}: peak {share(peak)}")
         if peak <= target:
             return inputs, decisions
     if inputs.zero_stage != 3:
         decisions.append(f"parameters can only be offloaded with zero.stage = 3 (got {inputs.zero_stage}); stopping")
         return inputs, decisions
-    chosen, resident, peak, cpu_bound = _fewest_offloaded_layers(inputs, layout, target, limit)
-    layers = max(d.num_layers for d in _devices(chosen, layout))
+    chosen, resident, peak, cpu_bound = _fewest_offloaded_layers(inputs, measure, target, limit)
+    layers = measure(chosen)[2]
     if resident == layers:
         decisions.append(f"offloading layers would take more CPU memory than the {format_bytes(limit)} limit")
         return inputs, decisions
-    along = " with their gradients and optimizer states" if inputs.framework == "fsdp2" else ""
+    along = " with their gradients and optimizer states" if inputs.framework == "fsdp2" and not inputs.offload_optimizer else ""
     decisions.append(f"offload the parameters of {layers - resident} of {layers} layers{along}: peak {share(peak)}")
     if cpu_bound:
         decisions.append(f"stopped by the CPU limit ({format_bytes(limit)} per node)")
@@ -223,23 +285,23 @@ def _search(low: int, high: int, good) -> int | None:
     return best
 
 
-def _fewest_offloaded_layers(inputs: EstimateInputs, layout: Layout, target: int,
+def _fewest_offloaded_layers(inputs: EstimateInputs, measure: Measure, target: int,
                              limit: int) -> tuple[EstimateInputs, int, int, bool]:
     """Most resident layers whose GPU peak meets `target`; fewer resident layers cost CPU
     memory, so never below the fewest the CPU `limit` allows. Returns (inputs, resident,
     peak, whether the CPU limit decided)."""
     current = inputs.with_(offload_params=True)
-    layers = max(d.num_layers for d in _devices(inputs, layout))
-    upper = min(layers, max(d.resident_layers for d in _devices(current, layout))) if inputs.offload_params else layers
-    at = lambda resident: _devices(current.with_(resident_layers=resident), layout)
-    by_gpu = _search(0, upper, lambda r: _peak(at(r)) <= target)
+    layers = measure(inputs)[2]
+    upper = min(layers, measure(current)[3]) if inputs.offload_params else layers
+    at = lambda resident: measure(current.with_(resident_layers=resident))
+    by_gpu = _search(0, upper, lambda r: at(r)[0] <= target)
     # CPU use falls as more layers stay resident: the fewest resident the CPU allows.
-    by_cpu = _search(0, upper, lambda r: _cpu_per_node(at(upper - r), layout, inputs.on_gpu) <= limit)
+    by_cpu = _search(0, upper, lambda r: at(upper - r)[1] <= limit)
     fewest = upper - by_cpu if by_cpu is not None else upper
     wanted = by_gpu if by_gpu is not None else 0  # every layer offloaded when none meets the target
     resident = max(wanted, fewest)
     chosen = current.with_(resident_layers=resident)
-    return chosen, resident, _peak(_devices(chosen, layout)), fewest > wanted
+    return chosen, resident, at(resident)[0], fewest > wanted
 
 
 def assumptions(inputs: EstimateInputs) -> dict[str, object]:
@@ -308,5 +370,6 @@ def estimate_memory(inputs: EstimateInputs) -> Estimate:
     result.assumptions["offload"] = {
         "params": inputs.offload_params, "grads": inputs.offload_grads, "optimizer": inputs.offload_optimizer,
         "resident_layers": [d.resident_layers for d in devices],
+        "cpu_compression": inputs.compression if inputs.framework == "fsdp2" else "none",
     }
     return result

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .schedule import chunks_per_rank, rank_order
-from .schedule_sim import StageCosts, simulate
+from .schedule_sim import encode_orders, finish_times
 
 RESOLUTION = 1024  # units of the largest action: rounding moves a makespan by < 0.1%
 POINTS = 4  # simulations that must lie on one line before the makespan is extrapolated
@@ -41,12 +41,17 @@ def _warm_up(pp: int, chunks: int) -> int:
     return pp * (chunks + 1)
 
 
+@lru_cache(maxsize=256)
+def _orders(schedule: str, pp: int, microbatches: int, chunks: int):
+    """Every rank's order, encoded for `finish_times`: the same for every plan that shares
+    the schedule, the depth and the microbatches."""
+    return encode_orders([rank_order(schedule, pp, microbatches, chunks, rank) for rank in range(pp)])
+
+
 @lru_cache(maxsize=1024)
 def _simulate_units(schedule: str, pp: int, microbatches: int, chunks: int,
                     costs: tuple[tuple[int, int, int], ...]) -> tuple[int, tuple[int, ...]]:
-    orders = [rank_order(schedule, pp, microbatches, chunks, rank) for rank in range(pp)]
-    timeline = simulate(orders, pp * chunks, StageCosts(costs))
-    return timeline.makespan, tuple(spans[-1].end if spans else 0 for spans in timeline.spans)
+    return finish_times(_orders(schedule, pp, microbatches, chunks), pp * chunks, costs)
 
 
 def _on_a_line(points: list[tuple[int, tuple[int, ...]]]) -> bool:

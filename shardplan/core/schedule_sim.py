@@ -184,3 +184,80 @@ def simulate(orders: list[list[Action]], num_stages: int, costs: Costs | StageCo
 
 def _name(action: Action) -> str:
     return f"{action.kind}{action.microbatch} (stage {action.stage})"
+
+
+_KIND = {FORWARD: 0, BACKWARD: 1, WEIGHT: 2}
+
+
+def encode_orders(orders: list[list[Action]]) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """`orders` as (kind 0/1/2 for F/B/W, microbatch, stage) integers, for `finish_times`."""
+    return tuple(tuple((_KIND[a.kind], a.microbatch, a.stage) for a in order) for order in orders)
+
+
+def finish_times(orders: tuple[tuple[tuple[int, int, int], ...], ...], num_stages: int,
+                 per_stage: tuple[tuple[int, int, int], ...]) -> tuple[int, tuple[int, ...]]:
+    """(makespan, each rank's last end) of `simulate` under `StageCosts(per_stage)`, for
+    orders from `encode_orders`: the same rules and the same event-driven walk on integers
+    (the time model runs it for every pipelined plan it rates; tests/test_schedule.py holds it
+    equal to `simulate`)."""
+    microbatches = 1 + max((mb for order in orders for _, mb, _ in order), default=0)
+    span = microbatches * num_stages
+    end = [-1] * (3 * span)  # index: kind * span + microbatch * num_stages + stage
+    owner = [-1] * (3 * span)
+    for rank, order in enumerate(orders):
+        for kind, mb, stage in order:
+            owner[kind * span + mb * num_stages + stage] = rank
+    last = num_stages - 1
+    free = [0] * len(orders)
+    position = [0] * len(orders)
+    pending = list(range(len(orders)))
+    while pending:
+        rank = pending.pop()
+        order = orders[rank]
+        at = position[rank]
+        ready = free[rank]
+        while at < len(order):
+            kind, mb, stage = order[at]
+            here = mb * num_stages + stage
+            if kind == 0:
+                start = ready
+                if stage > 0:
+                    dep = end[here - 1]
+                    if dep < 0:
+                        break
+                    start = max(start, dep)
+                finish = start + per_stage[stage][0]
+                end[here] = finish
+                wake = (here + 1 if stage < last else -1, span + here)
+            elif kind == 1:
+                dep = end[here]
+                if dep < 0:
+                    break
+                start = max(ready, dep)
+                if stage < last:
+                    dep = end[span + here + 1]
+                    if dep < 0:
+                        break
+                    start = max(start, dep)
+                finish = start + per_stage[stage][1]
+                end[span + here] = finish
+                wake = (span + here - 1 if stage > 0 else -1, 2 * span + here)
+            else:
+                dep = end[span + here]
+                if dep < 0:
+                    break
+                finish = max(ready, dep) + per_stage[stage][2]
+                end[2 * span + here] = finish
+                wake = ()
+            ready = finish
+            at += 1
+            for index in wake:
+                if index >= 0:
+                    other = owner[index]
+                    if other >= 0 and other != rank:
+                        pending.append(other)
+        position[rank], free[rank] = at, ready
+    stuck = [rank for rank, order in enumerate(orders) if position[rank] < len(order)]
+    if stuck:
+        raise ScheduleDeadlock(f"the listed order deadlocks at ranks {stuck[:4]}")
+    return max(free, default=0), tuple(free)

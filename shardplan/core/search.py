@@ -32,6 +32,7 @@ from typing import Callable, Iterator
 from ..spec.model import ModelShape
 from .degrees import Degrees
 from .estimate import Coordinates, _activation_shape, _first_layer_bytes, _layer_bytes, _rank_params
+from .buffers import CUDA_CONTEXT_BYTES, FRAGMENTATION
 from .figures import rank_states_bytes
 from .estimate_inputs import EstimateInputs
 from .memory import PRESSURE, cpu_limit, plan_figures
@@ -236,11 +237,12 @@ def states_bound(inputs: EstimateInputs) -> int:
     return max(_states(inputs, 0), _states(inputs, inputs.degrees.pp - 1))
 
 
-def forward_bound(inputs: EstimateInputs) -> int:
+def forward_bound(inputs: EstimateInputs, states: int | None = None) -> int:
     """Stage 0's states and the saved activations of its first chunk's layers at the least it
     holds them (1F1B-like schedules: min(pp, microbatches) microbatches; otherwise one): both
-    are in stage 0's `forward` moment, so a lower bound of the plan's peak."""
-    states = _states(inputs, 0)
+    are in stage 0's `forward` moment, so a lower bound of the plan's peak. `states`: stage
+    0's, when known."""
+    states = _states(inputs, 0) if states is None else states
     if inputs.shape is None:
         return states
     eb = element_bytes(inputs.framework, inputs.precision, inputs.optimizer)
@@ -297,6 +299,19 @@ def candidates(base: EstimateInputs, space: Space, fixed: Fixed, rejected: Count
                            for mbs, m in batches]
 
 
+def offload_floor(inputs: EstimateInputs) -> int:
+    """A lower bound of the plan's peak under any offload the strategy may add: its model
+    states with the optimizer, gradients and (stage 3) every layer's parameters on the host,
+    which only lowers the states a stage keeps on the GPU, plus stage 0's saved activations,
+    which offload does not move."""
+    most = inputs.with_(offload_optimizer=True, offload_grads=True, offload_params=inputs.zero_stage == 3,
+                        resident_layers=0 if inputs.zero_stage == 3 else inputs.resident_layers)
+    tensors = max(forward_bound(most), states_bound(most))
+    # Every moment adds the CUDA context and the allocator's allowance to its tensors
+    # (core/figures.py, rank_figures).
+    return tensors + (CUDA_CONTEXT_BYTES + int(tensors * FRAGMENTATION) if inputs.on_gpu else 0)
+
+
 def _with_offload(inputs: EstimateInputs, strategy: str) -> EstimateInputs:
     """The plan left to the offload strategy (core/memory.py), which adds the offload modes
     the runtime executes, cheapest first, only as far as the plan needs to fit."""
@@ -307,6 +322,7 @@ PRUNED = "slower than the plans found (lower bound of the step time)"
 SMALLER = "GPU memory (a smaller micro batch already does not fit)"
 STATES = "model states exceed the GPU memory"
 FORWARD = "GPU memory (states and stage 0's activations)"
+OFFLOAD_FLOOR = "GPU memory even with every offload (activations and what stays on the GPU)"
 
 
 class _Walk:
@@ -327,6 +343,7 @@ class _Walk:
         self.order = 0
         self.fits: dict[int, int] = {}  # group -> index of its largest fitting micro batch (-1: none)
         self.checked: dict[tuple[int, int], tuple[bool, int, int, str]] = {}  # (group, index) -> memory()
+        self.state_cache: dict[tuple, tuple[int, int]] = {}
 
     def kth(self) -> float | None:
         return -self.best[0][0] if len(self.best) == self.top_k else None
@@ -341,10 +358,24 @@ class _Walk:
         """A group whose model states alone exceed the GPU: a miss by at least that much."""
         self.misses.append(Miss(inputs, states, 0, states - (self.capacity or 0), "GPU memory", at_least=True))
 
+    def states(self, inputs: EstimateInputs) -> tuple[int, int]:
+        """Stage 0's and the last stage's GPU model states, shared by the plans that differ
+        only in what the states do not depend on (micro batch, recomputation, sequence
+        parallel; accumulation only as one microbatch or more)."""
+        key = (inputs.degrees, inputs.zero_stage, inputs.hybrid, inputs.schedule, inputs.virtual, inputs.stage_split,
+               inputs.num_microbatches == 1, inputs.strategy, inputs.offload_params, inputs.offload_grads,
+               inputs.offload_optimizer, inputs.resident_layers)
+        found = self.state_cache.get(key)
+        if found is None:
+            found = self.state_cache[key] = (_states(inputs, 0), _states(inputs, inputs.degrees.pp - 1))
+        return found
+
     def memory(self, inputs: EstimateInputs) -> tuple[bool, int, int, str]:
         """(fits, peak, host, why not) of a plan; near misses are kept."""
-        if self.capacity is not None and max(forward_bound(inputs), states_bound(inputs)) > self.capacity:
-            return False, 0, 0, FORWARD
+        if self.capacity is not None:
+            first, last = self.states(inputs)
+            if max(forward_bound(inputs, first), first, last) > self.capacity:
+                return False, 0, 0, FORWARD
         peak, host = plan_figures(inputs)
         over_gpu = peak - self.capacity if self.capacity is not None else 0
         over_host = host - self.limit
@@ -360,16 +391,18 @@ class _Walk:
             self.checked[key] = self.memory(inputs)
         return self.checked[key]
 
-    def largest_fitting(self, group: int, plans: list[EstimateInputs]) -> int:
+    def largest_fitting(self, group: int, plans: list[EstimateInputs], check=None) -> int:
         """Memory grows with the micro batch at a fixed accumulation rule (activations and the
         loss's transients scale with it, the rest does not change; tests/test_plan.py): the
         fitting micro batches are a prefix, found by binary search. A list's last plan with a
-        single microbatch is left out: it frees its gradients in forward and is tried alone."""
+        single microbatch is left out: it frees its gradients in forward and is tried alone.
+        `check(group, index, plan)` -> (fits, ...): `checked_memory` unless given."""
+        check = check or self.checked_memory
         if group not in self.fits:
             low, high, best = 0, len(plans) - 1, -1
             while low <= high:
                 middle = (low + high) // 2
-                if self.checked_memory(group, middle, plans[middle])[0]:
+                if check(group, middle, plans[middle])[0]:
                     best, low = middle, middle + 1
                 else:
                     high = middle - 1
@@ -453,8 +486,23 @@ def search(base: EstimateInputs, space: Space, fixed: Fixed, timer: Callable[[Es
         # cheapest first, only as far as each plan needs. Offload adds time, so the same bound
         # still holds.
         result.offloaded = True
-        strategy = base.strategy
         groups = list(candidates(base, space, fixed, Counter(), bound=False))
+        walk.fits.clear()
+        offloaded: dict[tuple[int, int], tuple] = {}  # (group, index) -> (fits, peak, host, why, plan, asked)
+
+        def with_offload(group: int, index: int, inputs: EstimateInputs) -> tuple:
+            """The plan after the strategy's offload and its memory; the same rule of growth
+            with the micro batch holds after offload (tests/test_plan.py)."""
+            key = (group, index)
+            if key not in offloaded:
+                if walk.capacity is not None and offload_floor(inputs) > walk.capacity:
+                    offloaded[key] = (False, 0, 0, OFFLOAD_FLOOR, inputs, inputs)
+                else:
+                    asked = _with_offload(inputs, base.strategy)
+                    plan = resolve(asked) if resolve is not None else asked
+                    offloaded[key] = (*walk.memory(plan), plan, asked)
+            return offloaded[key]
+
         keyed = _keyed(groups, bound)
         for position, (lower, g, i, inputs) in enumerate(keyed):
             kth = walk.kth()
@@ -463,11 +511,16 @@ def search(base: EstimateInputs, space: Space, fixed: Fixed, timer: Callable[[Es
                 walk.tick(len(keyed) - position)
                 break
             walk.tick()
-            asked = _with_offload(inputs, strategy)
-            offloaded = resolve(asked) if resolve is not None else asked
-            fits, peak, host, reason = walk.memory(offloaded)
+            plans = groups[g]
+            if not (inputs.num_microbatches == 1 and i == len(plans) - 1):
+                limit = walk.largest_fitting(g, plans[:-1] if plans[-1].num_microbatches == 1 else plans,
+                                             with_offload)
+                if i > limit:
+                    walk.reject(offloaded[(g, i)][3] if (g, i) in offloaded else SMALLER)
+                    continue
+            fits, peak, host, reason, plan, asked = with_offload(g, i, inputs)
             if fits:
-                walk.rank(offloaded, asked, figures=(peak, host))
+                walk.rank(plan, asked, figures=(peak, host))
             else:
                 walk.reject(reason)
     ranked = sorted(walk.best, reverse=True)

@@ -24,16 +24,12 @@ import heapq
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .precision import ElementBytes
+from .offload import blocks, describe_moments, frees_device_grads, moment_bytes
+from .precision import FP32, ElementBytes
 from .quantized import adamw8bit_bytes
 from .shards import chunk_size as flat_chunk_size
 from .stages import LocalParam, RankParams, chunk_size
 from .terms import Term
-
-# int8 compression of CPU copies stores one fp32 scale per group of this many elements (the
-# group size GPTQ/AWQ-style weight quantizers use).
-INT8_GROUP = 128
-COMPRESSED_BYTES = {"fp16": 2.0, "bf16": 2.0, "int8": 1.0 + 4.0 / INT8_GROUP}
 
 
 @dataclass(frozen=True)
@@ -55,7 +51,25 @@ class Offload:
     grads: bool = False
     optimizer: bool = False
     resident_layers: int | None = None  # layers whose parameters stay on the GPU (params offload)
-    compression: str = "none"
+    compression: str = "none"  # how host optimizer states are stored (fsdp2, core/offload.py)
+    optimizer_kind: str = "adamw"
+
+
+@dataclass(frozen=True)
+class HostGroup:
+    """A group of tensors whose optimizer steps on the host (fsdp2): `count` alike groups
+    (layers) of `elements` local elements each; `offloaded` when the parameters live on the
+    host too (CPUOffloadPolicy) rather than on the device with a host master copy."""
+
+    label: str
+    count: int
+    elements: int
+    offloaded: bool
+    blocks: int = 0  # int8 blocks over its tensors
+
+
+# Labels of the engine's host terms that are pinned on a GPU (core/host.py rounds them).
+MASTER, HOST_GRADS = "fp32 master weights", "grads (host copy)"
 
 
 @dataclass
@@ -64,6 +78,7 @@ class States:
 
     gpu: dict[str, list[Term]] = field(default_factory=lambda: {"params": [], "grads": [], "optimizer": []})
     cpu: dict[str, list[Term]] = field(default_factory=lambda: {"params": [], "grads": [], "optimizer": []})
+    host_groups: list[HostGroup] = field(default_factory=list)  # what the offload engine steps
 
     def gpu_bytes(self, kind: str) -> int:
         return sum(t.bytes for t in self.gpu[kind])
@@ -80,15 +95,23 @@ class TensorStates:
     grads: int
     optimizer: int
     tensors: int  # tensors with an optimizer state on this rank (AdamW's step each)
+    blocks: int = 0  # int8 blocks of those tensors (core/offload.py), for compressed host states
+    states8: int = 0  # bytes of AdamW8bit's states of those tensors, steps included (core/quantized.py)
 
     def __add__(self, other: TensorStates) -> TensorStates:
         return TensorStates(*(a + b for a, b in zip(self.astuple(), other.astuple())))
 
-    def astuple(self) -> tuple[int, int, int, int]:
-        return (self.params, self.grads, self.optimizer, self.tensors)
+    def astuple(self) -> tuple[int, int, int, int, int, int]:
+        return (self.params, self.grads, self.optimizer, self.tensors, self.blocks, self.states8)
 
 
-NONE = TensorStates(0, 0, 0, 0)
+NONE = TensorStates(0, 0, 0, 0, 0, 0)
+
+
+def _states8(local: int, eb: ElementBytes) -> int:
+    """AdamW8bit's bytes for a tensor of `local` elements (0 for another optimizer): torchao
+    quantizes each tensor's moments or keeps them plain by its size (core/quantized.py)."""
+    return adamw8bit_bytes(local, eb.params) if eb.states8 else 0
 
 
 def zero_optimizer_partition(numels: list[int], degree: int) -> list[int]:
@@ -110,45 +133,44 @@ def _zero_partition(numels: tuple[int, ...], degree: int) -> tuple[int, ...]:
     return tuple(owners)
 
 
-def _zero1_optimizer(rp: RankParams, sharding: Sharding, eb: ElementBytes) -> tuple[int, int, int, int]:
-    """(layer elements, layer tensors, root elements, root tensors) whose optimizer state
-    this rank holds under ZeroRedundancyOptimizer; layers are summed over all of them (8-bit
-    moments: their bytes, and no tensors)."""
+def _zero1_optimizer(rp: RankParams, sharding: Sharding, eb: ElementBytes) -> tuple[TensorStates, TensorStates]:
+    """(layers, root) optimizer elements, tensors and int8 blocks whose optimizer state this
+    rank holds under ZeroRedundancyOptimizer; layers are summed over all of them."""
     first = [p for p in rp.root if p.info.part in ("embedding", "position")]
     last = [p for p in rp.root if p.info.part not in ("embedding", "position")]
     ordered = first + list(rp.layer) * rp.num_layers + last
     owners = zero_optimizer_partition([p.numel for p in ordered], sharding.degree)
-    layer_elements = layer_tensors = root_elements = root_tensors = 0
+    layers, root = NONE, NONE
     for position, (p, owner) in enumerate(zip(ordered, owners)):
         if owner != sharding.index and p.numel >= sharding.min_num_params:
             continue
-        amount, counted = (adamw8bit_bytes(p.numel, eb.params), 0) if eb.states8 else (p.numel, 1)
+        held = TensorStates(0, 0, p.numel, 1, blocks(p.numel), _states8(p.numel, eb))
         if len(first) <= position < len(first) + len(rp.layer) * rp.num_layers:
-            layer_elements, layer_tensors = layer_elements + amount, layer_tensors + counted
+            layers += held
         else:
-            root_elements, root_tensors = root_elements + amount, root_tensors + counted
-    return layer_elements, layer_tensors, root_elements, root_tensors
+            root += held
+    return layers, root
 
 
 def _fsdp2_elements(params: tuple[LocalParam, ...], sharding: Sharding, eb: ElementBytes) -> TensorStates:
-    """Elements stored per kind; with 8-bit moments (`eb.states8`) `optimizer` is their exact
-    bytes, steps included, tensor by tensor (AdamW8bit quantizes only some tensors)."""
-    stored = grads = optimizer = tensors = 0
+    stored = grads = optimizer = tensors = num_blocks = states8 = 0
     degree, index = sharding.degree, sharding.index
     for p in params:
         whole = p.numel < sharding.min_num_params or degree == 1
         if sharding.stage >= 2 and not whole:
             padded = p.padded_shard_numel(degree)
+            local = chunk_size(p.rows, degree, index) * p.row_numel
             stored += padded
             grads += padded
-            local = chunk_size(p.rows, degree, index) * p.row_numel
         else:
-            stored += p.numel
-            grads += p.numel
             local = p.numel
-        optimizer += adamw8bit_bytes(local, eb.params) if eb.states8 else local
-        tensors += 0 if eb.states8 else 1
-    return TensorStates(stored, grads, optimizer, tensors)
+            stored += local
+            grads += local
+        optimizer += local
+        tensors += 1
+        num_blocks += blocks(local)
+        states8 += _states8(local, eb)
+    return TensorStates(stored, grads, optimizer, tensors, num_blocks, states8)
 
 
 def _deepspeed_zero3(params: tuple[LocalParam, ...], sharding: Sharding) -> TensorStates:
@@ -172,27 +194,72 @@ def _elements(rp: RankParams, sharding: Sharding, eb: ElementBytes) -> tuple[Ten
         return layer, root
     layer, root = _fsdp2_elements(rp.layer, sharding, eb), _fsdp2_elements(rp.root, sharding, eb)
     if sharding.stage == 1 and sharding.degree > 1:
-        layer_elements, layer_tensors, root_elements, root_tensors = _zero1_optimizer(rp, sharding, eb)
+        held_layers, held_root = _zero1_optimizer(rp, sharding, eb)
         layers = max(rp.num_layers, 1)
-        # Spread the layers' total evenly so that num_layers * per-layer is exact.
-        layer = TensorStates(layer.params, layer.grads, layer_elements // layers, layer_tensors // layers)
-        root = TensorStates(root.params, root.grads,
-                            root_elements + layer_elements % layers, root_tensors + layer_tensors % layers)
+        # Spread the layers' totals evenly so that num_layers * per-layer is exact.
+        layer = TensorStates(layer.params, layer.grads, held_layers.optimizer // layers,
+                             held_layers.tensors // layers, held_layers.blocks // layers,
+                             held_layers.states8 // layers)
+        root = TensorStates(root.params, root.grads, held_root.optimizer + held_layers.optimizer % layers,
+                            held_root.tensors + held_layers.tensors % layers,
+                            held_root.blocks + held_layers.blocks % layers,
+                            held_root.states8 + held_layers.states8 % layers)
     return layer, root
 
 
-def _on_cpu(kind: str, group_offloaded: bool, framework: str, offload: Offload) -> bool:
-    """Where a kind of state of a group of tensors lives.
-
-    fsdp2 offloads layer by layer: an offloaded layer's parameters, gradients and optimizer
-    states all live on the CPU (`CPUOffloadPolicy` moves gradients to the CPU and the
-    optimizer steps where the parameters are); the grads/optimizer flags add nothing.
-    deepspeed moves each kind by its own flag (ZeRO-Offload: gradients, optimizer states;
-    ZeRO-Infinity: parameters layer by layer).
-    """
-    if kind == "params" or framework == "fsdp2":
-        return group_offloaded
+def _on_cpu(kind: str, offload: Offload) -> bool:
+    """Where a kind of state lives under deepspeed and zero-paper: each kind by its own flag
+    (ZeRO-Offload: gradients, optimizer states; ZeRO-Infinity: parameters layer by layer,
+    decided per group by the caller)."""
     return offload.grads if kind == "grads" else offload.optimizer
+
+
+def _fsdp2_group(states: States, label: str, elements: TensorStates, count: int, offloaded: bool,
+                 eb: ElementBytes, sharding: Sharding, offload: Offload) -> None:
+    """One group's terms under fsdp2 and the runtime's offload engine (core/offload.py).
+
+    An offloaded layer (CPUOffloadPolicy) keeps everything on the CPU and steps there without
+    a master copy (fp32 parameters are their own); with `offload.optimizer`, a layer on the
+    device keeps host optimizer states, an fp32 master and a host copy of its gradients."""
+    def add(place: dict[str, list[Term]], kind: str, what: str, per_group: int, formula: str) -> None:
+        if per_group:
+            place[kind].append(Term(f"{label} {what}", count * per_group,
+                                    f"{count} * ({formula})" if count > 1 else formula))
+
+    params, grads, local = elements.params, elements.grads, elements.optimizer
+    (states.cpu if offloaded else states.gpu)["params"].append(
+        _term("params", f"{label} params", count, params, eb.params, 0, eb))
+    host_steps = offloaded or offload.optimizer
+    if not host_steps:
+        states.gpu["grads"].append(_term("grads", f"{label} grads", count, grads, eb.grads, 0, eb))
+        if local and eb.states8:
+            states.gpu["optimizer"].append(_states8_term(f"{label} optimizer", count, elements.states8))
+        elif local and eb.optimizer:
+            states.gpu["optimizer"].append(_term("optimizer", f"{label} optimizer", count, local, eb.optimizer,
+                                                 elements.tensors, eb))
+        return
+    if offloaded:
+        states.cpu["grads"].append(_term("grads", f"{label} grads", count, grads, eb.grads, 0, eb))
+    else:
+        add(states.cpu, "grads", HOST_GRADS, local * eb.grads, f"{local:,} elements * {eb.grads} B")
+        if not frees_device_grads(offload.grads, offload.optimizer, sharding.stage):
+            states.gpu["grads"].append(_term("grads", f"{label} grads", count, grads, eb.grads, 0, eb))
+    states.host_groups.append(HostGroup(label, count, local, offloaded, elements.blocks))
+    moments = moment_bytes(local, elements.blocks, offload.compression, offload.optimizer_kind)
+    add(states.cpu, "optimizer", "optimizer states", moments,
+        describe_moments(local, elements.blocks, offload.compression, offload.optimizer_kind))
+    if eb.step:
+        add(states.cpu, "optimizer", "optimizer steps", elements.tensors * eb.step,
+            f"{elements.tensors} tensors * {eb.step} B")
+    if not offloaded or eb.params != FP32:
+        add(states.cpu, "optimizer", MASTER, local * FP32, f"{local:,} elements * {FP32} B")
+
+
+def _states8_term(label: str, count: int, amount: int) -> Term:
+    """8-bit moments, their block scales and maps, and the steps: exact bytes per tensor."""
+    why = ("AdamW8bit: per tensor 2 * (N codes + N/256 * 4 B scales + 1,024 B map) + 4 B step, "
+           "or plain moments under 4,096 elements")
+    return Term(label, count * amount, lambda: f"{count} * {amount:,} B ({why})" if count > 1 else f"{amount:,} B ({why})")
 
 
 def _term(kind: str, label: str, count: int, elements: int, unit: float, steps: int, eb: ElementBytes) -> Term:
@@ -205,12 +272,6 @@ def _term(kind: str, label: str, count: int, elements: int, unit: float, steps: 
         return f"{count} * ({what})" if count > 1 else what
 
     return Term(label, count * (int(elements * unit) + step_bytes), formula)
-
-
-def _states8_term(label: str, count: int, amount: int) -> Term:
-    """8-bit moments, their block scales and maps, and the steps: exact bytes per tensor."""
-    why = "AdamW8bit: per tensor 2 * (N codes + N/256 * 4 B scales + 1,024 B map) + 4 B step, or plain moments under 4,096 elements"
-    return Term(label, count * amount, lambda: f"{count} * {amount:,} B ({why})" if count > 1 else f"{amount:,} B ({why})")
 
 
 @lru_cache(maxsize=2048)
@@ -235,6 +296,11 @@ def rank_states(
     )
     flat = sharding.framework != "fsdp2" and sharding.stage in (1, 2)
     states = States()
+    if sharding.framework == "fsdp2":
+        for label, elements, count, offloaded in groups:
+            if count and elements.params:
+                _fsdp2_group(states, label, elements, count, offloaded, eb, sharding, offload)
+        return states
     for kind, unit, index in (("params", eb.params, 0), ("grads", eb.grads, 1), ("optimizer", eb.optimizer, 2)):
         if flat and kind != "params":
             numel = rp.numel
@@ -242,21 +308,15 @@ def rank_states(
             why = f"DeepSpeed flat partition ceil({numel:,} / 2*{sharding.degree}) * 2"
             if kind == "grads" and sharding.stage == 1:
                 elements, why = numel, "all local gradients"
-            place = states.cpu if _on_cpu(kind, False, sharding.framework, offload) else states.gpu
+            place = states.cpu if _on_cpu(kind, offload) else states.gpu
             place[kind].append(Term(kind, elements * unit, f"{why} = {elements:,} elements * {unit} B"))
             continue
         for label, elements, count, offloaded in groups:
             amount = elements.astuple()[index]
             if count == 0 or amount == 0:
                 continue
-            cpu = _on_cpu(kind, offloaded, sharding.framework, offload)
-            cost: float = unit
-            if cpu and kind == "params" and offload.compression != "none":
-                cost, label = COMPRESSED_BYTES[offload.compression], f"{label} ({offload.compression})"
+            cpu = offloaded if kind == "params" else _on_cpu(kind, offload)
             steps = elements.tensors if kind == "optimizer" else 0
-            if kind == "optimizer" and eb.states8 and sharding.framework == "fsdp2":
-                term = _states8_term(f"{label} {kind}", count, amount)
-            else:
-                term = _term(kind, f"{label} {kind}", count, amount, cost, steps, eb)
+            term = _term(kind, f"{label} {kind}", count, amount, unit, steps, eb)
             (states.cpu if cpu else states.gpu)[kind].append(term)
     return states

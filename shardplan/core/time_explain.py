@@ -11,7 +11,7 @@ from .kernels import Work
 from .layer_time import LayerCosts
 from .pipeline_time import PipelineRun
 from .stage_time import CATEGORIES, EdgeCosts, StageCost
-from .time_plan import Tail, TimePlan
+from .time_plan import Tail, TimePlan, cpu_step_bytes
 
 
 def seconds_text(seconds: float) -> str:
@@ -170,7 +170,7 @@ def _tail_terms(plan: TimePlan, tails: list[Tail], critical: int) -> list:
     if t.offload:
         items.append(("offload (host copies and CPU optimizer), exposed", t.offload,
                       lambda: f"{t.cpu_elements:,} elements on the CPU x {inputs.gpus_per_node} GPUs x "
-                              f"{plan.c.cpu_optimizer_bytes_per_param:g} B at {_rate(hw.host_memory_bandwidth)} * "
+                              f"{cpu_step_bytes(plan):g} B at {_rate(hw.host_memory_bandwidth)} * "
                               f"{plan.c.cpu_memory_efficiency:g}; copies at {_rate(plan.host_link)}"))
     return items
 

@@ -212,10 +212,8 @@ def streamed(plan: TimePlan, elements: int, trained: int, share: float) -> tuple
     inputs, eb, host = plan.inputs, plan.eb, plan.host_link
     fetch = 0.0
     if inputs.offload_params and share > 0:
-        from .states import COMPRESSED_BYTES
-
-        per_element = COMPRESSED_BYTES.get(inputs.compression, eb.params)
-        fetch = share * elements / plan.degree * per_element / host
+        # Parameters travel as stored: compression applies to optimizer states (core/offload.py).
+        fetch = share * elements / plan.degree * eb.params / host
     leave = 0.0
     cpu = cpu_optimizer_elements(plan, trained, share)
     if (cpu or inputs.offload_grads) and inputs.zero_stage >= 2:
@@ -270,6 +268,23 @@ def optimizer_traffic(plan: TimePlan) -> float:
     return grads + 2 * eb.optimizer + params
 
 
+# Host memory traffic per parameter that compressed optimizer states add to the CPU step
+# (runtime/offload_codec.py, two moments each): decoding reads the codes and writes fp32
+# (bf16: 2 + 4 B), encoding reads fp32 and writes codes (4 + 2 B); fp16 also reads the fp32
+# values once for its block maxima (4 B); int8 runs torchao's branchless binary search, eight
+# passes each reading and writing int64 codes and gathering and comparing fp32 values (about
+# 36 B per pass), beside its decode, scaling and final rounding (about 14 B). Derived from
+# the code's passes, not measured.
+COMPRESSION_STEP_BYTES = {"none": 0.0, "bf16": 2 * 12.0, "fp16": 2 * 16.0, "int8": 2 * (8 * 36.0 + 14.0)}
+
+
+def cpu_step_bytes(plan: TimePlan) -> float:
+    """Host memory bytes per parameter of the CPU optimizer step, compression included
+    (only fsdp2's engine compresses)."""
+    compression = plan.inputs.compression if plan.inputs.framework == "fsdp2" else "none"
+    return plan.c.cpu_optimizer_bytes_per_param + COMPRESSION_STEP_BYTES.get(compression, 0.0)
+
+
 def tail(plan: TimePlan, pp_rank: int, elements: list[int], last_backward: float) -> Tail:
     """Gradient reduction, optimizer and offload after a rank's last backward (`last_backward`:
     that action's compute seconds, which the reduction overlaps)."""
@@ -310,8 +325,11 @@ def tail(plan: TimePlan, pp_rank: int, elements: list[int], last_backward: float
             offload += moved * eb.grads / host
     if cpu:
         # Every GPU of the node updates its shard at once on the node's CPUs.
-        node = cpu * inputs.gpus_per_node * c.cpu_optimizer_bytes_per_param
+        node = cpu * inputs.gpus_per_node * cpu_step_bytes(plan)
         offload += node / (plan.hw.host_memory_bandwidth * c.cpu_memory_efficiency)
-        if not inputs.offload_params:
-            offload += cpu * eb.compute / host  # the updated 16-bit parameters return
+        # The updated parameters return, as stored on the device (fsdp2's engine copies fp32
+        # masters into fp32 shards; DeepSpeed its 16-bit copy), except where they live on the
+        # host: every parameter under ZeRO-Infinity, fsdp2's offloaded layers.
+        kept = (int(opt * share) if inputs.framework == "fsdp2" else cpu) if inputs.offload_params else 0
+        offload += max(0, cpu - kept) * eb.params / host
     return Tail(exposed, gpu_seconds, offload, reduce, gather, opt, cpu, traffic)

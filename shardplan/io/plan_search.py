@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..core.degrees import Degrees
 from ..core.estimate_inputs import EstimateInputs, inputs_from_job
-from ..core.memory import Estimate, estimate_memory
+from ..core.memory import Estimate, estimate_memory, resolve_offload
 from ..core.search import Fixed, SearchResult, Space, search
 from ..spec.errors import InputError, Problem
 from ..spec.units import format_bytes
@@ -56,8 +56,8 @@ class PlanOutcome:
 
     def miss_lines(self) -> list[str]:
         """Nothing fits: the closest misses and what would take them under the GPU."""
-        lines = [f"plan: no plan of {self.world} GPUs fits (evaluated {self.result.evaluated}; "
-                 + ", ".join(f"{n} {reason}" for reason, n in self.result.rejected.most_common()) + ")"]
+        lines = [f"plan: no plan of {self.world} GPUs fits (evaluated {self.result.evaluated:,}; "
+                 + ", ".join(f"{n:,} {reason}" for reason, n in self.result.rejected.most_common()) + ")"]
         shown = set()
         for miss in self.result.misses:
             d = miss.inputs.degrees
@@ -68,7 +68,7 @@ class PlanOutcome:
             if len(shown) > 3:
                 break
             what = "GPU" if miss.reason == "GPU memory" else "host"
-            detail = ("the model states alone are " if miss.at_least else
+            detail = ("its parameters and optimizer states alone are " if miss.at_least else
                       f"{miss.inputs.recompute} recomputation, micro batch {miss.inputs.micro_batch}: ")
             lines.append(f"plan: closest: dp {d.dp} tp {d.tp} pp {d.pp} cp {d.cp}, ZeRO {miss.inputs.zero_stage}, "
                          f"{detail}{format_bytes(miss.short_bytes)} over the {what} memory")
@@ -176,7 +176,7 @@ def run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None, 
         return step_time(inputs, hardware, lora=lora).step_seconds
 
     def resolve(inputs: EstimateInputs) -> EstimateInputs:
-        return estimate_memory(inputs).inputs
+        return resolve_offload(inputs)
 
     def bound(inputs: EstimateInputs) -> float:
         return step_time_bound(inputs, hardware, lora=lora)

@@ -186,3 +186,20 @@ def estimate_document(result: Estimate, gpu_memory: int | None, explain: bool) -
         "assumptions": result.assumptions,
         "warnings": result.warnings,
     }
+
+
+def print_changes(console, changes, gpu_memory: int) -> None:
+    """What would make the plan fit (io/to_fit.py), one line per change, fastest first."""
+    if not changes:
+        console.print(Text("to fit: no change of the plan fits these GPUs at this global batch; "
+                           "`shardplan plan --gpus N` searches larger worlds", style="yellow"), soft_wrap=True)
+        return
+    timed = changes[0].step_seconds is not None
+    head = "to fit, change (found by the planner's search, " + (
+        "fastest first):" if timed else "ranked with H100 figures; set cluster.gpu for step times):")
+    console.print(Text(head, style="bold"), soft_wrap=True)
+    for change in changes:
+        figures = f"peak {format_bytes(change.peak_gpu_bytes)} ({change.peak_gpu_bytes / gpu_memory:.0%})"
+        if change.step_seconds is not None:
+            figures += f", {change.step_seconds:.3f} s per step"
+        console.print(Text(f"  {change.flags()}  ({change.lever}: {figures})"), soft_wrap=True)

@@ -59,10 +59,16 @@ def difference(estimated: int, measured: int) -> str:
 
 
 def run_table(report: dict, model: str) -> Group:
-    """One row per rank and kind: estimate, measurement, difference."""
+    """One row per rank and kind: estimate, measurement, difference; with offload, the
+    measured share in host memory (and the estimate's where it differs)."""
     table = Table(title=f"{model}: estimate vs measured per rank", title_justify="left")
-    for name, justify in (("rank", "right"), ("coords", "left"), ("kind", "left"),
-                          ("estimated", "right"), ("measured", "right"), ("diff", "right")):
+    offloaded = any(entry["measured"].get("placement", {}).get(kind, {}).get("host")
+                    for entry in report["ranks"] for kind in KINDS)
+    columns = [("rank", "right"), ("coords", "left"), ("kind", "left"),
+               ("estimated", "right"), ("measured", "right"), ("diff", "right")]
+    if offloaded:
+        columns.append(("on host", "right"))
+    for name, justify in columns:
         table.add_column(name, justify=justify)
     for entry in report["ranks"]:
         c = entry["coords"]
@@ -70,20 +76,28 @@ def run_table(report: dict, model: str) -> Group:
         for index, kind in enumerate(KINDS):
             est, meas = entry["estimated"][kind], entry["measured"][kind]
             first = index == 0
-            table.add_row(str(entry["rank"]) if first else "", coords if first else "", kind,
-                          format_bytes(est), format_bytes(meas), difference(est, meas),
-                          end_section=index == len(KINDS) - 1)
+            cells = [str(entry["rank"]) if first else "", coords if first else "", kind,
+                     format_bytes(est), format_bytes(meas), difference(est, meas)]
+            if offloaded:
+                host = [side.get("placement", {}).get(kind, {}).get("host") for side in (entry["estimated"], entry["measured"])]
+                cells.append("" if host[0] is None else format_bytes(host[1] or 0) if host[0] == host[1]
+                             else f"{format_bytes(host[1] or 0)} (est. {format_bytes(host[0])})")
+            table.add_row(*cells, end_section=index == len(KINDS) - 1)
         if entry["measured"].get("peak_device") is not None:
             est, meas = entry["estimated"]["peak_device"], entry["measured"]["peak_device"]
             what = "peak allocated" if report["device"] == "cuda" else "peak process growth"
             table.add_row("", "", f"{what} ({entry['estimated'].get('peak_moment', '')})", format_bytes(est),
-                          format_bytes(meas), difference(est, meas), end_section=True)
+                          format_bytes(meas), difference(est, meas), *([""] if offloaded else []), end_section=True)
     steps = report["steps"] or [{"loss": float("nan")}]
     lines = [
         Text(f"loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f} over {len(steps)} steps; "
              f"{report['step_seconds']:.3f} s/step, {report['tokens_per_second']:,.0f} tokens/s"
              + (f", MFU {report['mfu']:.1%}" if report.get("mfu") else "")),
     ]
+    exposed = [e.get("exposed_copy_seconds") for e in report["ranks"] if e.get("exposed_copy_seconds") is not None]
+    if exposed and report["steps"]:
+        lines.append(Text(f"offload copies not hidden behind compute: {max(exposed) / len(report['steps']):.3f} s/step "
+                          "(the slowest rank)"))
     if report.get("pipeline_schedule"):
         lines.append(Text(f"pipeline schedule: torch {report['pipeline_schedule']}"))
     resumed = report.get("resumed_from")

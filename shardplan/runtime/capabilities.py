@@ -20,6 +20,18 @@ def unbuildable(shape: ModelShape) -> str | None:
     return ", ".join(missing) or None
 
 
+def require_library(compression: str) -> str | None:
+    """The install hint when the library a compression needs (torchao: int8 quantisation and
+    bf16 stochastic rounding, runtime/offload_codec.py) is missing, else None."""
+    if compression not in ("int8", "bf16"):
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        return f"{compression} compression needs torchao: pip install 'shardplan[offload]'"
+    return None
+
+
 def unsupported(resolved: ResolvedJob) -> list[Problem]:
     job, shape = resolved.job, resolved.shape
     par, zero, off = job.parallel, job.zero, job.offload
@@ -42,15 +54,16 @@ def unsupported(resolved: ResolvedJob) -> list[Problem]:
         found.append(("zero.min_num_params", "FSDP2 shards every parameter; `run` cannot keep small ones whole"))
     if zero.framework != "fsdp2":
         found.append(("zero.framework", "`run` executes the fsdp2 accounting; set zero.framework = \"fsdp2\""))
-    if off.cpu_compression != "none":
-        found.append(("offload.cpu_compression", f"{off.cpu_compression} compression is not implemented by `run`"))
+    missing = require_library(off.cpu_compression) if (off.optimizer or off.params) else None
+    if missing:
+        found.append(("offload.cpu_compression", missing))
+    if job.train.optimizer not in ("adamw", "sgd") and (off.optimizer or off.params):
+        found.append(("offload.optimizer", f"the offload engine steps adamw and sgd on the CPU, not "
+                                           f"{job.train.optimizer}"))
     for key in ("async_prefetch", "overlap"):
         if not getattr(off, key):
             found.append((f"offload.{key}", "FSDP2 always prefetches on its own stream, overlapped with compute; "
                                             f"`run` cannot turn that off (remove offload.{key} = false)"))
-    if (off.grads or off.optimizer) and not off.params:
-        found.append(("offload.params", "FSDP2 offloads gradients and optimizer states together with the "
-                                        "parameters: set offload.params = true"))
     if par.tp > 1 and zero.stage == 1:
         found.append(("zero.stage", "stage 1 runs under DDP, which cannot wrap tensor-parallel (DTensor) "
                                     "parameters: use stage 0, 2 or 3 with tp > 1"))

@@ -5,6 +5,7 @@ Layout of `[checkpoint] dir` (docs/checkpoints.md):
     step-00000040/            a complete checkpoint (only complete ones have this name)
         .metadata, *.distcp   torch.distributed.checkpoint shards: model and optimizer
         rng-<rank>.pt         each rank's RNG states
+        offload-<rank>.pt     compressed host optimizer states as stored (same-layout resume)
         shardplan.json        step, plan, model shape, world, layout: written last
     step-00000050.partial/    a checkpoint being written (or abandoned by a crash)
 
@@ -76,9 +77,20 @@ def checkpoint_module(modules: list[nn.Module]) -> nn.Module:
     return modules[0] if len(modules) == 1 else _WholeModel(modules)
 
 
-def _model_state(modules: list[nn.Module], optimizer: torch.optim.Optimizer) -> dict:
-    model_state, optim_state = get_state_dict(checkpoint_module(modules), optimizer)
+def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers a checkpoint holds: a device and a host one under offload."""
+    return list(getattr(optimizer, "members", [optimizer]))
+
+
+def _model_state(modules: list[nn.Module], optimizer) -> dict:
+    model_state, optim_state = get_state_dict(checkpoint_module(modules), _optimizers(optimizer))
     return {"model": model_state, "optim": optim_state}
+
+
+def _exact_states(optimizer) -> dict:
+    """Compressed host optimizer states as stored (runtime/offload.py `exact_state`)."""
+    host = [o for o in _optimizers(optimizer) if hasattr(o, "exact_state") and o.config.compression != "none"]
+    return host[0].exact_state() if host else {}
 
 
 def save(folder: Path, step: int, modules: list[nn.Module], optimizer: torch.optim.Optimizer,
@@ -97,6 +109,9 @@ def save(folder: Path, step: int, modules: list[nn.Module], optimizer: torch.opt
     except CheckpointException as exc:  # a BaseException: make it an ordinary failure
         raise RunFailure(f"checkpoint: cannot write {partial}: {_reason(exc)}") from None
     torch.save(_rng_state(), partial / f"rng-{rank}.pt")
+    exact = _exact_states(optimizer)
+    if exact:
+        torch.save(exact, partial / f"offload-{rank}.pt")
     faults.maybe("checkpoint", step, rank)
     dist.barrier()
     if rank == 0:
@@ -193,8 +208,12 @@ def load(path: Path, modules: list[nn.Module], optimizer: torch.optim.Optimizer,
         dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise RunFailure(f"checkpoint: cannot load {path}: {_reason(exc)}") from None
-    set_state_dict(checkpoint_module(modules), optimizer, model_state_dict=state["model"],
+    set_state_dict(checkpoint_module(modules), _optimizers(optimizer), model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
+    exact = path / f"offload-{dist.get_rank()}.pt"
+    host = [o for o in _optimizers(optimizer) if hasattr(o, "load_exact_state")]
+    if same_layout and exact.is_file() and host and host[0].config.compression != "none":
+        host[0].load_exact_state(torch.load(exact, weights_only=True))
     rng = path / f"rng-{dist.get_rank()}.pt"
     if same_layout and rng.is_file():
         saved = torch.load(rng, weights_only=True)

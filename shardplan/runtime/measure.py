@@ -64,11 +64,27 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [value for state in inner.state.values() for value in state.values() if torch.is_tensor(value)]
 
 
-def state_bytes(params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, dict[str, int]]:
+def _total(found: dict[str, int]) -> int:
+    return sum(found.values())
+
+
+def placement_bytes(params: list[nn.Parameter], on_host: frozenset, optimizers: list[torch.optim.Optimizer],
+                    engine=None) -> dict[str, dict[str, int]]:
+    """Bytes of parameters, gradients and optimizer states, by placement: `host` is what the
+    plan keeps in host memory (parameters of CPU-offloaded blocks, their gradients, the
+    offload engine's store), `device` the rest. Placement is known, not inferred from
+    `tensor.device`, so it holds on a CPU-only machine too, where both are CPU tensors."""
+    host_params = [p for p in params if p in on_host]
+    device_params = [p for p in params if p not in on_host]
+    stored = engine.host_tensors() if engine is not None else {"grads": [], "optimizer": []}
+    device_optimizers = [o for o in optimizers if o is not engine]
     return {
-        "params": unique_storage_bytes(params),
-        "grads": unique_storage_bytes(p.grad for p in params),
-        "optimizer": unique_storage_bytes(optimizer_tensors(optimizer)),
+        "params": {"device": _total(unique_storage_bytes(device_params)),
+                   "host": _total(unique_storage_bytes(host_params))},
+        "grads": {"device": _total(unique_storage_bytes(p.grad for p in device_params)),
+                  "host": _total(unique_storage_bytes([p.grad for p in host_params] + stored["grads"]))},
+        "optimizer": {"device": _total(unique_storage_bytes(t for o in device_optimizers for t in optimizer_tensors(o))),
+                      "host": _total(unique_storage_bytes(stored["optimizer"]))},
     }
 
 

@@ -17,6 +17,7 @@ ZeRO stage -> torch:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -33,11 +34,13 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
+from ..core.offload import frees_device_grads
 from ..core.precision import MIXED
 from ..spec.job import LoraSpec
 from .dist import Runtime
 from .lora import adamw8bit_class, cast_frozen, store_base, with_adapters
 from .model import materialize
+from .offload import EngineConfig, HostOptimizer, OptimizerSet
 
 COMPUTE_DTYPES = dict(zip(MIXED, (torch.bfloat16, torch.float16)))  # core.precision.MIXED, in order
 
@@ -58,6 +61,9 @@ class ParallelPlan:
     sequence_parallel: bool = False
     seed: int = 0  # weights come from (seed, parameter name): runtime/model.py init_parameter
     tied_head: bool = False  # a last pipeline stage holding its copy of a tied embedding
+    offload_optimizer: bool = False  # optimizer states and fp32 masters on the host (runtime/offload.py)
+    offload_grads: bool = False  # with offload_optimizer: device gradients freed once copied
+    compression: str = "none"  # how host optimizer states are stored (runtime/offload_codec.py)
     lora: LoraSpec | None = None  # LoRA / QLoRA: the base frozen and stored as it says
 
 
@@ -158,16 +164,60 @@ def apply_ddp(model: nn.Module, runtime: Runtime) -> nn.Module:
                                    gradient_as_bucket_view=True)
 
 
-def build_optimizer(params: list[nn.Parameter], runtime: Runtime, plan: ParallelPlan) -> torch.optim.Optimizer:
-    """The optimizer over the trainable parameters (under LoRA: the adapters)."""
-    params = [p for p in params if p.requires_grad]
+def engine_groups(modules: list[nn.Module]) -> dict[nn.Parameter, str]:
+    """The offload engine's groups: each block's parameters (an FSDP module), and the rest of
+    each stage (its root)."""
+    group_of: dict[nn.Parameter, str] = {}
+    for index, module in enumerate(modules):
+        inner = unwrapped(module)
+        for key, block in inner.layers.items():
+            for p in block.parameters():
+                group_of[p] = f"layers.{key}"
+        for p in inner.parameters():
+            group_of.setdefault(p, f"root.{index}")
+    return group_of
+
+
+def host_parameters(modules: list[nn.Module]) -> frozenset:
+    """Parameters that FSDP2's CPUOffloadPolicy keeps on the host."""
+    return frozenset(p for module in modules for block in unwrapped(module).layers.values()
+                     if offloaded_block(block) for p in block.parameters())
+
+
+def build_optimizer(modules: list[nn.Module], runtime: Runtime, plan: ParallelPlan):
+    """The optimizer stepping where the plan keeps the states: torch's AdamW/SGD for states on
+    the device; the offload engine (runtime/offload.py) for states on the host (optimizer
+    offload, or the blocks CPUOffloadPolicy keeps there); ZeroRedundancyOptimizer at stage 1."""
+    params = [p for module in modules for p in module.parameters() if p.requires_grad]  # LoRA: the adapters
     if plan.optimizer == "adamw8bit":
-        kind = adamw8bit_class()
+        kind = adamw8bit_class()  # torchao's AdamW8bit
     else:
         kind = torch.optim.AdamW if plan.optimizer == "adamw" else torch.optim.SGD
-    if plan.zero_stage == 1 and runtime.layout.degrees.dp > 1:
-        return ZeroRedundancyOptimizer(params, optimizer_class=kind, process_group=runtime.group("dp"), lr=plan.lr)
-    return kind(params, lr=plan.lr)
+    on_host = host_parameters(modules)
+    engine_params = [p for p in params if plan.offload_optimizer or p in on_host]
+    sharded_by_zero = plan.zero_stage == 1 and runtime.layout.degrees.dp > 1
+    if not engine_params:
+        if sharded_by_zero:
+            return ZeroRedundancyOptimizer(params, optimizer_class=kind, process_group=runtime.group("dp"), lr=plan.lr)
+        return kind(params, lr=plan.lr)
+    config = EngineConfig(
+        optimizer=plan.optimizer, compression=plan.compression, prefetch=plan.prefetch_layers,
+        free_device_grads=frees_device_grads(plan.offload_grads, plan.offload_optimizer, plan.zero_stage),
+        pin=plan.pin_memory and runtime.on_gpu, seed=plan.seed, rank=runtime.rank,
+    )
+    engine_class = partial(HostOptimizer, config=config, device=runtime.device, group_of=engine_groups(modules),
+                           on_host=on_host)
+    if sharded_by_zero:  # every state on the host: ZeRO partitions, the engine steps its share
+        optimizer = ZeroRedundancyOptimizer(params, optimizer_class=engine_class, process_group=runtime.group("dp"),
+                                            lr=plan.lr)
+        for module in modules:
+            optimizer.optim.watch_ddp(module, runtime.group("dp"))
+        return optimizer
+    engine = engine_class(engine_params, plan.lr)
+    engine.watch_fsdp()
+    held = set(engine_params)
+    device_params = [p for p in params if p not in held]
+    return OptimizerSet([kind(device_params, lr=plan.lr), engine]) if device_params else engine
 
 
 def offloaded_block(block: nn.Module) -> bool:

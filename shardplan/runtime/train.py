@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from ..core.estimate import DeviceEstimate
+from ..core.estimate_inputs import EstimateInputs
 from ..core.flops import model_flops_per_token
 from ..core.precision import uses_autocast
 from ..io.job import ResolvedJob
@@ -22,9 +23,11 @@ from ..spec.errors import RunFailure
 from . import data as data_mod
 from .dist import Runtime
 from .lora import add_adapters
-from .measure import SavedTensorTracker, state_bytes
+from .measure import SavedTensorTracker, placement_bytes
 from .model import Transformer, loss_fn
-from .parallel import COMPUTE_DTYPES, ParallelPlan, build_optimizer, offloaded_block, parallelize, unwrapped
+from .offload import host_optimizer, members
+from .parallel import (COMPUTE_DTYPES, ParallelPlan, build_optimizer, host_parameters, offloaded_block, parallelize,
+                       unwrapped)
 from .pipeline import build_schedule, build_stages
 
 # The GPU preset (presets/gpus/) of each device name torch reports, most specific first:
@@ -58,9 +61,10 @@ def _autocast(runtime: Runtime, plan: ParallelPlan):
 class Trainer:
     """Owns the model(s), optimizer, data and the per-step work of one rank."""
 
-    def __init__(self, resolved: ResolvedJob, runtime: Runtime, offload_params: bool, resident: int):
-        """`offload_params` and `resident` (layers of this rank kept on the GPU, over all its
-        chunks) are the estimate's decision for this rank (core.memory.estimate_memory)."""
+    def __init__(self, resolved: ResolvedJob, runtime: Runtime, decided: EstimateInputs, resident: int):
+        """`decided` (what is offloaded) and `resident` (layers of this rank kept on the GPU,
+        over all its chunks) are the estimate's decision for this rank
+        (core.memory.estimate_memory)."""
         self.resolved, self.runtime = resolved, runtime
         job = resolved.job
         par = job.parallel
@@ -68,7 +72,9 @@ class Trainer:
         self.plan = ParallelPlan(
             zero_stage=job.zero.stage, precision=job.train.precision, optimizer=job.train.optimizer,
             lr=job.train.lr, recompute=job.train.activation_checkpointing, resident_layers=resident,
-            offload_params=offload_params, prefetch_layers=job.offload.prefetch_layers,
+            offload_params=decided.offload_params, prefetch_layers=job.offload.prefetch_layers,
+            offload_optimizer=decided.offload_optimizer, offload_grads=decided.offload_grads,
+            compression=decided.compression,
             pin_memory=job.offload.pin_memory, sequence_parallel=par.sequence_parallel and par.tp > 1,
             seed=job.train.seed, tied_head=resolved.shape.tie_embeddings and par.pp > 1, lora=job.lora,
         )
@@ -96,7 +102,9 @@ class Trainer:
             self.model = parallelize(full, runtime, self.plan)
             self.modules = [(0, self.model)]
         self.params = [p for _, m in self.modules for p in m.parameters()]
-        self.optimizer = build_optimizer(self.params, runtime, self.plan)
+        self.optimizer = build_optimizer([m for _, m in self.modules], runtime, self.plan)
+        self.engine = host_optimizer(self.optimizer)
+        self.on_host = host_parameters([m for _, m in self.modules])
         self.embedding_group = self._embedding_group()
 
     # -- data ----------------------------------------------------------------------------
@@ -166,6 +174,8 @@ class Trainer:
             for mb in range(m):
                 tokens, targets = self._local_batch(step, range(mb, mb + 1))
                 sync = self.model.no_sync() if hasattr(self.model, "no_sync") and mb < m - 1 else contextlib.nullcontext()
+                if self.engine is not None:
+                    self.engine.set_final_microbatch(mb == m - 1)
                 with sync, tracking(), self._loss_context():
                     with _autocast(self.runtime, self.plan):
                         logits = self.model(tokens)
@@ -178,7 +188,8 @@ class Trainer:
         return total.to(self.runtime.device)
 
     def measure_states(self) -> dict[str, dict[str, int]]:
-        return state_bytes(self.params, self.optimizer)
+        """Bytes of parameters, gradients and optimizer states by placement (device / host)."""
+        return placement_bytes(self.params, self.on_host, members(self.optimizer), self.engine)
 
     def resident_blocks(self) -> int:
         """Transformer blocks whose parameters stay on the device (not CPU-offloaded)."""
@@ -220,6 +231,8 @@ def rank_estimates(device: DeviceEstimate, on_gpu: bool) -> dict[str, int]:
         "params": device.states["params"] + device.cpu["params"],
         "grads": device.states["grads"] + device.cpu["grads"],
         "optimizer": device.states["optimizer"] + device.cpu["optimizer"],
+        "placement": {kind: {"device": device.states[kind], "host": device.cpu[kind]}
+                      for kind in ("params", "grads", "optimizer")},
         "activations": device.saved_activations,
         "peak_device": peak,
         "peak_moment": device.peak_moment,

@@ -131,7 +131,7 @@ def _train(resolved: ResolvedJob, runtime: Runtime, limits_known: bool, options:
     else:
         process.start()  # on CPU, host and device memory are one: the process's growth
     Phase.current = "building the model"
-    trainer = Trainer(resolved, runtime, inputs.offload_params, mine.resident_layers)
+    trainer = Trainer(resolved, runtime, inputs, mine.resident_layers)
     first_step, resumed = 0, None
     if resume is not None:
         path, meta, resharded = resume
@@ -234,6 +234,7 @@ def _progress(rank0: bool, table: bool, total: int, completed: int):
 
 def _gather(runtime, trainer, tracker, states, mine, process) -> list[dict]:
     measured = {kind: sum(states[kind].values()) for kind in ("params", "grads", "optimizer")}
+    measured["placement"] = states
     measured["activations"] = tracker.peak
     measured["peak_device"] = torch.cuda.max_memory_allocated(runtime.device) if runtime.on_gpu else process.growth()
     measured["resident_layers"] = trainer.resident_blocks()
@@ -241,8 +242,10 @@ def _gather(runtime, trainer, tracker, states, mine, process) -> list[dict]:
         "rank": runtime.rank,
         "coords": runtime.coords(),
         "measured": measured,
-        "measured_by_device": states,
         "weight_copies": tracker.copies_peak,
+        # On a GPU: seconds the offload engine's copies were not hidden behind compute
+        # (host waits for gradient copies, compute-stream waits for parameter copies).
+        "exposed_copy_seconds": trainer.engine.exposed_copy_seconds() if trainer.engine is not None else None,
         "estimated": rank_estimates(mine, runtime.on_gpu),
     }
     entries = [None] * runtime.world

@@ -149,8 +149,10 @@ class OffloadSpec(Table):
     """What lives in CPU memory instead of on the GPU."""
 
     params: bool = Field(False, description="keep parameters on the CPU (needs ZeRO stage 3)")
-    grads: bool = Field(False, description="move gradients to the CPU")
-    optimizer: bool = Field(False, description="keep optimizer states on the CPU (step runs there)")
+    grads: bool = Field(False, description="move gradients to the CPU (with optimizer under fsdp2: freed on the "
+                        "GPU once copied)")
+    optimizer: bool = Field(False, description="keep optimizer states and fp32 master weights on the CPU (step runs "
+                            "there)")
     cpu_memory_budget: Size = Field(
         2**35, description="CPU memory this job may use per node; when not written: the node's RAM "
         "(cluster.cpu_memory_per_node) less a reserve of 10% (at least 8 GiB)"
@@ -161,7 +163,8 @@ class OffloadSpec(Table):
     overlap: bool = Field(True, description="overlap transfers with compute")
     pin_memory: bool = Field(True, description="pin CPU buffers (only where an accelerator exists)")
     cpu_compression: Literal["none", "fp16", "bf16", "int8"] = Field(
-        "none", description="store offloaded parameters compressed on the CPU"
+        "none", description="store the optimizer states kept on the CPU compressed: fp16 or bf16 (stochastic "
+        "rounding) or int8 (block-wise, 256 elements per fp32 scale)"
     )
     strategy: Literal["conservative", "balanced", "aggressive", "extreme"] = Field(
         "balanced", description="how eagerly to offload when memory is short"

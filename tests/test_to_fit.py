@@ -1,0 +1,103 @@
+"""`estimate` on a plan that does not fit says what would: each suggestion, applied with its
+`--set` flags, is a plan `estimate` finds fitting, with the figures the suggestion gave."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_cli
+
+OVER = """
+[model]
+preset = "llama-3-8b"
+[train]
+seq_len = 8192
+activation_checkpointing = "none"
+[parallel]
+dp = 8
+micro_batch_size = 4
+num_microbatches = 2
+[zero]
+stage = 1
+[cluster]
+preset = "h100-80gb"
+"""
+
+
+def _flags(settings: dict) -> list[str]:
+    out = []
+    for key, value in settings.items():
+        out += ["--set", f"{key}={str(value).lower() if isinstance(value, bool) else value}"]
+    return out
+
+
+@pytest.mark.parametrize("text,timed", [
+    (OVER, True),
+    (OVER.replace('preset = "h100-80gb"', 'gpu_memory = "80GiB"\ngpus_per_node = 8\ncpu_memory_per_node = "2TiB"'),
+     False),
+    (OVER + '[offload]\nstrategy = "conservative"\n', True),
+])
+def test_each_suggestion_fits_as_said(write, text, timed):
+    job = write("job.toml", text)
+    result = run_cli("estimate", job, "--json")
+    assert result.code == 1
+    changes = result.json["to_fit"]
+    assert changes
+    for change in changes:
+        assert (change["step_seconds"] is not None) == timed
+        applied = run_cli("estimate", job, *_flags(change["set"]), "--json")
+        assert applied.code == 0, (change, applied.err)
+        doc = applied.json
+        assert doc["fits"] is True and "to_fit" not in doc
+        assert doc["peak_gpu_bytes"] == change["peak_gpu_bytes"]
+        assert doc["cpu_bytes_per_node"] == change["cpu_bytes_per_node"]
+        if timed:
+            assert doc["time"]["step_seconds"] == change["step_seconds"]
+    seconds = [c["step_seconds"] for c in changes if c["step_seconds"] is not None]
+    assert seconds[:2] == sorted(seconds[:2])
+
+
+def test_conservative_strategy_suggests_offload(write):
+    job = write("job.toml", OVER.replace("llama-3-8b", "llama-2-13b").replace("dp = 8", "dp = 1")
+                .replace("stage = 1", "stage = 0").replace("num_microbatches = 2", "num_microbatches = 16")
+                .replace('preset = "h100-80gb"', 'preset = "h100-80gb"\nnodes = 1\ngpus_per_node = 1')
+                + '[offload]\nstrategy = "conservative"\n')
+    doc = run_cli("estimate", job, "--json").json
+    levers = {c["lever"] for c in doc["to_fit"]}
+    assert "offload" in levers or any("offload.strategy" in c["set"] for c in doc["to_fit"])
+
+
+def test_text_lists_the_flags(write):
+    result = run_cli("estimate", write("job.toml", OVER))
+    assert result.code == 1
+    lines = result.out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("to fit, change"))
+    assert lines[head + 1].strip().startswith("--set ")
+
+
+def test_fitting_plans_get_no_suggestion(write):
+    doc = run_cli("estimate", write("job.toml", OVER.replace('"none"', '"full"').replace("stage = 1", "stage = 3")
+                                    .replace("micro_batch_size = 4", "micro_batch_size = 1")), "--json").json
+    assert doc["fits"] is True and "to_fit" not in doc
+
+
+def test_model_states_only(write):
+    result = run_cli("estimate", "--params", "20e9", "--dp", "8", "--set", "cluster.gpu_memory=80GiB",
+                     "--set", "cluster.cpu_memory_per_node=2TiB", "--json")
+    assert result.code == 1
+    changes = result.json["to_fit"]
+    assert changes
+    for change in changes:
+        applied = run_cli("estimate", "--params", "20e9", "--dp", "8", "--set", "cluster.gpu_memory=80GiB",
+                          "--set", "cluster.cpu_memory_per_node=2TiB", *_flags(change["set"]), "--json")
+        assert applied.code == 0 and applied.json["peak_gpu_bytes"] == change["peak_gpu_bytes"]
+
+
+def test_nothing_in_reach(write):
+    job = write("job.toml", OVER.replace("llama-3-8b", "llama-3-70b").replace("dp = 8", "dp = 1")
+                .replace('preset = "h100-80gb"', 'preset = "h100-80gb"\nnodes = 1\ngpus_per_node = 1')
+                .replace("num_microbatches = 2", "num_microbatches = 16")
+                + '[offload]\ncpu_memory_budget = "64GiB"\n')
+    result = run_cli("estimate", job)
+    assert result.code == 1
+    assert "to fit: no change of the plan fits these GPUs" in result.out
