@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from shardplan.core.degrees import Degrees
 from shardplan.core.estimate_inputs import EstimateInputs
+from shardplan.core.lora import LoraPlan
 from shardplan.core.memory import estimate_memory, plan_figures
 from shardplan.core.pipeline import split_problem
 from shardplan.spec.model import resolve_shape
@@ -41,6 +42,12 @@ def plans(draw):
     stage = draw(st.integers(0, 3))
     framework = draw(st.sampled_from(["fsdp2", "deepspeed", "zero-paper"]))
     offload_params = stage == 3 and draw(st.booleans())
+    lora = None
+    if draw(st.booleans()):
+        targets = draw(st.sets(st.sampled_from(["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]),
+                               min_size=1))
+        lora = LoraPlan(rank=draw(st.sampled_from([1, 8])), targets=tuple(sorted(targets)),
+                        base_dtype=draw(st.sampled_from(["bf16", "nf4"])), dropout=draw(st.booleans()))
     return EstimateInputs(
         shape=shape, params=None, degrees=Degrees(dp=dp, tp=tp, pp=pp), order=draw(st.sampled_from(
             ["tp-cp-dp-pp", "pp-tp-dp", "dp-tp-pp"])), gpus_per_node=draw(st.sampled_from([2, 4, 8])),
@@ -56,7 +63,8 @@ def plans(draw):
         offload_grads=optimizer and draw(st.booleans()),
         compression=draw(st.sampled_from(["none", "bf16", "fp16", "int8"])), gpu_param_budget=2**20,
         strategy="conservative", on_gpu=draw(st.booleans()), checkpointing=draw(st.booleans()),
-        gpu_memory=80 * 2**30, cpu_memory_per_node=2**40,
+        gpu_memory=80 * 2**30, cpu_memory_per_node=2**40, lora=lora,
+        optimizer=draw(st.sampled_from(["adamw", "adamw8bit", "sgd"])),
     )
 
 

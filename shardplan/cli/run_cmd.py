@@ -45,20 +45,36 @@ def source_checkout() -> Path | None:
     return root if (root / "pyproject.toml").is_file() else None
 
 
+def extra_command(extra: str) -> str:
+    """The command that installs one of shardplan's extras for this installation."""
+    checkout = source_checkout()
+    return f"pip install -e '{checkout}[{extra}]'" if checkout else f"pip install 'shardplan[{extra}]'"
+
+
 def install_hint() -> str:
     """The command that installs the `run` extra for this installation."""
-    checkout = source_checkout()
-    extra = f"pip install -e '{checkout}[run]'" if checkout else "pip install 'shardplan[run]'"
-    return f"{extra} (on a machine without a GPU, first: pip install torch --index-url {CPU_WHEELS})"
+    return f"{extra_command('run')} (on a machine without a GPU, first: pip install torch --index-url {CPU_WHEELS})"
 
 
-def _require_torch() -> None:
+def _require_torch(job) -> None:
     # find_spec, not import: the parent that starts torchrun never needs torch itself (1 s).
     # numpy too: torch.distributed's object collectives (checkpoint planning, gathering the
     # measurements) call Tensor.numpy() and fail mid-run without it.
     missing = [name for name in ("torch", "numpy") if importlib.util.find_spec(name) is None]
     if missing:
         raise InputError(Problem("", f"`shardplan run` needs {' and '.join(missing)}: {install_hint()}"))
+    # Fine-tuning's libraries (the `finetune` extra): peft for LoRA, torchao for NF4 and 8-bit AdamW.
+    needed = []
+    if job.lora is not None:
+        needed.append(("peft", "lora"))
+        if job.lora.base_dtype == "nf4":
+            needed.append(("torchao", "lora.base_dtype"))
+    if job.train.optimizer == "adamw8bit":
+        needed.append(("torchao", "train.optimizer"))
+    lacking = [(name, key) for name, key in needed if importlib.util.find_spec(name) is None]
+    if lacking:
+        raise InputError([Problem(key, f"`shardplan run` needs {name} for this: {extra_command('finetune')}")
+                          for name, key in lacking])
 
 
 def _worker_args(file: str, flags: PlanFlags, options: dict) -> list[str]:
@@ -227,7 +243,7 @@ def run(
     from ..runtime.capabilities import require_supported
 
     require_supported(resolved)
-    _require_torch()
+    _require_torch(resolved.job)
     if not under_torchrun():
         world = resolved.world
         if nproc is not None and nproc != world:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from ..spec.model import ModelShape
+from .lora import LoraPlan
 from .terms import Term
 
 MASK_BYTES = 1  # dropout masks are bool tensors (Korthikanti et al. count 1 byte)
@@ -64,6 +65,8 @@ class ActivationShape:
     # vocab_parallel_cross_entropy, megatron/core/tensor_parallel/cross_entropy.py: the fp32
     # softmax is its only saved tensor and backward turns it into the gradient in place).
     loss: str = "fp32"
+    # LoRA: the base is frozen, adapters train (core/lora_activations.py)
+    lora: LoraPlan | None = None
 
     def __hash__(self) -> int:
         # Planner caches key on this frozen value: hash its fields once, not at every lookup.
@@ -101,8 +104,13 @@ def _kv_width(act: ActivationShape) -> int:
     return kv_heads_local * shape.head_dim
 
 
-def layer_terms(act: ActivationShape) -> list[Term]:
-    """Saved activations of one transformer layer for one microbatch, term by term."""
+def layer_terms(act: ActivationShape, grad_in: bool = True) -> list[Term]:
+    """Saved activations of one transformer layer for one microbatch, term by term (`grad_in`:
+    its input carries a gradient, which matters only under LoRA)."""
+    if act.lora is not None:
+        from .lora_activations import lora_layer_terms
+
+        return lora_layer_terms(act, grad_in)
     shape, e, t = act.shape, act.act_bytes, act.tp
     sb = act.tokens
     h = shape.hidden_size
@@ -235,7 +243,7 @@ def recompute_working_terms(act: ActivationShape) -> list[Term]:
     return []
 
 
-def stored_layer_terms(act: ActivationShape) -> list[Term]:
+def stored_layer_terms(act: ActivationShape, grad_in: bool = True) -> list[Term]:
     """What one layer keeps between its forward and backward under the recompute policy."""
     if act.recompute == "op":
         return op_saved_terms(act)
@@ -245,11 +253,14 @@ def stored_layer_terms(act: ActivationShape) -> list[Term]:
         sp = f"/{rep}" if rep > 1 else ""
         return [Term("layer input (full recomputation)", elements * act.residual_bytes,
                      lambda: f"sbh{sp} = {elements:,} * {act.residual_bytes} B")]
-    return layer_terms(act)
+    return layer_terms(act, grad_in)
 
 
 def embedding_terms(act: ActivationShape) -> list[Term]:
-    """First stage: token ids (the embedding backward's indices) and the embedding dropout mask."""
+    """First stage: token ids (the embedding backward's indices) and the embedding dropout mask.
+    A frozen embedding (LoRA) keeps neither: nothing before it needs a gradient."""
+    if act.lora is not None:
+        return []
     terms = [Term("token ids", act.tokens * INDEX_BYTES, lambda: f"sb = {act.tokens:,} * {INDEX_BYTES} B")]
     if act.dropout:
         elements = act.tokens * act.shape.hidden_size // act.replicated_div
@@ -263,11 +274,14 @@ def head_terms(act: ActivationShape) -> list[Term]:
     sb, h, e = act.tokens, act.shape.hidden_size, act.act_bytes
     rep = act.replicated_div
     vocab_local = -(-act.shape.vocab_size // act.tp)
+    # A frozen head (LoRA) keeps no input: only its weight is needed for the input's gradient.
+    head_input = [] if act.lora is not None else [
+        Term("output head input", sb * h // act.gathered_div * e,
+             lambda: f"sbh = {sb * h // act.gathered_div:,} * {e} B")]
     return [
         Term("final norm input", sb * h // rep * act.residual_bytes,
              lambda: f"sbh = {sb * h // rep:,} * {act.residual_bytes} B"),
-        Term("output head input", sb * h // act.gathered_div * e,
-             lambda: f"sbh = {sb * h // act.gathered_div:,} * {e} B"),
+        *head_input,
         Term("log-probabilities (loss)" if act.loss == "fp32" else "softmax (fused cross entropy)",
              sb * vocab_local * LOSS_BYTES, lambda: f"sb*V/t fp32 = {sb * vocab_local:,} * {LOSS_BYTES} B"),
         Term("targets", sb * INDEX_BYTES, lambda: f"sb = {sb:,} * {INDEX_BYTES} B"),

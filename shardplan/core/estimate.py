@@ -30,6 +30,15 @@ from .buffers import allowance_terms, fsdp2_buffers, grads_in_flight, no_buffers
 from .deepspeed import DeepSpeedPlan, deepspeed_memory
 from .degrees import Degrees
 from .estimate_inputs import EstimateInputs
+from .finetune import (
+    deepspeed_frozen_buffers,
+    frozen_bytes,
+    frozen_terms,
+    lora_ddp_buffers,
+    lora_fsdp2_buffers,
+    trainable_params,
+)
+from .lora import lora_counts
 from .host import checkpoint_staging, rank_host, startup_host
 from .offload import frees_device_grads
 from .params import ParamInfo, count_params
@@ -116,7 +125,8 @@ def _rank_params(inputs: EstimateInputs, at: Coordinates) -> RankParams:
     d = inputs.degrees
     if inputs.shape is None:
         return flat_rank_params(inputs.params or 0, d.tp, d.pp, at.tp_rank, at.pp_rank)
-    return rank_params(inputs.shape, d.pp, inputs.virtual, at.pp_rank, d.tp, at.tp_rank, inputs.stage_split)
+    return rank_params(inputs.shape, d.pp, inputs.virtual, at.pp_rank, d.tp, at.tp_rank, inputs.stage_split,
+                       inputs.lora)
 
 
 def resident_layers(rp: RankParams, eb: ElementBytes, inputs: EstimateInputs, degree: int) -> int:
@@ -128,6 +138,9 @@ def resident_layers(rp: RankParams, eb: ElementBytes, inputs: EstimateInputs, de
     if inputs.resident_layers is not None:
         return min(rp.num_layers, inputs.resident_layers)
     layer_bytes = sum(p.padded_shard_numel(degree) for p in rp.layer) * eb.params
+    if inputs.lora is not None:
+        layer_bytes = (sum(frozen_bytes(p, inputs.lora, degree, "fsdp2") for p in rp.layer)
+                       + sum(p.padded_shard_numel(degree) for p in rp.adapters) * eb.params)
     if layer_bytes == 0:
         return rp.num_layers
     return min(rp.num_layers, inputs.gpu_param_budget // layer_bytes)
@@ -142,6 +155,7 @@ def _activation_shape(inputs: EstimateInputs, eb: ElementBytes) -> ActivationSha
         sequence_parallel=inputs.sequence_parallel and d.tp > 1, recompute=inputs.recompute,
         attention=inputs.attention, dropout=inputs.dropout, act_bytes=eb.compute,
         autocast=uses_autocast(inputs.framework, inputs.zero_stage, inputs.precision), loss=inputs.loss,
+        lora=inputs.lora,
     )
 
 
@@ -205,6 +219,11 @@ def _layer_bytes(act: ActivationShape) -> int:
 
 
 @lru_cache(maxsize=4096)
+def _first_layer_bytes(act: ActivationShape) -> int:
+    return sum(t.bytes for t in stored_layer_terms(act, grad_in=False))
+
+
+@lru_cache(maxsize=4096)
 def _embedding_terms(act: ActivationShape) -> tuple[Term, ...]:
     return tuple(embedding_terms(act))
 
@@ -229,9 +248,16 @@ def activation_terms(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes,
     per_layer = _layer_bytes(act)
     stages = [pp_rank + chunk * d.pp for chunk in range(len(rp.chunk_layers))] or [pp_rank]
     last_stage = d.pp * max(1, len(rp.chunk_layers)) - 1
+    # Under LoRA the first layer's input comes from the frozen embedding without a gradient:
+    # it keeps less than the others (core/lora_activations.py).
+    first_layer = _first_layer_bytes(act) if act.lora else per_layer
 
     def edges(stage: int) -> list[Term]:
-        return (list(_embedding_terms(act)) if stage == 0 else []) + (list(_head_terms(act)) if stage == last_stage else [])
+        terms = list(_embedding_terms(act)) if stage == 0 else []
+        if stage == 0 and first_layer != per_layer and rp.chunk_layers and rp.chunk_layers[0]:
+            terms.append(Term("first layer, no gradient into it (LoRA)", first_layer - per_layer,
+                              lambda: f"{first_layer:,} B instead of {per_layer:,} B"))
+        return terms + (list(_head_terms(act)) if stage == last_stage else [])
 
     stage_bytes = {}
     for stage, layers in zip(stages, rp.chunk_layers or (0,)):
@@ -281,8 +307,53 @@ def _deepspeed(inputs: EstimateInputs, rp: RankParams, degree: int, index: int) 
     return _RankMemory(ds.gpu, ds.cpu, ds.grads_at, ds.buffers_at), ds.host
 
 
+def _with_frozen(memory: _RankMemory, gpu: list[Term], cpu: list[Term],
+                 buffers: dict[str, list[Term]]) -> _RankMemory:
+    """A new record (the framework's may be cached) with the frozen base's terms added and the
+    framework's own terms, which are the adapters', named so."""
+    def adapters(terms) -> list[Term]:
+        return [Term(f"adapters, {t.label}", t.bytes, t.source) for t in terms]
+
+    return _RankMemory(
+        gpu={k: (gpu if k == "params" else []) + adapters(v) for k, v in memory.gpu.items()},
+        cpu={k: (cpu if k == "params" else []) + adapters(v) for k, v in memory.cpu.items()},
+        grads_at={m: adapters(v) for m, v in memory.grads_at.items()},
+        buffers_at={m: list(buffers.get(m, [])) + list(v) for m, v in memory.buffers_at.items()},
+    )
+
+
+def _lora(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, degree: int, index: int,
+          resident: int) -> tuple[_RankMemory, list[Term]]:
+    """LoRA: the framework's rules over the adapters, the frozen base beside them
+    (core/finetune.py), and the buffers of the base as it is gathered and dequantized."""
+    assert inputs.lora is not None
+    trainable = trainable_params(rp)
+    if inputs.framework == "deepspeed":
+        memory, host = _deepspeed(inputs, trainable, degree, index)
+        held = "partition" if inputs.zero_stage == 3 else "whole"
+        gpu, cpu = frozen_terms(rp, inputs.lora, degree, rp.num_layers, held)
+        return _with_frozen(memory, gpu, cpu, deepspeed_frozen_buffers(rp, inputs.lora, inputs.zero_stage)), host
+    memory = _torch_or_paper(inputs, trainable, eb, degree, index, resident, buffers=False)
+    if inputs.framework == "fsdp2":  # fully_shard at stages 0, 2, 3 (stage 0: one-rank shards); DDP at 1
+        held, over = ("whole", 1) if inputs.zero_stage == 1 else ("fsdp2", degree if inputs.zero_stage >= 2 else 1)
+    else:
+        held, over = ("partition", degree) if inputs.zero_stage == 3 else ("whole", 1)
+    gpu, cpu = frozen_terms(rp, inputs.lora, over, resident, held)
+    buffers = no_buffers()
+    if inputs.framework == "fsdp2" and inputs.shape is not None:
+        if inputs.zero_stage == 1:
+            buffers = lora_ddp_buffers(rp, eb) if inputs.precision in MIXED else no_buffers()
+        else:
+            buffers = lora_fsdp2_buffers(rp, eb, inputs.lora, inputs.zero_stage, degree, inputs.prefetch_layers)
+    memory = _with_frozen(memory, gpu, cpu, buffers)
+    host = rank_host(inputs, trainable, eb, degree, resident, memory.cpu) if inputs.framework == "fsdp2" else []
+    if inputs.framework == "fsdp2":
+        host += cpu
+    return memory, host
+
+
 def _torch_or_paper(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, degree: int, index: int,
-                    resident: int) -> _RankMemory:
+                    resident: int, buffers: bool = True) -> _RankMemory:
     """fsdp2 (what `run` executes) and zero-paper (the paper's model states, no framework
     buffers). fsdp2 frees gradients between steps (`zero_grad(set_to_none=True)`): they are
     alive in forward and backward only when microbatches accumulate into them; DDP's (stage 1)
@@ -299,7 +370,7 @@ def _torch_or_paper(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, de
     always = inputs.zero_stage == 1 or inputs.num_microbatches > 1
     grads_at = {m: grads if always or m in (BACKWARD_END, STEP) else [] for m in MOMENTS}
     buffers_at = no_buffers()
-    if inputs.shape is not None:
+    if inputs.shape is not None and buffers:
         buffers_at = fsdp2_buffers(rp, eb, inputs.zero_stage, degree, inputs.prefetch_layers, inputs.precision in MIXED)
         if frees_device_grads(inputs.offload_grads, inputs.offload_optimizer, inputs.zero_stage):
             for moment, terms in grads_in_flight(rp, eb, inputs.zero_stage, degree, resident).items():
@@ -364,7 +435,9 @@ def _transients(inputs: EstimateInputs, act: ActivationShape | None, has_head: b
         # Who keeps the logits until backward: transformers' model output (the DeepSpeed
         # loops), and torch's pipeline stages, which cache each stage's output for its
         # backward; `shardplan run` and torchtitan free them before backward.
-        if inputs.framework == "deepspeed" or inputs.degrees.pp > 1:
+        # Only the held microbatches' logits: none when the peak holds none of the last stage's
+        # (an interleaved rank's other chunk), as the planner's figures count them.
+        if (inputs.framework == "deepspeed" or inputs.degrees.pp > 1) and head_held:
             kept = [t.scaled(head_held, f"{head_held} microbatches held") if head_held > 1 else t
                     for t in kept_logits_terms(act)]
             for moment in (FORWARD, LOSS, BACKWARD):
@@ -389,7 +462,9 @@ def rank_parts(inputs: EstimateInputs, at: Coordinates) -> RankParts:
     rp = _rank_params(inputs, at)
     degree = shard_degree(inputs)
     resident = resident_layers(rp, eb, inputs, degree)
-    if inputs.framework == "deepspeed":
+    if inputs.lora is not None and inputs.shape is not None:
+        memory, host = _lora(inputs, rp, eb, degree, at.shard_index, resident)
+    elif inputs.framework == "deepspeed":
         memory, host = _deepspeed(inputs, rp, degree, at.shard_index)
     else:
         memory = _torch_or_paper(inputs, rp, eb, degree, at.shard_index, resident)
@@ -468,4 +543,7 @@ def param_counts(inputs: EstimateInputs) -> dict[str, int]:
         total = inputs.params or 0
         return {"total": total, "embedding": 0, "active": total, "trainable": total}
     counts = count_params(inputs.shape)
+    if inputs.lora is not None:
+        lora = lora_counts(inputs.shape, inputs.lora)
+        return {"total": lora.total, "embedding": counts.embedding, "active": lora.active, "trainable": lora.trainable}
     return {"total": counts.total, "embedding": counts.embedding, "active": counts.active, "trainable": counts.total}

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from ..spec.job import JobSpec
 from ..spec.model import ModelShape
 from .degrees import Degrees
+from .lora import LoraPlan
 
 
 # Host memory a job cannot have: the operating system, the page cache that data loading and
@@ -78,6 +79,7 @@ class EstimateInputs:
     cpu_memory_per_node: int | None = None
     on_gpu: bool = True  # CUDA allowances apply
     checkpointing: bool = False  # `run` writes checkpoints: their staging is host memory
+    lora: LoraPlan | None = None  # LoRA / QLoRA: adapters train, the base is frozen (None: full training)
 
     def __hash__(self) -> int:
         # Planner caches key on this frozen value: hash its fields once, not at every lookup.
@@ -150,6 +152,7 @@ def inputs_from_job(job: JobSpec, shape: ModelShape | None, limits_known: bool) 
         gpu_memory=cluster.gpu_memory if limits_known else None,
         cpu_memory_per_node=cluster.cpu_memory_per_node if limits_known else None,
         checkpointing=bool(job.checkpoint.dir),
+        lora=lora_plan(job),
     )
 
 
@@ -158,3 +161,11 @@ def _field_names(cls: type) -> tuple[str, ...]:
     names = tuple(f.name for f in fields(cls))
     setattr(cls, "_field_names", names)
     return names
+
+
+def lora_plan(job: JobSpec) -> LoraPlan | None:
+    """The job's [lora] table as estimate inputs (None: full training)."""
+    if job.lora is None:
+        return None
+    lora = job.lora
+    return LoraPlan(rank=lora.rank, targets=tuple(lora.targets), base_dtype=lora.base_dtype, dropout=lora.dropout > 0)

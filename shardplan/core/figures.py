@@ -19,8 +19,10 @@ from .estimate import (
     _activation_shape,
     _deepspeed,
     _embedding_terms,
+    _first_layer_bytes,
     _head_terms,
     _layer_bytes,
+    _lora,
     _loss_terms,
     _present,
     _rank_params,
@@ -60,7 +62,9 @@ def _framework(inputs: EstimateInputs, rp: RankParams, degree: int, resident: in
     """(GPU params + optimizer, gradients at each moment, buffers at each moment, host while
     training) of the framework's part, as byte totals."""
     eb = element_bytes(inputs.framework, inputs.precision, inputs.optimizer)
-    if inputs.framework == "deepspeed":
+    if inputs.lora is not None and inputs.shape is not None:
+        memory, host = _lora(inputs, rp, eb, degree, 0, resident)
+    elif inputs.framework == "deepspeed":
         memory, host = _deepspeed(inputs, rp, degree, 0)
     else:
         memory = _torch_or_paper(inputs, rp, eb, degree, 0, resident)
@@ -110,9 +114,12 @@ def rank_figures(inputs: EstimateInputs, at: Coordinates) -> RankFigures:
         d = inputs.degrees
         stages = [at.pp_rank + chunk * d.pp for chunk in range(len(rp.chunk_layers))] or [at.pp_rank]
         last_stage = d.pp * max(1, len(rp.chunk_layers)) - 1
+        # Under LoRA the first layer keeps less (no gradient flows into it).
+        first = _first_layer_bytes(act) - per_layer if act.lora is not None and rp.chunk_layers and rp.chunk_layers[0] else 0
         stage_bytes = {}
         for stage, layers in zip(stages, rp.chunk_layers or (0,)):
-            stage_bytes[stage] = layers * per_layer + (embedding if stage == 0 else 0) + (head if stage == last_stage else 0)
+            stage_bytes[stage] = (layers * per_layer + (embedding + first if stage == 0 else 0)
+                                  + (head if stage == last_stage else 0))
         held = held_at_peak(inputs.schedule, d.pp, inputs.num_microbatches, inputs.virtual, at.pp_rank, stage_bytes)
         saved = sum(held[stage] * stage_bytes[stage] for stage in stage_bytes)
         head_held = held.get(last_stage, 0)

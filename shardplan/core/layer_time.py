@@ -10,7 +10,10 @@ under context parallelism):
 - attention: flash, one fused kernel (causal: half the score matrix); eager, the batched
   score and value matmuls over the full s x s matrix plus the softmax (and dropout) over it;
 - memory-bound kernels: norms, the activation, rotary embedding, bias-dropout-residual adds;
-  with sequence parallelism the norms and dropouts run on T/tp tokens;
+  with sequence parallelism the norms and dropouts run on T/tp tokens; under QLoRA the
+  dequantization of every linear's NF4 weight, forward and again backward (torchao's
+  `get_original_weight`, about a dozen kernels: each byte of its working set, core/quantized.py
+  `nf4_dequant_bytes`, written once and read once);
 - tensor parallel communication (Korthikanti et al. 2022, Figure 5): 2 all-reduces of T*h
   forward and 2 backward, or with sequence parallelism 2 all-gathers and 2 reduce-scatters
   each way (Megatron-LM gathers the two linear inputs once more in backward); not overlapped
@@ -32,6 +35,7 @@ from .collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Link, collectiv
 from .flops import op_recomputed
 from .hardware import Hardware, TimeConstants
 from .kernels import NONE, Work, fused_attention, matmul, streaming
+from .quantized import nf4_dequant_bytes
 
 MASK_BYTES = 1  # a dropout mask element (bool)
 
@@ -53,6 +57,7 @@ class LayerWork:
     frozen: bool = False  # base weights get no gradient (LoRA)
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
+    nf4: bool = False  # QLoRA: every linear's NF4 weight is dequantized for its matmuls
     # Sequence parallel as Megatron-LM runs it: the linears keep their sequence-sharded input
     # and all-gather it again in backward for the weight gradient (Korthikanti et al. 2022,
     # section 4.2.2); torch's DTensor plan keeps the gathered input instead.
@@ -184,6 +189,23 @@ def _memory_bound(w: LayerWork, hw: Hardware) -> Work:
     return streaming(moved, hw, kernels=norms + 3 + (1 if shape.position_embedding == "rope" else 0))
 
 
+DEQUANT_KERNELS = 12  # torchao's get_original_weight: shifts, casts, lookups, scalers, scales, stack
+
+
+def _dequantization(w: LayerWork, hw: Hardware) -> Work:
+    """QLoRA: bytes torchao moves to dequantize the layer's NF4 weights once."""
+    if not w.nf4:
+        return NONE
+    shape = w.shape
+    moved = 0
+    count = 0
+    for _, fan_in, fan_out, dense in local_linears(shape, w.tp):
+        copies = 1 if dense or not shape.moe else shape.num_experts
+        moved += copies * 2 * nf4_dequant_bytes(fan_in * fan_out)
+        count += copies
+    return streaming(moved, hw, kernels=DEQUANT_KERNELS * count)
+
+
 def _tensor_parallel(w: LayerWork, link: Link) -> tuple[float, int, float]:
     """Seconds of one direction's collectives, their count and message size (T*h*e)."""
     if w.tp == 1:
@@ -212,8 +234,10 @@ def layer_costs(w: LayerWork, peak: float, hw: Hardware, c: TimeConstants, tp_li
     """The cost of one layer (module docstring), cached: the planner asks for few shapes."""
     forward_mm, weight_mm, op_rerun = _matmuls(w, peak, hw, c)
     attention = _attention(w, peak, hw, c)
-    memory = _memory_bound(w, hw)
-    backward_memory = streaming(memory.bytes * c.elementwise_backward_ratio, hw, memory.kernels)
+    dequant = _dequantization(w, hw)
+    memory = _memory_bound(w, hw) + dequant
+    backward_memory = streaming((memory.bytes - dequant.bytes) * c.elementwise_backward_ratio, hw,
+                                memory.kernels - dequant.kernels) + dequant
     tp_seconds, tp_count, message = _tensor_parallel(w, tp_link)
     tp_backward = tp_seconds
     if w.sp and w.sp_regather and not w.frozen:

@@ -13,6 +13,11 @@ Two accountings (`[zero] framework`):
   tensor (torch/optim/adamw.py, `_init_group`).
 
 SGD means torch's default `SGD(lr)`: no momentum, no state (a master copy under deepspeed).
+
+`adamw8bit` keeps both moments in 8 bits with block-wise scales (Dettmers et al. 2022): 2 bytes
+per element nominally (K = 4 + 2 = 6 with the fp32 master copy in the paper's accounting).
+Under fsdp2 the exact bytes, scales and quantization maps included, come per tensor from
+core/quantized.py `adamw8bit_bytes` (torchao's AdamW8bit); `optimizer` here is the nominal 2.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from dataclasses import dataclass
 FP32, HALF = 4, 2
 STEP_BYTES = 4  # AdamW's per-tensor `step`, a float32 scalar (torch/optim/adamw.py)
 MIXED = ("bf16-mixed", "fp16-mixed")
+MOMENTS8 = 2  # two 8-bit moments per element (adamw8bit)
+ADAM = ("adamw", "adamw8bit")
 
 
 def uses_autocast(framework: str, zero_stage: int, precision: str) -> bool:
@@ -39,19 +46,19 @@ class ElementBytes:
     optimizer: int  # all optimizer state of one element (master + moments)
     step: int  # per parameter tensor (AdamW's step), 0 when none
     compute: int  # unsharded parameters and activations during forward/backward
+    states8: bool = False  # 8-bit moments, counted per tensor (core/quantized.py adamw8bit_bytes)
 
 
 def element_bytes(framework: str, precision: str, optimizer: str) -> ElementBytes:
     compute = FP32 if precision == "fp32" else HALF
     if framework != "fsdp2":  # deepspeed, zero-paper
+        moments = {"adamw": 2 * FP32, "adamw8bit": MOMENTS8}.get(optimizer, 0)
         if precision == "fp32":
-            states = 2 * FP32 if optimizer == "adamw" else 0
-            return ElementBytes(FP32, FP32, states, 0, FP32)
+            return ElementBytes(FP32, FP32, moments, 0, FP32)
         # Mixed precision (pure bf16 is run as bf16 mixed precision by DeepSpeed): the fp32
-        # master copy, plus m and v for Adam: K = 12 (ZeRO paper, section 3.1).
-        states = 3 * FP32 if optimizer == "adamw" else FP32
-        return ElementBytes(HALF, HALF, states, 0, HALF)
+        # master copy, plus m and v for Adam: K = 12 (ZeRO paper, section 3.1); 8-bit moments: 6.
+        return ElementBytes(HALF, HALF, FP32 + moments, 0, HALF)
     param = HALF if precision == "bf16" else FP32
-    states = 2 * param if optimizer == "adamw" else 0
-    step = STEP_BYTES if optimizer == "adamw" else 0
-    return ElementBytes(param, param, states, step, compute)
+    states = {"adamw": 2 * param, "adamw8bit": MOMENTS8}.get(optimizer, 0)
+    step = STEP_BYTES if optimizer in ADAM else 0
+    return ElementBytes(param, param, states, step, compute, states8=optimizer == "adamw8bit")

@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 
 from ..spec.model import ModelShape
 from .degrees import Degrees
-from .estimate import Coordinates, _activation_shape, _layer_bytes, _rank_params
+from .estimate import Coordinates, _activation_shape, _first_layer_bytes, _layer_bytes, _rank_params
 from .buffers import CUDA_CONTEXT_BYTES, FRAGMENTATION
 from .figures import rank_states_bytes
 from .estimate_inputs import EstimateInputs
@@ -250,7 +250,11 @@ def forward_bound(inputs: EstimateInputs, states: int | None = None) -> int:
     pp = inputs.degrees.pp
     held = min(pp, inputs.num_microbatches) if pp > 1 and inputs.schedule in ("1f1b", "gpipe", "zero-bubble") else 1
     first_chunk = rp.chunk_layers[0] if rp.chunk_layers else 0
-    return states + held * first_chunk * _layer_bytes(_activation_shape(inputs, eb))
+    act = _activation_shape(inputs, eb)
+    saved = first_chunk * _layer_bytes(act)
+    if first_chunk and act.lora is not None:  # LoRA's first layer keeps less (core/lora_activations.py)
+        saved += _first_layer_bytes(act) - _layer_bytes(act)
+    return states + held * saved
 
 
 def candidates(base: EstimateInputs, space: Space, fixed: Fixed, rejected: Counter,

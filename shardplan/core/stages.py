@@ -17,10 +17,12 @@ from functools import lru_cache
 from math import prod
 
 from ..spec.model import ModelShape
+from .lora import LoraPlan, adapter_params
 from .params import ParamInfo, embedding_params, head_params, layer_params
 from .pipeline import stage_layers
 
-_KV_SUFFIXES = ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")
+_KV_SUFFIXES = ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias",
+                "k_proj.lora_B.default.weight", "v_proj.lora_B.default.weight")
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class RankParams:
     """The parameters of one pipeline rank on one tensor-parallel rank.
 
     Transformer layers are identical, so they are given once (`layer`) with their count.
+    Under LoRA `layer` and `root` are the frozen base and `adapters` one layer's adapters.
     """
 
     num_layers: int
@@ -59,6 +62,7 @@ class RankParams:
     layer: tuple[LocalParam, ...]
     root: tuple[LocalParam, ...]
     has_head: bool
+    adapters: tuple[LocalParam, ...] = ()
 
     def __hash__(self) -> int:
         # Planner caches key on this frozen value: hash its fields once, not at every lookup.
@@ -120,8 +124,9 @@ def rank_chunks(num_layers: int, pp: int, virtual: int, pp_rank: int,
 
 @lru_cache(maxsize=4096)
 def rank_params(shape: ModelShape, pp: int, virtual: int, pp_rank: int, tp: int, tp_rank: int,
-                split: tuple[int, int] = (0, 0)) -> RankParams:
-    """The parameters pipeline rank `pp_rank` holds, as tensor-parallel rank `tp_rank` sees them."""
+                split: tuple[int, int] = (0, 0), lora: LoraPlan | None = None) -> RankParams:
+    """The parameters pipeline rank `pp_rank` holds, as tensor-parallel rank `tp_rank` sees them
+    (with `lora`, the adapters of one layer too)."""
     chunks = rank_chunks(shape.num_layers, pp, virtual, pp_rank, split)
     first, last = pp_rank == 0, pp_rank == pp - 1
     root: list[ParamInfo] = []
@@ -136,12 +141,14 @@ def rank_params(shape: ModelShape, pp: int, virtual: int, pp_rank: int, tp: int,
     def local(params: list[ParamInfo]) -> tuple[LocalParam, ...]:
         return tuple(LocalParam(p, tp_local_shape(p, tp, tp_rank, shape)) for p in params)
 
+    base = layer_params(shape, 0)
     return RankParams(
         num_layers=sum(len(c) for c in chunks),
         chunk_layers=tuple(len(c) for c in chunks),
-        layer=local(layer_params(shape, 0)),
+        layer=local(base),
         root=local(root),
         has_head=last,
+        adapters=local(adapter_params(base, lora)) if lora is not None else (),
     )
 
 

@@ -26,6 +26,7 @@ from functools import lru_cache
 
 from .offload import blocks, describe_moments, frees_device_grads, moment_bytes
 from .precision import FP32, ElementBytes
+from .quantized import adamw8bit_bytes
 from .shards import chunk_size as flat_chunk_size
 from .stages import LocalParam, RankParams, chunk_size
 from .terms import Term
@@ -95,15 +96,22 @@ class TensorStates:
     optimizer: int
     tensors: int  # tensors with an optimizer state on this rank (AdamW's step each)
     blocks: int = 0  # int8 blocks of those tensors (core/offload.py), for compressed host states
+    states8: int = 0  # bytes of AdamW8bit's states of those tensors, steps included (core/quantized.py)
 
     def __add__(self, other: TensorStates) -> TensorStates:
         return TensorStates(*(a + b for a, b in zip(self.astuple(), other.astuple())))
 
-    def astuple(self) -> tuple[int, int, int, int, int]:
-        return (self.params, self.grads, self.optimizer, self.tensors, self.blocks)
+    def astuple(self) -> tuple[int, int, int, int, int, int]:
+        return (self.params, self.grads, self.optimizer, self.tensors, self.blocks, self.states8)
 
 
-NONE = TensorStates(0, 0, 0, 0, 0)
+NONE = TensorStates(0, 0, 0, 0, 0, 0)
+
+
+def _states8(local: int, eb: ElementBytes) -> int:
+    """AdamW8bit's bytes for a tensor of `local` elements (0 for another optimizer): torchao
+    quantizes each tensor's moments or keeps them plain by its size (core/quantized.py)."""
+    return adamw8bit_bytes(local, eb.params) if eb.states8 else 0
 
 
 def zero_optimizer_partition(numels: list[int], degree: int) -> list[int]:
@@ -125,7 +133,7 @@ def _zero_partition(numels: tuple[int, ...], degree: int) -> tuple[int, ...]:
     return tuple(owners)
 
 
-def _zero1_optimizer(rp: RankParams, sharding: Sharding) -> tuple[TensorStates, TensorStates]:
+def _zero1_optimizer(rp: RankParams, sharding: Sharding, eb: ElementBytes) -> tuple[TensorStates, TensorStates]:
     """(layers, root) optimizer elements, tensors and int8 blocks whose optimizer state this
     rank holds under ZeroRedundancyOptimizer; layers are summed over all of them."""
     first = [p for p in rp.root if p.info.part in ("embedding", "position")]
@@ -136,7 +144,7 @@ def _zero1_optimizer(rp: RankParams, sharding: Sharding) -> tuple[TensorStates, 
     for position, (p, owner) in enumerate(zip(ordered, owners)):
         if owner != sharding.index and p.numel >= sharding.min_num_params:
             continue
-        held = TensorStates(0, 0, p.numel, 1, blocks(p.numel))
+        held = TensorStates(0, 0, p.numel, 1, blocks(p.numel), _states8(p.numel, eb))
         if len(first) <= position < len(first) + len(rp.layer) * rp.num_layers:
             layers += held
         else:
@@ -144,8 +152,8 @@ def _zero1_optimizer(rp: RankParams, sharding: Sharding) -> tuple[TensorStates, 
     return layers, root
 
 
-def _fsdp2_elements(params: tuple[LocalParam, ...], sharding: Sharding) -> TensorStates:
-    stored = grads = optimizer = tensors = num_blocks = 0
+def _fsdp2_elements(params: tuple[LocalParam, ...], sharding: Sharding, eb: ElementBytes) -> TensorStates:
+    stored = grads = optimizer = tensors = num_blocks = states8 = 0
     degree, index = sharding.degree, sharding.index
     for p in params:
         whole = p.numel < sharding.min_num_params or degree == 1
@@ -161,7 +169,8 @@ def _fsdp2_elements(params: tuple[LocalParam, ...], sharding: Sharding) -> Tenso
         optimizer += local
         tensors += 1
         num_blocks += blocks(local)
-    return TensorStates(stored, grads, optimizer, tensors, num_blocks)
+        states8 += _states8(local, eb)
+    return TensorStates(stored, grads, optimizer, tensors, num_blocks, states8)
 
 
 def _deepspeed_zero3(params: tuple[LocalParam, ...], sharding: Sharding) -> TensorStates:
@@ -173,7 +182,7 @@ def _deepspeed_zero3(params: tuple[LocalParam, ...], sharding: Sharding) -> Tens
     return result
 
 
-def _elements(rp: RankParams, sharding: Sharding) -> tuple[TensorStates, TensorStates]:
+def _elements(rp: RankParams, sharding: Sharding, eb: ElementBytes) -> tuple[TensorStates, TensorStates]:
     """(one layer, root) elements on this rank. Under fsdp2 stage 1 the layer figures are
     an average: ZeroRedundancyOptimizer gives whole tensors to ranks, not equal shares of
     each layer, so only the total over all layers is exact."""
@@ -183,16 +192,18 @@ def _elements(rp: RankParams, sharding: Sharding) -> tuple[TensorStates, TensorS
         layer = TensorStates(rp.layer_numel, rp.layer_numel, rp.layer_numel, 0)
         root = TensorStates(rp.root_numel, rp.root_numel, rp.root_numel, 0)
         return layer, root
-    layer, root = _fsdp2_elements(rp.layer, sharding), _fsdp2_elements(rp.root, sharding)
+    layer, root = _fsdp2_elements(rp.layer, sharding, eb), _fsdp2_elements(rp.root, sharding, eb)
     if sharding.stage == 1 and sharding.degree > 1:
-        held_layers, held_root = _zero1_optimizer(rp, sharding)
+        held_layers, held_root = _zero1_optimizer(rp, sharding, eb)
         layers = max(rp.num_layers, 1)
         # Spread the layers' totals evenly so that num_layers * per-layer is exact.
         layer = TensorStates(layer.params, layer.grads, held_layers.optimizer // layers,
-                             held_layers.tensors // layers, held_layers.blocks // layers)
+                             held_layers.tensors // layers, held_layers.blocks // layers,
+                             held_layers.states8 // layers)
         root = TensorStates(root.params, root.grads, held_root.optimizer + held_layers.optimizer % layers,
                             held_root.tensors + held_layers.tensors % layers,
-                            held_root.blocks + held_layers.blocks % layers)
+                            held_root.blocks + held_layers.blocks % layers,
+                            held_root.states8 + held_layers.states8 % layers)
     return layer, root
 
 
@@ -221,7 +232,9 @@ def _fsdp2_group(states: States, label: str, elements: TensorStates, count: int,
     host_steps = offloaded or offload.optimizer
     if not host_steps:
         states.gpu["grads"].append(_term("grads", f"{label} grads", count, grads, eb.grads, 0, eb))
-        if local and eb.optimizer:
+        if local and eb.states8:
+            states.gpu["optimizer"].append(_states8_term(f"{label} optimizer", count, elements.states8))
+        elif local and eb.optimizer:
             states.gpu["optimizer"].append(_term("optimizer", f"{label} optimizer", count, local, eb.optimizer,
                                                  elements.tensors, eb))
         return
@@ -240,6 +253,13 @@ def _fsdp2_group(states: States, label: str, elements: TensorStates, count: int,
             f"{elements.tensors} tensors * {eb.step} B")
     if not offloaded or eb.params != FP32:
         add(states.cpu, "optimizer", MASTER, local * FP32, f"{local:,} elements * {FP32} B")
+
+
+def _states8_term(label: str, count: int, amount: int) -> Term:
+    """8-bit moments, their block scales and maps, and the steps: exact bytes per tensor."""
+    why = ("AdamW8bit: per tensor 2 * (N codes + N/256 * 4 B scales + 1,024 B map) + 4 B step, "
+           "or plain moments under 4,096 elements")
+    return Term(label, count * amount, lambda: f"{count} * {amount:,} B ({why})" if count > 1 else f"{amount:,} B ({why})")
 
 
 def _term(kind: str, label: str, count: int, elements: int, unit: float, steps: int, eb: ElementBytes) -> Term:
@@ -263,7 +283,7 @@ def rank_states(
 ) -> States:
     """Model states of one rank, split between GPU and CPU (cached: callers must not change
     the lists it returns)."""
-    layer, root = _elements(rp, sharding)
+    layer, root = _elements(rp, sharding, eb)
     resident = rp.num_layers
     if offload.params and offload.resident_layers is not None:
         resident = min(rp.num_layers, offload.resident_layers)

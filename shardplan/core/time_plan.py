@@ -34,6 +34,7 @@ from .pipeline import stage_layers
 from .precision import MIXED, ElementBytes, element_bytes
 from .schedule import SPLIT_BACKWARD, chunks_per_rank
 from .stage_time import EdgeCosts, ShardedTraffic, StageCost, edge_costs, overlapped, p2p_seconds, stage_cost
+from .quantized import nf4_sharded_bytes
 from .stages import rank_params
 
 
@@ -43,6 +44,7 @@ class LoraShape:
 
     rank: int
     targets: tuple[str, ...]
+    nf4: bool = False  # QLoRA: the layer linears stored (and all-gathered) as NF4, dequantized to compute
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ def layer_of(plan: TimePlan) -> LayerCosts:
         cp=inputs.degrees.cp, sequence_parallel=inputs.sequence_parallel, attention=inputs.attention,
         dropout=inputs.dropout, recompute=inputs.recompute, act_bytes=plan.eb.compute, frozen=plan.frozen,
         lora_rank=lora.rank if lora else 0, lora_targets=lora.targets if lora else (),
+        nf4=bool(lora and lora.nf4),
         sp_regather=inputs.framework != "fsdp2",
     )
     return layer_costs(work, plan.peak, plan.hw, plan.c, plan.links["tp"], plan.links["cp"])
@@ -144,12 +147,26 @@ def trained_elements(plan: TimePlan, elements: int, layers: int) -> int:
     return elements if plan.lora is None else layers * adapter_elements(plan)
 
 
-def sharded_traffic(plan: TimePlan, elements: int, trained: int) -> ShardedTraffic:
+def gathered_bytes(plan: TimePlan, elements: int, layers: int) -> float:
+    """Bytes all-gathered for `elements` parameters of `layers` layers: the compute dtype, except
+    QLoRA's layer linears, which FSDP2 gathers as NF4 codes, scalers and factors (torchao's
+    `fsdp_pre_all_gather`; core/quantized.py)."""
+    full = float(elements * plan.eb.compute)
+    if plan.lora is None or not plan.lora.nf4:
+        return full
+    linears = layers * sum(fan_in * fan_out for _, fan_in, fan_out, _ in local_linears(plan.shape, plan.inputs.degrees.tp))
+    if plan.shape.moe:
+        linears = layers * sum(fan_in * fan_out * (1 if dense else plan.shape.num_experts)
+                               for _, fan_in, fan_out, dense in local_linears(plan.shape, plan.inputs.degrees.tp))
+    return full - linears * plan.eb.compute + nf4_sharded_bytes(linears)
+
+
+def sharded_traffic(plan: TimePlan, elements: int, trained: int, layers: int = 0) -> ShardedTraffic:
     """Per-microbatch collectives of one stage under ZeRO stage 2/3 (module docstring)."""
     inputs, eb, n, link = plan.inputs, plan.eb, plan.degree, plan.links["dp"]
     if inputs.zero_stage < 2 or n == 1:
         return ShardedTraffic(0.0, 0.0, plan.overlap)
-    gather = collective_seconds(ALL_GATHER, elements * eb.compute, n, link)
+    gather = collective_seconds(ALL_GATHER, gathered_bytes(plan, elements, layers), n, link)
     reduce = collective_seconds(REDUCE_SCATTER, trained * eb.grads, n, link)
     if inputs.zero_stage == 2:
         return ShardedTraffic(gather if inputs.framework == "fsdp2" else 0.0, reduce, plan.overlap)
@@ -221,7 +238,7 @@ def stage_costs(plan: TimePlan, layer: LayerCosts, edges: EdgeCosts) -> list[Sta
         share = shares[stage % d.pp]
         costs.append(stage_cost(
             layers, layer, stage == 0, stage == last_stage, edges, send if d.pp > 1 else 0.0,
-            sharded_traffic(plan, elements, trained), streamed(plan, elements, trained, share), split, plan.c,
+            sharded_traffic(plan, elements, trained, layers), streamed(plan, elements, trained, share), split, plan.c,
         ))
     return costs
 

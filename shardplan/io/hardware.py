@@ -68,4 +68,4 @@ def lora_of(lora: LoraSpec | None):
         return None
     from ..core.time_plan import LoraShape
 
-    return LoraShape(rank=lora.rank, targets=tuple(lora.targets))
+    return LoraShape(rank=lora.rank, targets=tuple(lora.targets), nf4=lora.base_dtype == "nf4")

@@ -78,6 +78,8 @@ def summary_lines(result: Estimate, gpu_memory: int | None, cpu_memory: int | No
     params = f"parameters {format_count(p['total'])} ({p['total']:,})"
     if p["active"] != p["total"]:
         params += f", active per token {format_count(p['active'])}"
+    if p["trainable"] != p["total"]:
+        params += f", trainable {format_count(p['trainable'])} ({p['trainable']:,})"
     lines = [Text(params)]
     peak = result.peak_gpu_bytes
     if gpu_memory:

@@ -79,9 +79,40 @@ def unsupported(resolved: ResolvedJob) -> list[Problem]:
     if job.checkpoint.dir and zero.stage == 1 and par.dp > 1:
         found.append(("checkpoint.dir", "checkpoints of ZeroRedundancyOptimizer (zero.stage 1) states are not "
                                         "written by `run`: use zero.stage 0, 2 or 3"))
+    found += _lora_unsupported(resolved)
     if job.train.precision == "fp16-mixed":
         found.append(("train.precision", "fp16-mixed needs loss scaling, which `run` does not implement: use bf16-mixed"))
     return [Problem(path, message) for path, message in found]
+
+
+def _lora_unsupported(resolved: ResolvedJob) -> list[tuple[str, str]]:
+    """LoRA / QLoRA plans `run` executes: FSDP2 (zero.stage 0, 2, 3) over data parallelism;
+    NF4 weights that torchao can split evenly over the shard group."""
+    job, shape = resolved.job, resolved.shape
+    if job.lora is None:
+        return []
+    par = job.parallel
+    found = []
+    if par.pp > 1:
+        found.append(("parallel.pp", "LoRA with pp > 1 is estimated, not executed by `run`"))
+    if par.tp > 1 and job.lora.base_dtype == "nf4":
+        found.append(("parallel.tp", "torchao's NF4 weights are not split by tensor parallel: QLoRA with tp > 1 is "
+                                     "estimated, not executed by `run`"))
+    if par.tp > 1 and par.sequence_parallel:
+        found.append(("parallel.sequence_parallel", "LoRA with sequence parallel is estimated, not executed by `run`"))
+    if job.zero.stage == 1:
+        found.append(("zero.stage", "LoRA runs under FSDP2: use zero.stage 0, 2 or 3"))
+    if job.lora.base_dtype == "nf4" and job.offload.params:
+        found.append(("offload.params", "`run` does not offload NF4 weights to the CPU"))
+    if job.lora.base_dtype == "nf4" and shape is not None and par.tp == 1:
+        from ..core.lora import nf4_problems
+
+        shards = par.dp * par.cp if job.zero.stage >= 2 else 1
+        for name, rows, numel in nf4_problems(shape, par.tp, shards):
+            found.append(("lora.base_dtype", f"torchao's NF4 needs every layer linear's {numel:,} elements to split "
+                                             f"into {shards} whole multiples of 64 * 256 and its {rows} rows "
+                                             f"evenly: {name} does not"))
+    return found
 
 
 def require_supported(resolved: ResolvedJob) -> None:

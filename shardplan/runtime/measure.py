@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .lora import inner_tensors, is_quantized
+
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """The plain tensor holding the data: a DTensor's local shard, the result inside a
@@ -30,13 +32,23 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def unique_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> dict[str, int]:
-    """Bytes of the distinct storages behind `tensors`, by device type ("cpu", "cuda")."""
-    seen: dict[tuple[str, int], int] = {}
+def _plain(tensors: Iterable[torch.Tensor | None]) -> Iterator[torch.Tensor]:
+    """The plain tensors holding the data: local shards, and the inner tensors of quantized
+    tensors (torchao's NF4Tensor and OptimState8bit: codes, scales, maps)."""
     for tensor in tensors:
         if tensor is None:
             continue
         local = _local(tensor)
+        if is_quantized(local):
+            yield from inner_tensors(local)
+        else:
+            yield local
+
+
+def unique_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> dict[str, int]:
+    """Bytes of the distinct storages behind `tensors`, by device type ("cpu", "cuda")."""
+    seen: dict[tuple[str, int], int] = {}
+    for local in _plain(tensors):
         storage = local.untyped_storage()
         key = (local.device.type, storage.data_ptr() or id(storage))
         seen[key] = max(seen.get(key, 0), storage.nbytes())
@@ -88,7 +100,7 @@ class SavedTensorTracker:
     """Peak bytes of live saved-for-backward storages (see the module docstring)."""
 
     def __init__(self, params: list[nn.Parameter]):
-        self.param_storages = {_local(p).untyped_storage().data_ptr() for p in params}
+        self.param_storages = {t.untyped_storage().data_ptr() for t in _plain(params)}
         self.live: dict[int, list[int]] = {}  # storage ptr -> [count, nbytes]
         self.current = 0
         self.peak = 0
@@ -114,6 +126,8 @@ class SavedTensorTracker:
         if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter) or tensor.device.type == "meta":
             return holder
         local = _local(tensor)
+        if is_quantized(local):  # a quantized weight (NF4) saved by its linear: a parameter
+            return holder
         try:
             storage = local.untyped_storage()
             key, nbytes = storage.data_ptr(), storage.nbytes()

@@ -233,8 +233,14 @@ def init_parameter(param: torch.Tensor, name: str, seed: int) -> None:
     """Fill `param` with the values `init_weights` gives the whole model's parameter `name`:
     a tensor-parallel DTensor gets its own piece of that full tensor (the piece
     `compute_local_shape_and_global_offset` places on this rank)."""
-    name = name.replace(CHECKPOINT_PREFIX, "")
+    # peft's names: a wrapped linear's weight is `<linear>.base_layer.weight`, the same tensor
+    # as without adapters; B starts at zero and A as peft initializes it (kaiming-uniform,
+    # a = sqrt(5), as nn.Linear), from the name's own generator so every rank agrees.
+    name = name.replace(CHECKPOINT_PREFIX, "").replace(".base_layer.", ".")
     local = param.to_local() if isinstance(param, DTensor) else param
+    if ".lora_B." in name:
+        local.zero_()
+        return
     if name.endswith("norm.weight"):
         local.fill_(1.0)
         return
@@ -242,7 +248,10 @@ def init_parameter(param: torch.Tensor, name: str, seed: int) -> None:
         local.zero_()
         return
     generator = torch.Generator().manual_seed(_name_seed(seed, name))
-    full = torch.randn(tuple(param.shape), generator=generator) * INIT_STD
+    if ".lora_A." in name:
+        full = nn.init.kaiming_uniform_(torch.empty(tuple(param.shape)), a=math.sqrt(5), generator=generator)
+    else:
+        full = torch.randn(tuple(param.shape), generator=generator) * INIT_STD
     if isinstance(param, DTensor):
         shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
         full = full[tuple(slice(start, start + size) for start, size in zip(offset, shape))]

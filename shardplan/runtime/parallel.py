@@ -36,7 +36,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..core.offload import frees_device_grads
 from ..core.precision import MIXED
+from ..spec.job import LoraSpec
 from .dist import Runtime
+from .lora import adamw8bit_class, cast_frozen, store_base, with_adapters
 from .model import materialize
 from .offload import EngineConfig, HostOptimizer, OptimizerSet
 
@@ -62,6 +64,7 @@ class ParallelPlan:
     offload_optimizer: bool = False  # optimizer states and fp32 masters on the host (runtime/offload.py)
     offload_grads: bool = False  # with offload_optimizer: device gradients freed once copied
     compression: str = "none"  # how host optimizer states are stored (runtime/offload_codec.py)
+    lora: LoraSpec | None = None  # LoRA / QLoRA: the base frozen and stored as it says
 
 
 def apply_tensor_parallel(model: nn.Module, runtime: Runtime, sequence_parallel: bool) -> None:
@@ -88,7 +91,7 @@ def apply_tensor_parallel(model: nn.Module, runtime: Runtime, sequence_parallel:
         plan = dict(block_plan)
         if block.mlp.gated:
             plan["mlp.gate_proj"] = ColwiseParallel()
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, with_adapters(block, plan))
     root_plan = {}
     if model.embed is not None:
         root_plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
@@ -121,6 +124,8 @@ def apply_fsdp(model: nn.Module, runtime: Runtime, plan: ParallelPlan) -> None:
     # Hybrid sharding (HSDP) and stage 0: a 2-D (replicate, shard) mesh.
     dp_mesh = runtime.mesh[("dp_replicate", "dp_shard")] if runtime.dp_split else runtime.mesh["dp"]
     compute = COMPUTE_DTYPES.get(plan.precision)
+    if plan.lora is not None and plan.precision == "fp32":
+        compute = torch.float32  # the bf16 frozen base is gathered in fp32 for fp32 compute
     mp_policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if compute else MixedPrecisionPolicy()
     # pin_memory only where an accelerator exists (TORCH-NOTES: pinning raises on CPU).
     offload = CPUOffloadPolicy(pin_memory=plan.pin_memory and runtime.on_gpu)
@@ -130,12 +135,16 @@ def apply_fsdp(model: nn.Module, runtime: Runtime, plan: ParallelPlan) -> None:
     # then sharded, so the host never holds more than a block and the root in full.
     for index, (key, block) in enumerate(model.layers.items()):
         materialize(block, plan.seed, prefix=f"layers.{key}.")
+        if plan.lora is not None:
+            store_base(block, plan.lora, in_layers=True)
         offloaded = plan.offload_params and index >= plan.resident_layers
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
                     offload_policy=offload if offloaded else OffloadPolicy())
     for name, child in model.named_children():
         if name != "layers":
             materialize(child, plan.seed, prefix=f"{name}.", tied_head=plan.tied_head)
+            if plan.lora is not None:
+                store_base(child, plan.lora, in_layers=False)
     # The root (embedding, final norm, head) is needed again as soon as backward starts:
     # torch's default (None) keeps it gathered from forward to backward.
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=None if reshard else False, mp_policy=mp_policy)
@@ -179,8 +188,11 @@ def build_optimizer(modules: list[nn.Module], runtime: Runtime, plan: ParallelPl
     """The optimizer stepping where the plan keeps the states: torch's AdamW/SGD for states on
     the device; the offload engine (runtime/offload.py) for states on the host (optimizer
     offload, or the blocks CPUOffloadPolicy keeps there); ZeroRedundancyOptimizer at stage 1."""
-    params = [p for module in modules for p in module.parameters()]
-    kind = torch.optim.AdamW if plan.optimizer == "adamw" else torch.optim.SGD
+    params = [p for module in modules for p in module.parameters() if p.requires_grad]  # LoRA: the adapters
+    if plan.optimizer == "adamw8bit":
+        kind = adamw8bit_class()  # torchao's AdamW8bit
+    else:
+        kind = torch.optim.AdamW if plan.optimizer == "adamw" else torch.optim.SGD
     on_host = host_parameters(modules)
     engine_params = [p for p in params if plan.offload_optimizer or p in on_host]
     sharded_by_zero = plan.zero_stage == 1 and runtime.layout.degrees.dp > 1
@@ -225,6 +237,8 @@ def parallelize(model: nn.Module, runtime: Runtime, plan: ParallelPlan) -> nn.Mo
     """Apply tp, checkpointing and data parallelism to `model` (a whole model or a stage)."""
     if plan.precision == "bf16":
         model.to(torch.bfloat16)
+    if plan.lora is not None:
+        cast_frozen(model)  # on the meta device: the frozen base is built in bf16
     if runtime.layout.degrees.tp > 1:
         apply_tensor_parallel(model, runtime, plan.sequence_parallel)
     apply_checkpointing(model, plan.recompute)

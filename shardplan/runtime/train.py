@@ -22,6 +22,7 @@ from ..io.job import ResolvedJob
 from ..spec.errors import RunFailure
 from . import data as data_mod
 from .dist import Runtime
+from .lora import add_adapters
 from .measure import SavedTensorTracker, placement_bytes
 from .model import Transformer, loss_fn
 from .offload import host_optimizer, members
@@ -42,9 +43,12 @@ def build_model(resolved: ResolvedJob) -> nn.Module:
     job = resolved.job
     try:
         with torch.device("meta"):
-            return Transformer(resolved.shape, dropout=job.model.dropout, attention=job.train.attention)
+            model = Transformer(resolved.shape, dropout=job.model.dropout, attention=job.train.attention)
     except ValueError as exc:
         raise RunFailure(str(exc)) from None
+    if job.lora is not None:
+        add_adapters(model, job.lora)
+    return model
 
 
 def _autocast(runtime: Runtime, plan: ParallelPlan):
@@ -72,7 +76,7 @@ class Trainer:
             offload_optimizer=decided.offload_optimizer, offload_grads=decided.offload_grads,
             compression=decided.compression,
             pin_memory=job.offload.pin_memory, sequence_parallel=par.sequence_parallel and par.tp > 1,
-            seed=job.train.seed, tied_head=resolved.shape.tie_embeddings and par.pp > 1,
+            seed=job.train.seed, tied_head=resolved.shape.tie_embeddings and par.pp > 1, lora=job.lora,
         )
         self.batching = data_mod.Batching(par.dp, par.micro_batch_size, par.num_microbatches, job.train.seq_len)
         self.source = self._source()

@@ -26,6 +26,7 @@ from ..spec.errors import RunFailure, ShardplanError
 from . import checkpoint, faults, preflight
 from .dist import Runtime, start, stop
 from .measure import ProcessMemory, SavedTensorTracker
+from .lora import preload_libraries
 from .train import Trainer, global_loss, mfu, rank_estimates
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -123,6 +124,7 @@ def _train(resolved: ResolvedJob, runtime: Runtime, limits_known: bool, options:
     resume = _resume_point(resolved, options, plan)
     if resume is not None and resume[1]["step"] >= job.train.steps:
         return _already_complete(resume[0], resume[1]["step"], job.train.steps, rank0, options)
+    preload_libraries(job)  # their import is not the model's memory
     process = ProcessMemory()
     if runtime.on_gpu:
         torch.cuda.reset_peak_memory_stats(runtime.device)

@@ -1,0 +1,156 @@
+"""Model states and transient buffers of one rank under LoRA / QLoRA.
+
+What trains is the adapters: their parameters, gradients and optimizer states follow the
+framework's rules for trainable tensors (core/states.py, core/deepspeed.py) over the adapters
+alone. The frozen base has parameters only, no gradients and no optimizer states, stored in
+bf16 or, for QLoRA's layer linears, as NF4 (core/quantized.py). Where it lives:
+
+- fsdp2 (`fully_shard` shards every parameter, trainable or not): stages 2 and 3 keep each
+  frozen tensor's padded dim-0 shard (an NF4 weight: its shard of codes, scalers and factors,
+  and a reference to its mean and code book); stages 0 and 1 whole tensors. Offloaded layers
+  keep their frozen base on the host too (`CPUOffloadPolicy` moves the whole block).
+- deepspeed: only trainable parameters enter the optimizer's flat buffers; at stages 0-2 the
+  frozen base stays in the module as plain, whole tensors on every rank, at stage 3
+  (`zero.Init` partitions every parameter) each frozen tensor is partitioned to
+  ceil(numel / dp) elements (stage3.py, partition_parameters.py `_padding_size`).
+- zero-paper: the paper's formulas for the trainable parameters, the frozen base at its stored
+  size, partitioned at stage 3.
+
+Buffers under fsdp2: a block is all-gathered for forward and backward with its frozen base in
+the compute dtype (FSDP2 casts the bf16 base to `param_dtype`) or, for NF4 weights, as the
+gathered codes, scalers and factors (torchao's `fsdp_pre_all_gather` sends those, not bf16);
+only the adapters have gradients to reduce-scatter. F.linear on an NF4 weight dequantizes it
+whole (torchao's `LinearNF4`, forward and backward): the largest one's working set is a
+transient of every forward and backward moment.
+"""
+
+from __future__ import annotations
+
+from .lora import BASE_BYTES, LoraPlan, stores_nf4
+from .precision import FP32, ElementBytes
+from .quantized import nf4_bytes, nf4_dequant_bytes, nf4_shared_bytes, nf4_sharded_bytes
+from .stages import LocalParam, RankParams
+from .terms import Term
+from .timeline import BACKWARD, FORWARD, LOSS, MOMENTS
+
+
+def trainable_params(rp: RankParams) -> RankParams:
+    """The adapters as a rank's parameters (layers of adapters, no root)."""
+    return RankParams(rp.num_layers, rp.chunk_layers, rp.adapters, (), rp.has_head)
+
+
+def frozen_bytes(p: LocalParam, lora: LoraPlan, degree: int, how: str) -> int:
+    """Bytes one rank stores of the frozen parameter `p`, held `how`: "whole" (as built, every
+    rank the same), "fsdp2" (FSDP2's padded dim-0 shard over `degree` ranks, 1 at stage 0: an
+    NF4 tensor then holds fresh copies of its pieces) or "partition" (DeepSpeed stage 3's flat
+    ceil(numel / degree))."""
+    nf4 = stores_nf4(p.info, lora)
+    if how == "whole":
+        return nf4_bytes(p.numel) if nf4 else p.numel * BASE_BYTES
+    numel = p.padded_shard_numel(degree) if how == "fsdp2" else -(-p.numel // degree)
+    if nf4:
+        return nf4_sharded_bytes(numel) + nf4_shared_bytes()
+    return numel * BASE_BYTES
+
+
+def frozen_terms(rp: RankParams, lora: LoraPlan, degree: int, resident: int,
+                 held: str) -> tuple[list[Term], list[Term]]:
+    """(GPU, host) terms of the frozen base on this rank, held as `frozen_bytes` says; layers
+    past `resident` on the host."""
+    layer = sum(frozen_bytes(p, lora, degree, held) for p in rp.layer)
+    root = sum(frozen_bytes(p, lora, degree, held) for p in rp.root)
+    how = "NF4 layer linears, bf16 elsewhere" if lora.nf4 else "bf16"
+    cut = f", sharded over {degree}" if held != "whole" and degree > 1 else ""
+    gpu, cpu = [], []
+    for label, count, place in (("layers", resident, gpu), ("offloaded layers", rp.num_layers - resident, cpu)):
+        if count and layer:
+            place.append(Term(f"frozen base, {label}", count * layer,
+                              lambda count=count: f"{count} * {layer:,} B ({how}{cut})"))
+    if root:
+        gpu.append(Term("frozen base, embedding/head", root, f"{root:,} B (bf16{cut})"))
+    return gpu, cpu
+
+
+def _gathered(p: LocalParam, lora: LoraPlan, degree: int, compute: int) -> int:
+    """Bytes of a frozen tensor all-gathered for compute by FSDP2."""
+    if stores_nf4(p.info, lora):
+        return nf4_sharded_bytes(p.padded_shard_numel(degree)) * degree
+    return p.padded_shard_numel(degree) * degree * compute
+
+
+def largest_nf4(rp: RankParams, lora: LoraPlan) -> int:
+    """Elements of this rank's largest NF4 weight (0 without NF4)."""
+    return max((p.numel for p in rp.layer if stores_nf4(p.info, lora)), default=0) if rp.num_layers else 0
+
+
+def dequant_terms(rp: RankParams, lora: LoraPlan) -> list[Term]:
+    """The working set of dequantizing the rank's largest NF4 weight (forward and backward)."""
+    numel = largest_nf4(rp, lora)
+    if not numel:
+        return []
+    size = nf4_dequant_bytes(numel)
+    return [Term("NF4 dequantization of one linear (largest)", size,
+                 lambda: f"{numel:,} elements * (8 B int64 codes + 3 * 2 B bf16 values) + {numel // 64:,} scalers * 2 B")]
+
+
+def lora_fsdp2_buffers(rp: RankParams, eb: ElementBytes, lora: LoraPlan, stage: int, degree: int,
+                       prefetch: int) -> dict[str, list[Term]]:
+    """Transient buffers of an FSDP2 rank (stages 0, 2, 3) under LoRA, by moment."""
+    c = eb.compute
+    at: dict[str, list[Term]] = {m: [] for m in MOMENTS}
+    degree = 1 if stage == 0 else degree
+    adapters = sum(p.padded_shard_numel(degree) * degree for p in rp.adapters)
+    block = sum(_gathered(p, lora, degree, c) for p in rp.layer) + adapters * c
+    layers = rp.num_layers
+    if layers:
+        if stage == 2:
+            kept = Term("unsharded block parameters", layers * block,
+                        lambda: f"all {layers} blocks (reshard_after_forward=False): {layers} * {block:,} B")
+            for moment in (FORWARD, LOSS, BACKWARD):
+                at[moment].append(kept)
+        else:
+            live = min(layers, 1 + prefetch)
+            gathered = Term("unsharded block parameters", live * block,
+                            lambda: f"1 + prefetch {prefetch} blocks: {live} * {block:,} B "
+                                    f"(frozen base gathered, adapters in {c} B)")
+            at[FORWARD].append(gathered)
+            at[BACKWARD].append(gathered)
+        if adapters:
+            at[BACKWARD].append(Term("adapter gradients before reduce-scatter", adapters * (c + FP32),
+                                     lambda: f"{adapters:,} elements * ({c} B unsharded + {FP32} B reduce-scatter input)"))
+        for moment in (FORWARD, BACKWARD):
+            at[moment] += dequant_terms(rp, lora)
+    root = sum(_gathered(p, lora, degree, c) for p in rp.root)
+    if root:
+        unsharded = Term("unsharded root parameters (embedding/head, frozen)", root,
+                         lambda: f"{root:,} B in {c}-byte elements, kept from forward to backward")
+        for moment in (FORWARD, LOSS, BACKWARD):
+            at[moment].append(unsharded)
+    return at
+
+
+def lora_ddp_buffers(rp: RankParams, eb: ElementBytes) -> dict[str, list[Term]]:
+    """DDP (stage 1) under autocast: 16-bit copies of the adapters used in forward, kept for
+    backward (the frozen base is bf16 already: autocast's cast is a no-op)."""
+    at: dict[str, list[Term]] = {m: [] for m in MOMENTS}
+    numel = rp.num_layers * sum(p.numel for p in rp.adapters)
+    if numel and eb.params != eb.compute:
+        copies = Term("16-bit adapter copies held for backward (autocast)", numel * eb.compute,
+                      lambda: f"{numel:,} elements * {eb.compute} B")
+        for moment in (FORWARD, LOSS, BACKWARD):
+            at[moment].append(copies)
+    return at
+
+
+def deepspeed_frozen_buffers(rp: RankParams, lora: LoraPlan, stage: int) -> dict[str, list[Term]]:
+    """DeepSpeed stage 3 gathers a module's parameters whole when it runs: a layer's frozen
+    base is fetched in forward and again in backward (one layer at a time, prefetch aside)."""
+    at: dict[str, list[Term]] = {m: [] for m in MOMENTS}
+    if stage != 3 or not rp.num_layers:
+        return at
+    layer = sum(frozen_bytes(p, lora, 1, "whole") for p in rp.layer)
+    gathered = Term("gathered frozen layer (stage 3)", layer, f"{layer:,} B, one layer whole")
+    for moment in (FORWARD, BACKWARD):
+        at[moment].append(gathered)
+        at[moment] += dequant_terms(rp, lora)
+    return at
