@@ -96,6 +96,24 @@ def test_fixed_keys_stay(write):
         assert plan["job"]["parallel"]["tp"] == 2 and plan["job"]["zero"]["stage"] == 3
 
 
+def test_one_rank_shard_groups_list_a_plan_once(write):
+    """With dp = cp = 1 the ZeRO stages shard nothing: a plan that several stages time alike
+    is listed once, at its least peak (at dp 1, QLoRA of a 70B model: stages 0 and 3 give the
+    same peak and step, stage 1 the same step at a higher peak)."""
+    job = write("job.toml", JOB.replace("llama-3-8b", "llama-3-70b").replace("seq_len = 8192", "seq_len = 2048")
+                + '[lora]\nrank = 16\nbase_dtype = "nf4"\n')
+    doc = run_cli("plan", job, "--gpus", "1", "--global-batch", "16", "--top", "20", "--json").json
+    seen = {}
+    for plan in doc["plans"]:
+        stage = plan["job"]["zero"]["stage"]
+        rest = json.dumps({**plan["job"], "zero": {**plan["job"]["zero"], "stage": None}}, sort_keys=True)
+        key = (rest, plan["time"]["step_seconds"])
+        assert key not in seen, (stage, seen.get(key))
+        seen[key] = stage
+    assert seen and 3 not in seen.values()
+    assert "the same plan and step at another ZeRO stage" in json.dumps(doc["rejected"])
+
+
 def test_global_batch_from_the_job(write):
     job = write("job.toml", JOB.replace("seq_len = 8192", "seq_len = 8192\nglobal_batch_size = 32"))
     doc = run_cli("plan", job, "--nodes", "1", "--json").json
@@ -136,6 +154,10 @@ def test_nothing_fits(write):
      "architecture"),
     (("--gpus", "0", "--global-batch", "8"), JOB, "--gpus"),
     (("--gpus", "8", "--global-batch", "8", "--top", "0"), JOB, "--top"),
+    # Keys the job fixes that no plan of the GPUs or the batch can keep.
+    (("--gpus", "1", "--global-batch", "8"), JOB + "[parallel]\ndp = 8\n", "parallel.dp = 8 (8 GPUs), which 1 GPUs"),
+    (("--gpus", "8", "--global-batch", "8"), JOB + "[parallel]\ntp = 2\npp = 2\ndp = 1\ncp = 1\n", "which 8 GPUs"),
+    (("--gpus", "8", "--global-batch", "12"), JOB + "[parallel]\nmicro_batch_size = 8\n", "does not divide"),
 ])
 def test_bad_input(write, extra, text, message):
     job = write("job.toml", text)

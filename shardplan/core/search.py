@@ -323,6 +323,7 @@ SMALLER = "GPU memory (a smaller micro batch already does not fit)"
 STATES = "model states exceed the GPU memory"
 FORWARD = "GPU memory (states and stage 0's activations)"
 OFFLOAD_FLOOR = "GPU memory even with every offload (activations and what stays on the GPU)"
+TWIN = "the same plan and step at another ZeRO stage with less memory (dp = cp = 1 shards nothing)"
 
 
 class _Walk:
@@ -344,6 +345,7 @@ class _Walk:
         self.fits: dict[int, int] = {}  # group -> index of its largest fitting micro batch (-1: none)
         self.checked: dict[tuple[int, int], tuple[bool, int, int, str]] = {}  # (group, index) -> memory()
         self.state_cache: dict[tuple, tuple[int, int]] = {}
+        self.twins: dict[tuple, tuple] = {}  # twin_key -> the ranked item of least memory
 
     def kth(self) -> float | None:
         return -self.best[0][0] if len(self.best) == self.top_k else None
@@ -422,6 +424,20 @@ class _Walk:
         self.order += 1
         self.result.fitting += 1
         item = (-seconds, -peak, -self.order, inputs, peak, host, asked or inputs)
+        key = twin_key(inputs, asked or inputs, seconds, peak, host)
+        if key is not None:
+            twin = self.twins.get(key)
+            if twin is not None:
+                if (twin[4], twin[5], twin[3].zero_stage) <= (peak, host, inputs.zero_stage):
+                    self.result.fitting -= 1
+                    self.reject(TWIN)
+                    return
+                self.result.fitting -= 1  # the higher stage's twin leaves the ranking
+                self.result.rejected[TWIN] += 1
+                if twin in self.best:
+                    self.best.remove(twin)
+                    heapq.heapify(self.best)
+            self.twins[key] = item
         if len(self.best) < self.top_k:
             heapq.heappush(self.best, item)
         elif item > self.best[0]:
@@ -432,6 +448,16 @@ class _Walk:
         self.result.evaluated += count
         if self.progress and before // 256 != self.result.evaluated // 256:
             self.progress(self.result.evaluated)
+
+
+def twin_key(inputs: EstimateInputs, asked: EstimateInputs, seconds: float, peak: int, host: int) -> tuple | None:
+    """With one rank per shard group (dp = cp = 1) the ZeRO stages shard nothing: they change
+    only how the runtime wraps the model (stage 1: DDP; 2 and 3: fully_shard over one rank),
+    so a plan with the same step time at several stages is listed once, at its least peak
+    (then host memory, then stage). None where the stage shards something."""
+    if inputs.degrees.dp * inputs.degrees.cp != 1:
+        return None
+    return (inputs.with_(zero_stage=0), asked.with_(zero_stage=0), seconds)
 
 
 def _keyed(groups: list[list[EstimateInputs]], bound) -> list[tuple[float, int, int, EstimateInputs]]:
