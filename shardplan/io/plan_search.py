@@ -192,6 +192,16 @@ def run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None, 
     if hardware is None:
         raise InputError(Problem("cluster.gpu", "plan ranks plans by predicted step time and needs the GPU: set "
                                                 "[cluster] gpu (e.g. --set cluster.gpu=h100-sxm) or a cluster preset"))
+    if job.lora is not None and job.lora.base_dtype == "nf4" and job.zero.framework == "fsdp2":
+        from ..core.lora import nf4_problems
+
+        bad = nf4_problems(shape, 1, 1)
+        if bad:
+            name, _, numel = bad[0]
+            raise InputError(Problem("lora.base_dtype", f"plan searches the plans `run` executes, and torchao stores "
+                                                        f"NF4 weights only in whole blocks of 64 * 256 elements: "
+                                                        f"{name} has {numel:,} (plan it with base_dtype = \"bf16\", "
+                                                        "or estimate the NF4 plan you have in mind)"))
     fixed = fixed_keys(job)
     world = _world(resolved, gpus, nodes, fixed)
     batch = _global_batch(resolved, global_batch, fixed)
