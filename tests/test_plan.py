@@ -18,7 +18,7 @@ from shardplan.core.degrees import Degrees
 from shardplan.core.estimate_inputs import EstimateInputs, default_cpu_budget
 from shardplan.core.hardware import TimeConstants
 from shardplan.core.memory import cpu_limit, estimate_memory, plan_figures, resolve_offload
-from shardplan.core.search import Fixed, Space, candidates, forward_bound, search, states_bound
+from shardplan.core.search import Fixed, Space, candidates, forward_bound, search, states_bound, twin_key
 from shardplan.core.step_time import step_time, step_time_bound, step_time_refined_bound
 from test_plan_figures import SHAPES, plans
 from time_references import A100_80GB, narayanan_table_1, narayanan_table_2
@@ -48,9 +48,27 @@ def exhaustive(base: EstimateInputs, space: Space, fixed: Fixed, timer, k: int):
         for plan in group:
             peak, host = plan_figures(plan)
             if peak <= base.gpu_memory and host <= cpu_limit(base):
-                fitting.append((timer(plan), peak, plan))
+                fitting.append((timer(plan), peak, plan, host))
+    fitting = without_twins(fitting)
     fitting.sort(key=lambda item: item[:2])
     return fitting[:k]
+
+
+def without_twins(fitting: list[tuple]) -> list[tuple]:
+    """(seconds, peak, plan, host) with the plans that one rank per shard group times equally
+    at several ZeRO stages listed once, at the least peak, host memory, stage (core/search.py,
+    twin_key)."""
+    lowest: dict[tuple, tuple] = {}
+    kept = []
+    for item in fitting:
+        seconds, peak, plan, host = item
+        key = twin_key(plan, plan, seconds, peak, host)
+        if key is None:
+            kept.append(item)
+        elif key not in lowest or (peak, host, plan.zero_stage) < (lowest[key][1], lowest[key][3],
+                                                                     lowest[key][2].zero_stage):
+            lowest[key] = item
+    return kept + list(lowest.values())
 
 
 # Spaces where memory binds (the GPU memory sits near the median peak of the candidates), one
@@ -91,7 +109,8 @@ def test_offload_search_returns_the_exhaustive_ranking():
             resolved = resolve_offload(plan.with_(strategy="balanced"))
             peak, host = plan_figures(resolved)
             if peak <= base.gpu_memory and host <= cpu_limit(base):
-                fitting.append((timer(resolved), peak))
+                fitting.append((timer(resolved), peak, resolved, host))
+    fitting = [item[:2] for item in without_twins(fitting)]
     fitting.sort()
     assert len(fitting) >= 5
     result = search(base, space, Fixed(), timer, top_k=5, resolve=resolve_offload, bound=bound, refine=refine)

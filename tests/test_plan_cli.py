@@ -5,9 +5,15 @@ the job fixes, exit 1 with the closest misses, and bad input."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import tomli_w
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -75,17 +81,35 @@ def test_written_job_is_the_plan(job, tmp_path):
     assert f"dp = {best['job']['parallel']['dp']}" in text
 
 
-def test_written_job_runs(write, tmp_path):
-    """A plan for the framework `run` executes passes run's own capability check."""
+@pytest.mark.parametrize("extra", [
+    "",
+    '[lora]\nrank = 8\n',  # `run`: LoRA under FSDP2, no pipeline, no sequence parallel, no stage 1
+    # QLoRA: no tensor parallel, NF4 in torchao's whole blocks (a model whose linears have them)
+    '[lora]\nrank = 8\nbase_dtype = "nf4"\n[model]\nfamily = "llama"\nnum_layers = 4\nhidden_size = 256\n'
+    'num_heads = 4\nnum_kv_heads = 4\nffn_hidden_size = 512\nvocab_size = 1024\nmax_seq_len = 128\n',
+])
+def test_written_job_runs(write, tmp_path, extra):
+    """Every plan for the framework `run` executes passes run's own capability check (full
+    training, LoRA and QLoRA, whose runtime takes fewer plans)."""
     from shardplan.io.job import load_job
     from shardplan.runtime.capabilities import unsupported
 
-    job = write("tiny.toml", '[model]\npreset = "tiny-llama"\n[train]\nseq_len = 128\n'
-                             '[cluster]\ngpu = "h100-sxm"\ngpus_per_node = 4\n')
+    model = "" if "[model]" in extra else '[model]\npreset = "tiny-llama"\n'
+    text = model + '[train]\nseq_len = 128\n[cluster]\ngpu = "h100-sxm"\ngpus_per_node = 4\n' + extra
+    job = write("tiny.toml", text)
     out = tmp_path / "best.toml"
-    result = run_cli("plan", job, "--gpus", "4", "--global-batch", "16", "--top", "10", "--json", "--write", str(out))
+    result = run_cli("plan", job, "--gpus", "4", "--global-batch", "16", "--top", "100", "--json", "--write", str(out))
     assert result.code == 0, result.err
     assert unsupported(load_job(str(out))) == []
+    plans = result.json["plans"]
+    assert len(plans) > 5
+    for number, plan in enumerate(plans):
+        written = tmp_path / f"plan{number}.toml"
+        document = tomllib.loads(text)
+        for table, keys in plan["job"].items():
+            document.setdefault(table, {}).update(keys)
+        written.write_text(tomli_w.dumps(document), encoding="utf-8")
+        assert unsupported(load_job(str(written))) == [], plan["job"]
 
 
 def test_fixed_keys_stay(write):
@@ -94,6 +118,24 @@ def test_fixed_keys_stay(write):
     assert doc["plans"]
     for plan in doc["plans"]:
         assert plan["job"]["parallel"]["tp"] == 2 and plan["job"]["zero"]["stage"] == 3
+
+
+def test_one_rank_shard_groups_list_a_plan_once(write):
+    """With dp = cp = 1 the ZeRO stages shard nothing: a plan that several stages time alike
+    is listed once, at its least peak (at dp 1, QLoRA of a 70B model: stages 0 and 3 give the
+    same peak and step, stage 1 the same step at a higher peak)."""
+    job = write("job.toml", JOB.replace("llama-3-8b", "llama-3-70b").replace("seq_len = 8192", "seq_len = 2048")
+                + '[lora]\nrank = 16\nbase_dtype = "nf4"\n')
+    doc = run_cli("plan", job, "--gpus", "1", "--global-batch", "16", "--top", "20", "--json").json
+    seen = {}
+    for plan in doc["plans"]:
+        stage = plan["job"]["zero"]["stage"]
+        rest = json.dumps({**plan["job"], "zero": {**plan["job"]["zero"], "stage": None}}, sort_keys=True)
+        key = (rest, plan["time"]["step_seconds"])
+        assert key not in seen, (stage, seen.get(key))
+        seen[key] = stage
+    assert seen and 3 not in seen.values()
+    assert "the same plan and step at another ZeRO stage" in json.dumps(doc["rejected"])
 
 
 def test_global_batch_from_the_job(write):
@@ -136,6 +178,13 @@ def test_nothing_fits(write):
      "architecture"),
     (("--gpus", "0", "--global-batch", "8"), JOB, "--gpus"),
     (("--gpus", "8", "--global-batch", "8", "--top", "0"), JOB, "--top"),
+    # Keys the job fixes that no plan of the GPUs or the batch can keep.
+    (("--gpus", "1", "--global-batch", "8"), JOB + "[parallel]\ndp = 8\n", "parallel.dp = 8 (8 GPUs), which 1 GPUs"),
+    (("--gpus", "8", "--global-batch", "8"), JOB + "[parallel]\ntp = 2\npp = 2\ndp = 1\ncp = 1\n", "which 8 GPUs"),
+    (("--gpus", "8", "--global-batch", "12"), JOB + "[parallel]\nmicro_batch_size = 8\n", "does not divide"),
+    # QLoRA of a model torchao cannot store as NF4: no plan `run` executes.
+    (("--gpus", "4", "--global-batch", "8"), '[model]\npreset = "tiny-llama"\n[cluster]\npreset = "h100-80gb"\n'
+     '[lora]\nrank = 8\nbase_dtype = "nf4"\n', "torchao"),
 ])
 def test_bad_input(write, extra, text, message):
     job = write("job.toml", text)

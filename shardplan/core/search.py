@@ -26,10 +26,12 @@ import heapq
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import lru_cache
 from itertools import product
 from typing import Callable, Iterator
 
 from ..spec.model import ModelShape
+from .lora import LoraPlan, nf4_problems
 from .degrees import Degrees
 from .estimate import Coordinates, _activation_shape, _first_layer_bytes, _layer_bytes, _rank_params
 from .buffers import CUDA_CONTEXT_BYTES, FRAGMENTATION
@@ -121,21 +123,25 @@ def _options(fixed: int | None, values: list[int]) -> list[int]:
     return [fixed] if fixed is not None else values
 
 
-def degree_options(shape: ModelShape, space: Space, fixed: Fixed, seq_len: int) -> Iterator[Degrees]:
+def degree_options(shape: ModelShape, space: Space, fixed: Fixed, seq_len: int,
+                   lora: LoraPlan | None = None) -> Iterator[Degrees]:
     """dp x tp x pp x cp = world, each allowed by the model (core/checks.py's rules): tp
     divides the query heads and divides or is a multiple of the key/value heads (and, for
     `run`, is at most them), pp at most the layers, cp splits the sequence into 2*cp
-    chunks (`run`: cp 1)."""
+    chunks (`run`: cp 1). `run` executes LoRA without pipeline parallelism and QLoRA without
+    tensor parallelism (runtime/capabilities.py)."""
     world = space.world
     heads, kv = shape.num_heads, shape.num_kv_heads
     for tp in _options(fixed.tp, divisors(world)):
         if world % tp or heads % tp or (kv % tp and tp % kv) or (space.runnable and tp > kv):
             continue
+        if space.runnable and lora is not None and lora.nf4 and tp > 1:
+            continue
         for cp in _options(fixed.cp, [1] if space.runnable else divisors(world // tp)):
             if world % (tp * cp) or (cp > 1 and seq_len % (2 * cp)):
                 continue
             for pp in _options(fixed.pp, divisors(world // (tp * cp))):
-                if world % (tp * cp * pp) or pp > shape.num_layers:
+                if world % (tp * cp * pp) or pp > shape.num_layers or (space.runnable and lora is not None and pp > 1):
                     continue
                 dp = world // (tp * cp * pp)
                 if fixed.dp is not None and dp != fixed.dp:
@@ -206,15 +212,26 @@ def _hybrid_even(degrees: Degrees, order: str, gpus_per_node: int) -> bool:
     return True
 
 
+@lru_cache(maxsize=256)
+def _nf4_blocked(shape: ModelShape, tp: int, shards: int) -> bool:
+    return bool(nf4_problems(shape, tp, shards))
+
+
 def sharding_options(degrees: Degrees, nodes: int, space: Space, fixed: Fixed,
-                     framework: str, gpus_per_node: int = 8, order: str = "tp-cp-dp-pp") -> list[tuple[int, bool]]:
+                     framework: str, gpus_per_node: int = 8, order: str = "tp-cp-dp-pp",
+                     lora: LoraPlan | None = None, shape: ModelShape | None = None) -> list[tuple[int, bool]]:
     """(ZeRO stage, hybrid): stage 1 runs under DDP, which cannot wrap tensor-parallel
-    parameters (`run`); DeepSpeed's pipeline engine takes stages 0 and 1 only; hybrid
+    parameters (`run`), nor LoRA; QLoRA's NF4 weights must split into torchao's whole blocks
+    over the shard group; DeepSpeed's pipeline engine takes stages 0 and 1 only; hybrid
     sharding needs stage 2 or 3 and more than one node."""
     out = []
     for stage in _options(fixed.zero_stage, [0, 1, 2, 3]):
-        if space.runnable and stage == 1 and degrees.tp > 1:
+        if space.runnable and stage == 1 and (degrees.tp > 1 or lora is not None):
             continue
+        if space.runnable and lora is not None and lora.nf4 and shape is not None:
+            shards = degrees.dp * degrees.cp if stage >= 2 else 1
+            if _nf4_blocked(shape, degrees.tp, shards):
+                continue
         if framework != "fsdp2" and degrees.pp > 1 and stage >= 2:
             continue
         # Hybrid differs from plain sharding only when the shard group (dp x cp, every tp*cp
@@ -268,8 +285,10 @@ def candidates(base: EstimateInputs, space: Space, fixed: Fixed, rejected: Count
     assert shape is not None
     gpn = base.gpus_per_node
     nodes = -(-space.world // gpn)
-    for degrees in degree_options(shape, space, fixed, base.seq_len):
+    for degrees in degree_options(shape, space, fixed, base.seq_len, base.lora):
         sps = [fixed.sequence_parallel] if fixed.sequence_parallel is not None else ([False, True] if degrees.tp > 1 else [False])
+        if space.runnable and base.lora is not None:  # `run` executes LoRA without sequence parallel
+            sps = [sp for sp in sps if not sp]
         if degrees.tp > 1 and any(sp for sp in sps) and (base.seq_len // degrees.cp) % degrees.tp:
             sps = [sp for sp in sps if not sp]
         if space.runnable and shape.position_embedding == "learned":
@@ -279,7 +298,8 @@ def candidates(base: EstimateInputs, space: Space, fixed: Fixed, rejected: Count
             if not batches:
                 rejected["the global batch does not divide into microbatches"] += 1
                 continue
-            for stage, hybrid in sharding_options(degrees, nodes, space, fixed, base.framework, gpn, base.order):
+            for stage, hybrid in sharding_options(degrees, nodes, space, fixed, base.framework, gpn, base.order,
+                                                  lora=base.lora, shape=shape):
                 keep = fixed.offload is not None  # the job's own offload stays as written
                 bare = base.with_(degrees=degrees, schedule=schedule, virtual=virtual, stage_split=split,
                                   zero_stage=stage, hybrid=hybrid, micro_batch=1, num_microbatches=batches[0][1],
@@ -323,6 +343,8 @@ SMALLER = "GPU memory (a smaller micro batch already does not fit)"
 STATES = "model states exceed the GPU memory"
 FORWARD = "GPU memory (states and stage 0's activations)"
 OFFLOAD_FLOOR = "GPU memory even with every offload (activations and what stays on the GPU)"
+NF4_OFFLOAD = "it would offload NF4 weights, which `run` does not"
+TWIN = "the same plan and step at another ZeRO stage with less memory (dp = cp = 1 shards nothing)"
 
 
 class _Walk:
@@ -344,6 +366,7 @@ class _Walk:
         self.fits: dict[int, int] = {}  # group -> index of its largest fitting micro batch (-1: none)
         self.checked: dict[tuple[int, int], tuple[bool, int, int, str]] = {}  # (group, index) -> memory()
         self.state_cache: dict[tuple, tuple[int, int]] = {}
+        self.twins: dict[tuple, tuple] = {}  # twin_key -> the ranked item of least memory
 
     def kth(self) -> float | None:
         return -self.best[0][0] if len(self.best) == self.top_k else None
@@ -422,6 +445,20 @@ class _Walk:
         self.order += 1
         self.result.fitting += 1
         item = (-seconds, -peak, -self.order, inputs, peak, host, asked or inputs)
+        key = twin_key(inputs, asked or inputs, seconds, peak, host)
+        if key is not None:
+            twin = self.twins.get(key)
+            if twin is not None:
+                if (twin[4], twin[5], twin[3].zero_stage) <= (peak, host, inputs.zero_stage):
+                    self.result.fitting -= 1
+                    self.reject(TWIN)
+                    return
+                self.result.fitting -= 1  # the higher stage's twin leaves the ranking
+                self.result.rejected[TWIN] += 1
+                if twin in self.best:
+                    self.best.remove(twin)
+                    heapq.heapify(self.best)
+            self.twins[key] = item
         if len(self.best) < self.top_k:
             heapq.heappush(self.best, item)
         elif item > self.best[0]:
@@ -432,6 +469,16 @@ class _Walk:
         self.result.evaluated += count
         if self.progress and before // 256 != self.result.evaluated // 256:
             self.progress(self.result.evaluated)
+
+
+def twin_key(inputs: EstimateInputs, asked: EstimateInputs, seconds: float, peak: int, host: int) -> tuple | None:
+    """With one rank per shard group (dp = cp = 1) the ZeRO stages shard nothing: they change
+    only how the runtime wraps the model (stage 1: DDP; 2 and 3: fully_shard over one rank),
+    so a plan with the same step time at several stages is listed once, at its least peak
+    (then host memory, then stage). None where the stage shards something."""
+    if inputs.degrees.dp * inputs.degrees.cp != 1:
+        return None
+    return (inputs.with_(zero_stage=0), asked.with_(zero_stage=0), seconds)
 
 
 def _keyed(groups: list[list[EstimateInputs]], bound) -> list[tuple[float, int, int, EstimateInputs]]:
@@ -500,7 +547,10 @@ def search(base: EstimateInputs, space: Space, fixed: Fixed, timer: Callable[[Es
                 else:
                     asked = _with_offload(inputs, base.strategy)
                     plan = resolve(asked) if resolve is not None else asked
-                    offloaded[key] = (*walk.memory(plan), plan, asked)
+                    if space.runnable and plan.lora is not None and plan.lora.nf4 and plan.offload_params:
+                        offloaded[key] = (False, 0, 0, NF4_OFFLOAD, plan, asked)
+                    else:
+                        offloaded[key] = (*walk.memory(plan), plan, asked)
             return offloaded[key]
 
         keyed = _keyed(groups, bound)

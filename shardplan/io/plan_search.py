@@ -56,8 +56,9 @@ class PlanOutcome:
 
     def miss_lines(self) -> list[str]:
         """Nothing fits: the closest misses and what would take them under the GPU."""
-        lines = [f"plan: no plan of {self.world} GPUs fits (evaluated {self.result.evaluated:,}; "
-                 + ", ".join(f"{n:,} {reason}" for reason, n in self.result.rejected.most_common()) + ")"]
+        reasons = ", ".join(f"{n:,} {reason}" for reason, n in self.result.rejected.most_common())
+        lines = [f"plan: no plan of {self.world} GPUs fits (evaluated {self.result.evaluated:,}"
+                 + (f"; {reasons})" if reasons else ")")]
         shown = set()
         for miss in self.result.misses:
             d = miss.inputs.degrees
@@ -122,6 +123,32 @@ def _global_batch(resolved: ResolvedJob, global_batch: int | None, fixed: Fixed)
                                                "(or train.global_batch_size)"))
 
 
+def _check_fixed(fixed: Fixed, world: int, batch: int) -> None:
+    """Keys the job fixes that no plan of this world and batch can keep: say which, and how to
+    let the search choose them, rather than search nothing."""
+    degrees = {key: value for key, value in (("dp", fixed.dp), ("tp", fixed.tp), ("pp", fixed.pp), ("cp", fixed.cp))
+               if value is not None}
+    product = 1
+    for value in degrees.values():
+        product *= value
+    if degrees and (world % product or (len(degrees) == 4 and product != world)):
+        given = " x ".join(f"parallel.{key} = {value}" for key, value in degrees.items())
+        raise InputError(Problem("parallel", f"the job fixes {given} ({product} GPUs), which {world} GPUs cannot hold: "
+                                             "leave them out of the job to let the plan choose them, or plan for "
+                                             f"a multiple of {product} GPUs"))
+    per_step = [(f"parallel.{key} = {value}", value) for key, value in
+                (("dp", fixed.dp), ("micro_batch_size", fixed.micro_batch), ("num_microbatches", fixed.num_microbatches))
+                if value is not None]
+    share = 1
+    for _, value in per_step:
+        share *= value
+    if per_step and batch % share:
+        given = " x ".join(text for text, _ in per_step)
+        raise InputError(Problem("parallel", f"the job fixes {given}, which does not divide the global batch of "
+                                             f"{batch} sequences: leave them out of the job to let the plan choose "
+                                             "them, or give a global batch they divide (--global-batch)"))
+
+
 class _Progress:
     """A rich progress bar on stderr, shown only when the search takes longer than a moment."""
 
@@ -165,9 +192,20 @@ def run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None, 
     if hardware is None:
         raise InputError(Problem("cluster.gpu", "plan ranks plans by predicted step time and needs the GPU: set "
                                                 "[cluster] gpu (e.g. --set cluster.gpu=h100-sxm) or a cluster preset"))
+    if job.lora is not None and job.lora.base_dtype == "nf4" and job.zero.framework == "fsdp2":
+        from ..core.lora import nf4_problems
+
+        bad = nf4_problems(shape, 1, 1)
+        if bad:
+            name, _, numel = bad[0]
+            raise InputError(Problem("lora.base_dtype", f"plan searches the plans `run` executes, and torchao stores "
+                                                        f"NF4 weights only in whole blocks of 64 * 256 elements: "
+                                                        f"{name} has {numel:,} (plan it with base_dtype = \"bf16\", "
+                                                        "or estimate the NF4 plan you have in mind)"))
     fixed = fixed_keys(job)
     world = _world(resolved, gpus, nodes, fixed)
     batch = _global_batch(resolved, global_batch, fixed)
+    _check_fixed(fixed, world, batch)
     lora = lora_of(job.lora)
     base = inputs_from_job(job, shape, True).with_(degrees=Degrees(dp=world))
     space = Space(world=world, global_batch=batch, runnable=job.zero.framework == "fsdp2")
