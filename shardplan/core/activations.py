@@ -24,9 +24,9 @@ log-sum-exp per head and token), and context parallel (cp) divides the tokens of
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
-from ..spec.model import ModelShape
+from ..spec.model import ModelShape, cached_hash
 from .lora import LoraPlan
 from .terms import Term
 
@@ -68,15 +68,7 @@ class ActivationShape:
     # LoRA: the base is frozen, adapters train (core/lora_activations.py)
     lora: LoraPlan | None = None
 
-    def __hash__(self) -> int:
-        # Planner caches key on this frozen value: hash its fields once, not at every lookup.
-        values = self.__dict__
-        cached = values.get("_hash")
-        if cached is None:
-            names = type(self).__dict__.get("_field_names") or _field_names(type(self))
-            cached = hash(tuple(values[name] for name in names))
-            values["_hash"] = cached
-        return cached
+    __hash__ = cached_hash  # planner caches key on this frozen value
 
     @property
     def residual_bytes(self) -> int:
@@ -322,8 +314,3 @@ def kept_logits_terms(act: ActivationShape) -> list[Term]:
                  lambda: f"sb*V/t = {elements:,} * {e} B")]
 
 
-def _field_names(cls: type) -> tuple[str, ...]:
-    """The dataclass's field names, computed once per class (for its cached hash)."""
-    names = tuple(f.name for f in fields(cls))
-    setattr(cls, "_field_names", names)
-    return names

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from ..spec.job import JobSpec
-from ..spec.model import ModelShape
+from ..spec.model import ModelShape, cached_hash
 from .degrees import Degrees
 from .lora import LoraPlan
 
@@ -81,15 +81,7 @@ class EstimateInputs:
     checkpointing: bool = False  # `run` writes checkpoints: their staging is host memory
     lora: LoraPlan | None = None  # LoRA / QLoRA: adapters train, the base is frozen (None: full training)
 
-    def __hash__(self) -> int:
-        # Planner caches key on this frozen value: hash its fields once, not at every lookup.
-        values = self.__dict__
-        cached = values.get("_hash")
-        if cached is None:
-            names = type(self).__dict__.get("_field_names") or _field_names(type(self))
-            cached = hash(tuple(values[name] for name in names))
-            values["_hash"] = cached
-        return cached
+    __hash__ = cached_hash  # planner caches key on this frozen value
 
     def with_(self, **changes) -> EstimateInputs:
         """A copy with `changes` (as `dataclasses.replace`, which the planner's inner loop cannot
@@ -156,11 +148,6 @@ def inputs_from_job(job: JobSpec, shape: ModelShape | None, limits_known: bool) 
     )
 
 
-def _field_names(cls: type) -> tuple[str, ...]:
-    """The dataclass's field names, computed once per class (for its cached hash)."""
-    names = tuple(f.name for f in fields(cls))
-    setattr(cls, "_field_names", names)
-    return names
 
 
 def lora_plan(job: JobSpec) -> LoraPlan | None:

@@ -11,12 +11,12 @@ as torch.distributed.pipelining's interleaved and looped-BFS schedules expect).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from functools import cached_property
 from functools import lru_cache
 from math import prod
 
-from ..spec.model import ModelShape
+from ..spec.model import ModelShape, cached_hash
 from .lora import LoraPlan, adapter_params
 from .params import ParamInfo, embedding_params, head_params, layer_params
 from .pipeline import stage_layers
@@ -64,15 +64,7 @@ class RankParams:
     has_head: bool
     adapters: tuple[LocalParam, ...] = ()
 
-    def __hash__(self) -> int:
-        # Planner caches key on this frozen value: hash its fields once, not at every lookup.
-        values = self.__dict__
-        cached = values.get("_hash")
-        if cached is None:
-            names = type(self).__dict__.get("_field_names") or _field_names(type(self))
-            cached = hash(tuple(values[name] for name in names))
-            values["_hash"] = cached
-        return cached
+    __hash__ = cached_hash  # planner caches key on this frozen value
 
     @cached_property
     def layer_numel(self) -> int:
@@ -152,8 +144,3 @@ def rank_params(shape: ModelShape, pp: int, virtual: int, pp_rank: int, tp: int,
     )
 
 
-def _field_names(cls: type) -> tuple[str, ...]:
-    """The dataclass's field names, computed once per class (for its cached hash)."""
-    names = tuple(f.name for f in fields(cls))
-    setattr(cls, "_field_names", names)
-    return names

@@ -129,6 +129,22 @@ class ModelSpec(Table):
         return {k: getattr(self, k) for k in ("name", *SHAPE_KEYS) if getattr(self, k) is not None}
 
 
+def cached_hash(self) -> int:
+    """`__hash__` of a frozen dataclass that planner caches key on: its fields hashed once, on
+    first use, not at every lookup. Assign it in the class body (`__hash__ = cached_hash`)."""
+    values = self.__dict__
+    cached = values.get("_hash")
+    if cached is None:
+        cls = type(self)
+        names = cls.__dict__.get("_field_names")
+        if names is None:
+            names = tuple(f.name for f in fields(cls))
+            setattr(cls, "_field_names", names)
+        cached = hash(tuple(values[name] for name in names))
+        values["_hash"] = cached
+    return cached
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """A fully resolved decoder-only transformer: every structural choice made explicit."""
@@ -154,15 +170,7 @@ class ModelShape:
     experts_per_token: int
     name: str = ""
 
-    def __hash__(self) -> int:
-        # Planner caches key on this frozen value: hash its fields once, not at every lookup.
-        values = self.__dict__
-        cached = values.get("_hash")
-        if cached is None:
-            names = type(self).__dict__.get("_field_names") or _field_names(type(self))
-            cached = hash(tuple(values[name] for name in names))
-            values["_hash"] = cached
-        return cached
+    __hash__ = cached_hash  # planner caches key on this frozen value
 
     @property
     def gated(self) -> bool:
@@ -175,8 +183,6 @@ class ModelShape:
     def to_table(self) -> dict:
         """The inline `[model]` table that reproduces this shape (None values left out)."""
         return {k: v for k, v in asdict(self).items() if v is not None and v != ""}
-
-
 
 
 def resolve_shape(table: dict, where: str = "model") -> tuple[ModelShape | None, list[Problem]]:
@@ -254,8 +260,3 @@ def resolve_shape(table: dict, where: str = "model") -> tuple[ModelShape | None,
     return shape, []
 
 
-def _field_names(cls: type) -> tuple[str, ...]:
-    """The dataclass's field names, computed once per class (for its cached hash)."""
-    names = tuple(f.name for f in fields(cls))
-    setattr(cls, "_field_names", names)
-    return names
