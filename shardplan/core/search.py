@@ -464,6 +464,19 @@ class _Walk:
         elif item > self.best[0]:
             heapq.heapreplace(self.best, item)
 
+    def in_bound_order(self, groups: list[list[EstimateInputs]], bound) -> Iterator[tuple[int, int, EstimateInputs]]:
+        """(group, index, plan) in increasing order of the time bound, each counted evaluated;
+        stops, counting the rest as pruned, once the next bound exceeds the k-th best time."""
+        keyed = _keyed(groups, bound)
+        for position, (lower, g, i, inputs) in enumerate(keyed):
+            kth = self.kth()
+            if bound is not None and kth is not None and lower > kth:
+                self.reject(PRUNED, len(keyed) - position)
+                self.tick(len(keyed) - position)
+                return
+            self.tick()
+            yield g, i, inputs
+
     def tick(self, count: int = 1) -> None:
         before = self.result.evaluated
         self.result.evaluated += count
@@ -507,14 +520,7 @@ def search(base: EstimateInputs, space: Space, fixed: Fixed, timer: Callable[[Es
     result = walk.result
     groups = list(candidates(base, space, fixed, result.rejected, too_big=walk.too_big))
     result.evaluated = sum(result.rejected.values())  # the plans the structure and states rejected
-    keyed = _keyed(groups, bound)
-    for position, (lower, g, i, inputs) in enumerate(keyed):
-        kth = walk.kth()
-        if bound is not None and kth is not None and lower > kth:
-            walk.reject(PRUNED, len(keyed) - position)
-            walk.tick(len(keyed) - position)
-            break
-        walk.tick()
+    for g, i, inputs in walk.in_bound_order(groups, bound):
         plans = groups[g]
         if inputs.num_microbatches == 1 and i == len(plans) - 1:  # the single-microbatch plan, alone
             fits, peak, host, reason = walk.checked_memory(g, i, inputs)
@@ -553,14 +559,7 @@ def search(base: EstimateInputs, space: Space, fixed: Fixed, timer: Callable[[Es
                         offloaded[key] = (*walk.memory(plan), plan, asked)
             return offloaded[key]
 
-        keyed = _keyed(groups, bound)
-        for position, (lower, g, i, inputs) in enumerate(keyed):
-            kth = walk.kth()
-            if bound is not None and kth is not None and lower > kth:
-                walk.reject(PRUNED, len(keyed) - position)
-                walk.tick(len(keyed) - position)
-                break
-            walk.tick()
+        for g, i, inputs in walk.in_bound_order(groups, bound):
             plans = groups[g]
             if not (inputs.num_microbatches == 1 and i == len(plans) - 1):
                 limit = walk.largest_fitting(g, plans[:-1] if plans[-1].num_microbatches == 1 else plans,
