@@ -92,6 +92,7 @@ class EstimateInputs:
         copy = object.__new__(EstimateInputs)
         values = dict(self.__dict__)
         values.pop("_hash", None)
+        values.pop("_framework_key", None)  # core/figures.py caches it on the instance
         values.update(changes)
         copy.__dict__.update(values)
         return copy

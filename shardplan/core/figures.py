@@ -81,12 +81,17 @@ def _framework_key(inputs: EstimateInputs) -> EstimateInputs:
     `rank_host` and `checkpoint_staging` read the framework, stage, precision, optimizer,
     offload, the DeepSpeed knobs, whether microbatches accumulate, whether there is an
     architecture, and whether stages pipeline (the offload engine's gradient staging, core/host.py);
-    the rank's parameters and shard degree come beside the key."""
-    return inputs.with_(degrees=_ONE if inputs.degrees.pp == 1 else _PIPELINED, order="tp-cp-dp-pp", gpus_per_node=8, micro_batch=1, seq_len=1,
-                        num_microbatches=min(inputs.num_microbatches, 2), schedule="1f1b", virtual=1,
-                        stage_split=(0, 0), sequence_parallel=False, recompute="none", attention="flash",
-                        loss="fp32", dropout=False, gpu_memory=None, cpu_memory_per_node=None,
-                        strategy="balanced", resident_layers=None, hybrid=False)
+    the rank's parameters and shard degree come beside the key. Kept on the instance (every
+    stage of a plan asks for it; `with_` drops it from copies)."""
+    cached = inputs.__dict__.get("_framework_key")
+    if cached is not None:
+        return cached
+    key = inputs.__dict__["_framework_key"] = inputs.with_(
+        degrees=_ONE if inputs.degrees.pp == 1 else _PIPELINED, order="tp-cp-dp-pp", gpus_per_node=8, micro_batch=1,
+        seq_len=1, num_microbatches=min(inputs.num_microbatches, 2), schedule="1f1b", virtual=1, stage_split=(0, 0),
+        sequence_parallel=False, recompute="none", attention="flash", loss="fp32", dropout=False, gpu_memory=None,
+        cpu_memory_per_node=None, strategy="balanced", resident_layers=None, hybrid=False)
+    return key
 
 
 @lru_cache(maxsize=4096)

@@ -105,11 +105,13 @@ def _candidate_stages(inputs: EstimateInputs, single_stage_nodes: bool) -> range
     return (0, 1, pp - 1)
 
 
-def plan_figures(inputs: EstimateInputs) -> tuple[int, int]:
+def plan_figures(inputs: EstimateInputs, stop_above: int | None = None) -> tuple[int, int]:
     """(peak GPU bytes over the stages, host bytes of the busiest node) of `inputs` exactly as
     given: the numbers `estimate_memory` reports for the same inputs when its offload strategy
     adds nothing, computed from the same parts without building a term (the planner's inner
-    loop; tests/test_plan.py holds the two equal)."""
+    loop; tests/test_plan.py holds the two equal). `stop_above`: once a stage's peak exceeds
+    it, return (that peak, 0) without the other stages: the plan does not fit, and the peak
+    returned is a lower bound of the plan's."""
     mixes = node_mixes(inputs.degrees, inputs.order, inputs.gpus_per_node)
     single = all(len(set(mix)) == 1 for mix in mixes)
     stages = _candidate_stages(inputs, single)
@@ -119,6 +121,8 @@ def plan_figures(inputs: EstimateInputs) -> tuple[int, int]:
     for stage in stages:
         figures = rank_figures(inputs, Coordinates(pp_rank=stage))
         peak = max(peak, max(figures.moments.values()))
+        if stop_above is not None and peak > stop_above:
+            return peak, 0
         host[stage] = (figures.host + allowance, figures.startup + allowance)
     node = 0
     for mix in mixes:

@@ -28,6 +28,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import product
+from collections.abc import Sequence
 from typing import Callable, Iterator
 
 from ..spec.model import ModelShape
@@ -274,17 +275,53 @@ def forward_bound(inputs: EstimateInputs, states: int | None = None) -> int:
     return states + held * saved
 
 
+class Group(Sequence):
+    """The plans of one structure, sharding, recomputation and sequence parallel that differ
+    only in the micro batch (ascending, the accumulation making the global batch), each built
+    when first read: a search reaches a small part of its space. Groups with the same `key`
+    (the structure, recomputation and sequence parallel: all but the sharding) share their
+    time bounds."""
+
+    __slots__ = ("bare", "recompute", "sequence_parallel", "batches", "key", "_plans")
+
+    def __init__(self, bare: EstimateInputs, recompute: str, sequence_parallel: bool,
+                 batches: list[tuple[int, int]], key: tuple):
+        self.bare, self.recompute, self.sequence_parallel = bare, recompute, sequence_parallel
+        self.batches, self.key = batches, key
+        self._plans: list[EstimateInputs | None] = [None] * len(batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        plan = self._plans[index]
+        if plan is None:
+            mbs, m = self.batches[index]
+            plan = self._plans[index] = self.bare.with_(recompute=self.recompute,
+                                                        sequence_parallel=self.sequence_parallel,
+                                                        micro_batch=mbs, num_microbatches=m)
+        return plan
+
+    def single_last(self) -> bool:
+        """The last plan runs one microbatch (frees its gradients in forward: tried alone)."""
+        return self.batches[-1][1] == 1
+
+
 def candidates(base: EstimateInputs, space: Space, fixed: Fixed, rejected: Counter,
                bound: bool = True, too_big: Callable[[EstimateInputs, int, int], None] | None = None,
-               ) -> Iterator[list[EstimateInputs]]:
+               ) -> Iterator[Group]:
     """Every structurally valid plan of the space, cheapest checks first, rejections counted:
-    in lists that differ only in the micro batch (ascending, the accumulation making the
-    global batch). `bound`: skip the (structure, sharding) groups whose model states alone
-    exceed the GPU, counting their plans and telling `too_big(plan, states, plans)`."""
+    in groups that differ only in the micro batch (`Group`). `bound`: skip the (structure,
+    sharding) groups whose model states alone exceed the GPU, counting their plans and telling
+    `too_big(plan, states, plans)`."""
     shape = base.shape
     assert shape is not None
     gpn = base.gpus_per_node
     nodes = -(-space.world // gpn)
+    recomputes = _options(fixed.recompute, list(RECOMPUTE))
+    structure = 0
     for degrees in degree_options(shape, space, fixed, base.seq_len, base.lora):
         sps = [fixed.sequence_parallel] if fixed.sequence_parallel is not None else ([False, True] if degrees.tp > 1 else [False])
         if space.runnable and base.lora is not None:  # `run` executes LoRA without sequence parallel
@@ -298,6 +335,7 @@ def candidates(base: EstimateInputs, space: Space, fixed: Fixed, rejected: Count
             if not batches:
                 rejected["the global batch does not divide into microbatches"] += 1
                 continue
+            structure += 1
             for stage, hybrid in sharding_options(degrees, nodes, space, fixed, base.framework, gpn, base.order,
                                                   lora=base.lora, shape=shape):
                 keep = fixed.offload is not None  # the job's own offload stays as written
@@ -307,16 +345,15 @@ def candidates(base: EstimateInputs, space: Space, fixed: Fixed, rejected: Count
                                   offload_params=base.offload_params and keep, offload_grads=base.offload_grads and keep,
                                   offload_optimizer=base.offload_optimizer and keep, strategy="conservative")
                 if bound and base.gpu_memory is not None:
-                    states = states_bound(bare)
+                    states = with_allowances(states_bound(bare), bare.on_gpu)
                     if states > base.gpu_memory:
-                        plans = len(batches) * len(sps) * len(_options(fixed.recompute, list(RECOMPUTE)))
+                        plans = len(batches) * len(sps) * len(recomputes)
                         rejected[STATES] += plans
                         if too_big is not None:
                             too_big(bare, states, plans)
                         continue
-                for recompute, sp in product(_options(fixed.recompute, list(RECOMPUTE)), sps):
-                    yield [bare.with_(recompute=recompute, sequence_parallel=sp, micro_batch=mbs, num_microbatches=m)
-                           for mbs, m in batches]
+                for recompute, sp in product(recomputes, sps):
+                    yield Group(bare, recompute, sp, batches, (structure, recompute, sp))
 
 
 def offload_floor(inputs: EstimateInputs) -> int:
@@ -326,10 +363,14 @@ def offload_floor(inputs: EstimateInputs) -> int:
     which offload does not move."""
     most = inputs.with_(offload_optimizer=True, offload_grads=True, offload_params=inputs.zero_stage == 3,
                         resident_layers=0 if inputs.zero_stage == 3 else inputs.resident_layers)
-    tensors = max(forward_bound(most), states_bound(most))
-    # Every moment adds the CUDA context and the allocator's allowance to its tensors
-    # (core/figures.py, rank_figures).
-    return tensors + (CUDA_CONTEXT_BYTES + int(tensors * FRAGMENTATION) if inputs.on_gpu else 0)
+    return with_allowances(max(forward_bound(most), states_bound(most)), inputs.on_gpu)
+
+
+def with_allowances(tensors: int, on_gpu: bool) -> int:
+    """Every moment adds the CUDA context and the allocator's allowance to its tensors
+    (core/figures.py, rank_figures), and both grow with them: a lower bound of tensors is one
+    of the moment with them added."""
+    return tensors + (CUDA_CONTEXT_BYTES + int(tensors * FRAGMENTATION) if on_gpu else 0)
 
 
 def _with_offload(inputs: EstimateInputs, strategy: str) -> EstimateInputs:
@@ -378,7 +419,8 @@ class _Walk:
             del self.misses[2 * self.top_k:]
 
     def too_big(self, inputs: EstimateInputs, states: int, plans: int) -> None:
-        """A group whose model states alone exceed the GPU: a miss by at least that much."""
+        """A group whose model states alone (with the allowances every moment adds) exceed the
+        GPU: a miss by at least that much."""
         self.misses.append(Miss(inputs, states, 0, states - (self.capacity or 0), "GPU memory", at_least=True))
 
     def states(self, inputs: EstimateInputs) -> tuple[int, int]:
@@ -397,9 +439,14 @@ class _Walk:
         """(fits, peak, host, why not) of a plan; near misses are kept."""
         if self.capacity is not None:
             first, last = self.states(inputs)
-            if max(forward_bound(inputs, first), first, last) > self.capacity:
+            if with_allowances(max(forward_bound(inputs, first), first, last), inputs.on_gpu) > self.capacity:
                 return False, 0, 0, FORWARD
-        peak, host = plan_figures(inputs)
+        # Once a plan is ranked no miss is shown (they are for when nothing fits): a stage
+        # over the GPU is enough to reject the plan.
+        stop = self.capacity if self.best else None
+        peak, host = plan_figures(inputs, stop)
+        if stop is not None and peak > stop:
+            return False, peak, host, "GPU memory"
         over_gpu = peak - self.capacity if self.capacity is not None else 0
         over_host = host - self.limit
         if over_gpu > 0 or over_host > 0:
@@ -414,15 +461,16 @@ class _Walk:
             self.checked[key] = self.memory(inputs)
         return self.checked[key]
 
-    def largest_fitting(self, group: int, plans: list[EstimateInputs], check=None) -> int:
+    def largest_fitting(self, group: int, plans: Sequence[EstimateInputs], count: int, check=None) -> int:
         """Memory grows with the micro batch at a fixed accumulation rule (activations and the
         loss's transients scale with it, the rest does not change; tests/test_plan.py): the
         fitting micro batches are a prefix, found by binary search. A list's last plan with a
         single microbatch is left out: it frees its gradients in forward and is tried alone.
-        `check(group, index, plan)` -> (fits, ...): `checked_memory` unless given."""
+        `count`: how many of `plans` to consider. `check(group, index, plan)` -> (fits, ...):
+        `checked_memory` unless given."""
         check = check or self.checked_memory
         if group not in self.fits:
-            low, high, best = 0, len(plans) - 1, -1
+            low, high, best = 0, count - 1, -1
             while low <= high:
                 middle = (low + high) // 2
                 if check(group, middle, plans[middle])[0]:
@@ -464,18 +512,18 @@ class _Walk:
         elif item > self.best[0]:
             heapq.heapreplace(self.best, item)
 
-    def in_bound_order(self, groups: list[list[EstimateInputs]], bound) -> Iterator[tuple[int, int, EstimateInputs]]:
+    def in_bound_order(self, groups: list[Group], bound) -> Iterator[tuple[int, int, EstimateInputs]]:
         """(group, index, plan) in increasing order of the time bound, each counted evaluated;
         stops, counting the rest as pruned, once the next bound exceeds the k-th best time."""
         keyed = _keyed(groups, bound)
-        for position, (lower, g, i, inputs) in enumerate(keyed):
+        for position, (lower, g, i) in enumerate(keyed):
             kth = self.kth()
             if bound is not None and kth is not None and lower > kth:
                 self.reject(PRUNED, len(keyed) - position)
                 self.tick(len(keyed) - position)
                 return
             self.tick()
-            yield g, i, inputs
+            yield g, i, groups[g][i]
 
     def tick(self, count: int = 1) -> None:
         before = self.result.evaluated
@@ -494,10 +542,22 @@ def twin_key(inputs: EstimateInputs, asked: EstimateInputs, seconds: float, peak
     return (inputs.with_(zero_stage=0), asked.with_(zero_stage=0), seconds)
 
 
-def _keyed(groups: list[list[EstimateInputs]], bound) -> list[tuple[float, int, int, EstimateInputs]]:
-    keyed = [(bound(inputs) if bound else 0.0, g, i, inputs) for g, plans in enumerate(groups)
-             for i, inputs in enumerate(plans)]
-    keyed.sort(key=lambda k: k[:3])
+def _keyed(groups: list[Group], bound) -> list[tuple[float, int, int]]:
+    """(bound, group, index) of every plan, sorted. Groups with the same key share the bound
+    (`search`: it does not read the sharding), computed once on the first one's plan."""
+    keyed = []
+    known: dict[tuple, float] = {}
+    for g, plans in enumerate(groups):
+        for i in range(len(plans)):
+            if bound is None:
+                keyed.append((0.0, g, i))
+                continue
+            key = (plans.key, i)
+            lower = known.get(key)
+            if lower is None:
+                lower = known[key] = bound(plans[i])
+            keyed.append((lower, g, i))
+    keyed.sort()
     return keyed
 
 
@@ -513,8 +573,10 @@ def search(base: EstimateInputs, space: Space, fixed: Fixed, timer: Callable[[Es
     `bound` (branch and bound): a lower bound of `timer`, cheap to compute. Candidates are
     taken in increasing order of it, and the walk stops when the bound of the next one exceeds
     the `top_k`-th best time found: no later candidate can enter the ranking, so the result is
-    the exhaustive search's (tests/test_plan.py compares them). `refine`: a sharper lower bound,
-    dearer, checked before `timer` on the plans the walk reaches."""
+    the exhaustive search's (tests/test_plan.py compares them). It must not read the sharding
+    (ZeRO stage, hybrid): plans that differ only in it share one value (core/step_time.py's
+    bound reads neither). `refine`: a sharper lower bound, dearer, checked before `timer` on
+    the plans the walk reaches."""
     start = time.perf_counter()
     walk = _Walk(base, top_k, timer, progress, refine)
     result = walk.result
@@ -522,18 +584,19 @@ def search(base: EstimateInputs, space: Space, fixed: Fixed, timer: Callable[[Es
     result.evaluated = sum(result.rejected.values())  # the plans the structure and states rejected
     for g, i, inputs in walk.in_bound_order(groups, bound):
         plans = groups[g]
-        if inputs.num_microbatches == 1 and i == len(plans) - 1:  # the single-microbatch plan, alone
+        if i == len(plans) - 1 and plans.single_last():  # the single-microbatch plan, alone
             fits, peak, host, reason = walk.checked_memory(g, i, inputs)
             if fits:
                 walk.rank(inputs, figures=(peak, host))
             else:
                 walk.reject(reason)
             continue
-        limit = walk.largest_fitting(g, plans[:-1] if plans[-1].num_microbatches == 1 else plans)
+        limit = walk.largest_fitting(g, plans, len(plans) - plans.single_last())
         if i > limit:
             walk.reject(walk.checked[(g, i)][3] if (g, i) in walk.checked else SMALLER)
             continue
-        walk.rank(inputs)
+        known = walk.checked.get((g, i))  # the binary search's figures, when it checked this one
+        walk.rank(inputs, figures=known[1:3] if known is not None else None)
     if not walk.best and fixed.offload is None and space.offload and base.strategy != "conservative":
         # Nothing fits as it is: the offload strategy adds the offload the runtime executes,
         # cheapest first, only as far as each plan needs. Offload adds time, so the same bound
@@ -561,9 +624,8 @@ def search(base: EstimateInputs, space: Space, fixed: Fixed, timer: Callable[[Es
 
         for g, i, inputs in walk.in_bound_order(groups, bound):
             plans = groups[g]
-            if not (inputs.num_microbatches == 1 and i == len(plans) - 1):
-                limit = walk.largest_fitting(g, plans[:-1] if plans[-1].num_microbatches == 1 else plans,
-                                             with_offload)
+            if not (i == len(plans) - 1 and plans.single_last()):
+                limit = walk.largest_fitting(g, plans, len(plans) - plans.single_last(), with_offload)
                 if i > limit:
                     walk.reject(offloaded[(g, i)][3] if (g, i) in offloaded else SMALLER)
                     continue

@@ -176,45 +176,24 @@ def _bound(shape, d, order, gpus_per_node, framework, precision, optimizer, micr
            schedule, virtual, stage_split, sequence_parallel, recompute, attention, dropout, loss, hardware,
            constants, lora) -> float:
     """`step_time_bound` on the inputs it reads (plans that differ in sharding share it)."""
-    inputs = EstimateInputs(shape=shape, params=None, degrees=d, order=order, gpus_per_node=gpus_per_node,
-                            framework=framework, precision=precision, optimizer=optimizer, micro_batch=micro_batch,
-                            seq_len=seq_len, num_microbatches=microbatches, schedule=schedule, virtual=virtual,
-                            stage_split=stage_split, sequence_parallel=sequence_parallel, recompute=recompute,
-                            attention=attention, dropout=dropout, loss=loss)
-    links = _bound_links(d, inputs.order, inputs.gpus_per_node, False, hardware, constants)
-    eb = element_bytes(inputs.framework, inputs.precision, inputs.optimizer)
-    peak = hardware.peak_for(inputs.precision)
-    frozen = lora is not None
-    work = LayerWork(
-        shape=inputs.shape, micro_batch=inputs.micro_batch, seq_len=inputs.seq_len, tp=d.tp, cp=d.cp,
-        sequence_parallel=inputs.sequence_parallel, attention=inputs.attention, dropout=inputs.dropout,
-        recompute=inputs.recompute, act_bytes=eb.compute, frozen=frozen, lora_rank=lora.rank if lora else 0,
-        lora_targets=lora.targets if lora else (), sp_regather=inputs.framework != "fsdp2",
-    )
-    layer = layer_costs(work, peak, hardware, constants, links["tp"], links["cp"])
-    per_layer = (layer.forward + layer.backward + layer.recompute.seconds + layer.tp_forward + layer.tp_backward
-                 + layer.tp_recompute + layer.cp_forward + layer.cp_backward)
-    tokens = inputs.micro_batch * inputs.seq_len // d.cp
-    sp = inputs.sequence_parallel and d.tp > 1
-    edges = edge_costs(inputs.shape, tokens, d.tp, sp, eb.compute, frozen, inputs.loss, peak, hardware, constants,
-                       links["tp"])
-    layer_f = layer.forward + layer.tp_forward + layer.cp_forward
-    layer_b = layer.backward + layer.recompute.seconds + layer.tp_backward + layer.tp_recompute + layer.cp_backward
-    chunks = chunks_per_rank(inputs.schedule, inputs.virtual)
-    counts = _stage_counts(inputs.shape.num_layers, d.pp * chunks, inputs.stage_split)
+    layer_f, layer_b, embed_f, embed_b, head_f, head_b = _bound_parts(
+        shape, d, order, gpus_per_node, framework, precision, optimizer, micro_batch, seq_len, sequence_parallel,
+        recompute, attention, dropout, loss, hardware, constants, lora)
+    chunks = chunks_per_rank(schedule, virtual)
+    counts = _stage_counts(shape.num_layers, d.pp * chunks, stage_split)
     last_stage = len(counts) - 1
-    forward, backward = [], []
-    for stage, layers in enumerate(counts):
-        forward.append(layers * layer_f + (edges.embed_forward.seconds + edges.embed_tp if stage == 0 else 0.0)
-                       + (edges.head_forward.seconds + edges.head_tp_forward if stage == last_stage else 0.0))
-        backward.append(layers * layer_b + (edges.embed_backward.seconds if stage == 0 else 0.0)
-                        + (edges.head_backward.seconds + edges.head_tp_backward if stage == last_stage else 0.0))
-    m = inputs.num_microbatches
+    forward = [layers * layer_f for layers in counts]
+    backward = [layers * layer_b for layers in counts]
+    forward[0] += embed_f
+    backward[0] += embed_b
+    forward[last_stage] += head_f
+    backward[last_stage] += head_b
+    m = microbatches
     # Rank r starts once microbatch 0 has gone forward through the stages before it (chunk 0
     # holds global stages 0..pp-1), runs its own microbatches one action at a time, and its
     # last backward (chunk 0's) must still run back through those stages. With the backward
     # split (zero-bubble) the weight passes may trail: only the forward chain is added.
-    chain_back = inputs.schedule not in SPLIT_BACKWARD
+    chain_back = schedule not in SPLIT_BACKWARD
     best = 0.0
     before_f = before_b = 0.0
     for rank in range(d.pp):
@@ -223,6 +202,34 @@ def _bound(shape, d, order, gpus_per_node, framework, precision, optimizer, micr
         before_f += forward[rank]
         before_b += backward[rank]
     return best
+
+
+@lru_cache(maxsize=16384)
+def _bound_parts(shape, d, order, gpus_per_node, framework, precision, optimizer, micro_batch, seq_len,
+                 sequence_parallel, recompute, attention, dropout, loss, hardware, constants,
+                 lora) -> tuple[float, ...]:
+    """(forward, backward of one layer; embedding's forward, backward; head's forward,
+    backward) of one microbatch as `stage_cost` counts them (compute, recomputation, tensor- and
+    context-parallel collectives): what the bound reads of a plan beside its schedule, split
+    and microbatches, shared by the plans that differ only in those."""
+    links = _bound_links(d, order, gpus_per_node, False, hardware, constants)
+    eb = element_bytes(framework, precision, optimizer)
+    peak = hardware.peak_for(precision)
+    frozen = lora is not None
+    work = LayerWork(
+        shape=shape, micro_batch=micro_batch, seq_len=seq_len, tp=d.tp, cp=d.cp,
+        sequence_parallel=sequence_parallel, attention=attention, dropout=dropout,
+        recompute=recompute, act_bytes=eb.compute, frozen=frozen, lora_rank=lora.rank if lora else 0,
+        lora_targets=lora.targets if lora else (), sp_regather=framework != "fsdp2",
+    )
+    layer = layer_costs(work, peak, hardware, constants, links["tp"], links["cp"])
+    tokens = micro_batch * seq_len // d.cp
+    sp = sequence_parallel and d.tp > 1
+    edges = edge_costs(shape, tokens, d.tp, sp, eb.compute, frozen, loss, peak, hardware, constants, links["tp"])
+    layer_f = layer.forward + layer.tp_forward + layer.cp_forward
+    layer_b = layer.backward + layer.recompute.seconds + layer.tp_backward + layer.tp_recompute + layer.cp_backward
+    return (layer_f, layer_b, edges.embed_forward.seconds + edges.embed_tp, edges.embed_backward.seconds,
+            edges.head_forward.seconds + edges.head_tp_forward, edges.head_backward.seconds + edges.head_tp_backward)
 
 
 @lru_cache(maxsize=4096)
