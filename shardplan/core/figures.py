@@ -102,14 +102,25 @@ def _act_sums(act: ActivationShape) -> tuple[int, int, int, int, int, int]:
             _sum(_loss_terms(act)), _sum(kept_logits_terms(act)))
 
 
-def rank_figures(inputs: EstimateInputs, at: Coordinates) -> RankFigures:
-    """The numbers `rank_estimate(inputs, at, ...)` reports, without its terms."""
+def _framework_part(inputs: EstimateInputs, at: Coordinates):
+    """(element bytes, rank parameters, the framework's byte totals, start-up host bytes)."""
     eb = element_bytes(inputs.framework, inputs.precision, inputs.optimizer)
     rp = _rank_params(inputs, at)
     degree = shard_degree(inputs)
     resident = resident_layers(rp, eb, inputs, degree)
-    fixed, grads, buffers, host = _framework(_framework_key(inputs), rp, degree, resident)
-    startup = _sum(startup_host(inputs, rp, eb))
+    return eb, rp, _framework(_framework_key(inputs), rp, degree, resident), _sum(startup_host(inputs, rp, eb))
+
+
+def rank_host_figures(inputs: EstimateInputs, at: Coordinates) -> tuple[int, int]:
+    """The rank's host bytes (training, start-up) of `rank_figures`, without its GPU moments:
+    the host does not hold activations."""
+    _, _, framework, startup = _framework_part(inputs, at)
+    return framework[3], startup
+
+
+def rank_figures(inputs: EstimateInputs, at: Coordinates) -> RankFigures:
+    """The numbers `rank_estimate(inputs, at, ...)` reports, without its terms."""
+    eb, rp, (fixed, grads, buffers, host), startup = _framework_part(inputs, at)
     act = _activation_shape(inputs, eb) if inputs.shape is not None else None
     saved = in_backward = 0
     extra = dict.fromkeys(MOMENTS, 0)

@@ -39,7 +39,7 @@ from .estimate import (
 )
 from .precision import element_bytes
 from .estimate_inputs import EstimateInputs
-from .figures import rank_figures
+from .figures import rank_figures, rank_host_figures
 from .host import PROCESS_HOST_BYTES, PROCESS_HOST_BYTES_CPU, node_host, process_allowance
 from .layout import Layout
 from .offload import ENGINE_OPTIMIZERS
@@ -114,16 +114,20 @@ def plan_figures(inputs: EstimateInputs, stop_above: int | None = None) -> tuple
     returned is a lower bound of the plan's."""
     mixes = node_mixes(inputs.degrees, inputs.order, inputs.gpus_per_node)
     single = all(len(set(mix)) == 1 for mix in mixes)
-    stages = _candidate_stages(inputs, single)
+    gpu_stages = _candidate_stages(inputs, True)  # stage 1 bounds the middle ones' GPU either way
     peak = 0
     host: dict[int, tuple[int, int]] = {}
     allowance = process_allowance(inputs.on_gpu).bytes
-    for stage in stages:
+    for stage in gpu_stages:
         figures = rank_figures(inputs, Coordinates(pp_rank=stage))
         peak = max(peak, max(figures.moments.values()))
         if stop_above is not None and peak > stop_above:
             return peak, 0
         host[stage] = (figures.host + allowance, figures.startup + allowance)
+    for stage in _candidate_stages(inputs, single):
+        if stage not in host:  # a middle stage a node mixes with others: its host bytes only
+            training, startup = rank_host_figures(inputs, Coordinates(pp_rank=stage))
+            host[stage] = (training + allowance, startup + allowance)
     node = 0
     for mix in mixes:
         if any(stage not in host for stage in mix):
