@@ -69,7 +69,7 @@ class PlanOutcome:
             if len(shown) > 3:
                 break
             what = "GPU" if miss.reason == "GPU memory" else "host"
-            detail = ("its parameters and optimizer states alone are " if miss.at_least else
+            detail = ("its parameters and optimizer states with the CUDA allowances alone are " if miss.at_least else
                       f"{miss.inputs.recompute} recomputation, micro batch {miss.inputs.micro_batch}: ")
             lines.append(f"plan: closest: dp {d.dp} tp {d.tp} pp {d.pp} cp {d.cp}, ZeRO {miss.inputs.zero_stage}, "
                          f"{detail}{format_bytes(miss.short_bytes)} over the {what} memory")
