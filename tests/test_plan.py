@@ -168,6 +168,29 @@ def test_bounds_never_exceed_what_they_bound(inputs):
 
 
 @settings(max_examples=150, deadline=None)
+@given(plans(), st.integers(0, 3), st.booleans())
+def test_the_time_bound_does_not_read_the_sharding(inputs, stage, hybrid):
+    """The search computes one bound for the plans that differ only in their ZeRO stage and
+    hybrid sharding (core/search.py, `_keyed`): the bound must not read them."""
+    timer, bound, _ = timers()
+    assert bound(inputs) == bound(inputs.with_(zero_stage=stage, hybrid=hybrid))
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans(), st.floats(0.2, 1.5))
+def test_a_stopped_memory_check_is_a_lower_bound_over_the_limit(inputs, share):
+    """`plan_figures(plan, stop_above=L)`: the exact figures when the peak is at most L; past
+    it, a peak over L and at most the plan's (the search rejects on it)."""
+    peak, host = plan_figures(inputs)
+    limit = int(share * peak)
+    stopped = plan_figures(inputs, stop_above=limit)
+    if peak <= limit:
+        assert stopped == (peak, host)
+    else:
+        assert limit < stopped[0] <= peak
+
+
+@settings(max_examples=150, deadline=None)
 @given(plans(), st.sampled_from(["balanced", "aggressive", "extreme"]), st.integers(4, 400))
 def test_numeric_offload_decision_is_the_estimates(inputs, strategy, memory_mib):
     """The planner resolves the offload strategy from the numeric figures; the decision is the
