@@ -167,6 +167,26 @@ def test_nothing_fits(write):
     assert doc.code == 1 and doc.json["plans"] == [] and doc.json["misses"]
 
 
+def test_a_batch_no_plan_splits_names_one_that_does(job, write):
+    """Llama-3 8B has 8 key/value heads, so on 64 GPUs with tp <= 8 every plan pipelines at
+    least 8 stages over one data-parallel rank, or splits the batch over more than one: 7
+    sequences split into no plan (1F1B needs at least pp microbatches). More GPUs would not
+    help; the note names the nearest global batch that splits and fits, and that batch does."""
+    result = run_cli("plan", job, "--gpus", "64", "--global-batch", "7")
+    assert result.code == 1, result.err
+    assert "no plan of 64 GPUs splits a global batch of 7" in result.err
+    assert "with a global batch of 8 (--global-batch 8) a plan fits" in result.err
+    assert "GPUs (--gpus" not in result.err
+    assert run_cli("plan", job, "--gpus", "64", "--global-batch", "8").code == 0
+    # Llama-3.1 405B (8 key/value heads too) without offload: 8 sequences split but do not
+    # fit; more GPUs split them no better, and the note says so rather than "not even 4096".
+    big = write("big.toml", JOB.replace("llama-3-8b", "llama-3.1-405b") + '[offload]\nstrategy = "conservative"\n')
+    result = run_cli("plan", big, "--gpus", "64", "--global-batch", "7")
+    assert result.code == 1, result.err
+    assert "a global batch of 8 splits, but no plan of it fits" in result.err
+    assert "more GPUs do not help: no plan of 128 to 4096 GPUs splits a global batch of 8" in result.err
+
+
 @pytest.mark.parametrize("extra,text,message", [
     (("--gpus", "8", "--nodes", "1", "--global-batch", "8"), JOB, "not both"),
     (("--global-batch", "8"), JOB, "how many GPUs"),

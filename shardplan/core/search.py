@@ -333,7 +333,7 @@ def candidates(base: EstimateInputs, space: Space, fixed: Fixed, rejected: Count
         for schedule, virtual, split in schedule_options(shape, degrees.pp, space, fixed):
             batches = batch_options(degrees.dp, degrees.pp, schedule, space, fixed)
             if not batches:
-                rejected["the global batch does not divide into microbatches"] += 1
+                rejected[BATCH] += 1
                 continue
             structure += 1
             for stage, hybrid in sharding_options(degrees, nodes, space, fixed, base.framework, gpn, base.order,
@@ -379,6 +379,7 @@ def _with_offload(inputs: EstimateInputs, strategy: str) -> EstimateInputs:
     return inputs.with_(strategy=strategy)
 
 
+BATCH = "the global batch does not divide into microbatches"
 PRUNED = "slower than the plans found (lower bound of the step time)"
 SMALLER = "GPU memory (a smaller micro batch already does not fit)"
 STATES = "model states exceed the GPU memory"
