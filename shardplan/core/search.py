@@ -114,6 +114,11 @@ class SearchResult:
     offloaded: bool = False  # the plans needed offload: nothing fit without
     fitting: int = 0  # plans that fit and were timed
 
+    def batch_unsplit(self) -> bool:
+        """Every plan was rejected because the global batch does not divide into its
+        microbatches: no plan of the space splits it."""
+        return bool(self.evaluated) and set(self.rejected) == {BATCH}
+
 
 def divisors(n: int) -> list[int]:
     small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
@@ -293,9 +298,7 @@ class Group(Sequence):
     def __len__(self) -> int:
         return len(self.batches)
 
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
+    def __getitem__(self, index: int) -> EstimateInputs:
         plan = self._plans[index]
         if plan is None:
             mbs, m = self.batches[index]
@@ -442,17 +445,15 @@ class _Walk:
             first, last = self.states(inputs)
             if with_allowances(max(forward_bound(inputs, first), first, last), inputs.on_gpu) > self.capacity:
                 return False, 0, 0, FORWARD
-        # Once a plan is ranked no miss is shown (they are for when nothing fits): a stage
-        # over the GPU is enough to reject the plan.
-        stop = self.capacity if self.best else None
-        peak, host = plan_figures(inputs, stop)
-        if stop is not None and peak > stop:
-            return False, peak, host, "GPU memory"
+        # Misses are shown only when nothing fits: once a plan is ranked none is kept, and the
+        # first stage over the GPU is enough to reject a plan.
+        peak, host = plan_figures(inputs, self.capacity if self.best else None)
         over_gpu = peak - self.capacity if self.capacity is not None else 0
         over_host = host - self.limit
         if over_gpu > 0 or over_host > 0:
             reason = "GPU memory" if over_gpu > 0 else "host memory"
-            self.miss(inputs, peak, host, max(over_gpu, over_host), reason)
+            if not self.best:
+                self.miss(inputs, peak, host, max(over_gpu, over_host), reason)
             return False, peak, host, reason
         return True, peak, host, ""
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..core.degrees import Degrees
 from ..core.estimate_inputs import EstimateInputs, inputs_from_job
 from ..core.memory import Estimate, estimate_memory, resolve_offload
-from ..core.search import BATCH, Fixed, SearchResult, Space, candidates, search
+from ..core.search import Fixed, SearchResult, Space, candidates, search
 from ..spec.errors import InputError, Problem
 from ..spec.units import format_bytes
 from .files import read_document
@@ -237,7 +237,7 @@ def run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None, 
         entries.append(PlanEntry(estimate.inputs, plan_tables(found.asked, batch), estimate, timing))
     outcome = PlanOutcome(resolved, document, world, batch, job.cluster.gpu_memory, entries, result, fixed, hardware)
     if not entries:
-        if result.evaluated and set(result.rejected) == {BATCH}:
+        if result.batch_unsplit():
             outcome.notes += _batch_that_splits(base, space, fixed, timer, bound, refine, resolve)
         else:
             outcome.notes += _what_it_would_take(base, space, fixed, timer, bound, refine, resolve)
@@ -254,8 +254,7 @@ def _batch_that_splits(base: EstimateInputs, space: Space, fixed: Fixed, timer, 
     head = (f"no plan of {space.world} GPUs splits a global batch of {given} (each data-parallel rank takes "
             "whole sequences; a pipeline of pp stages needs at least pp microbatches)")
     for batch in range(given + 1, 64 * given + 1):
-        larger = Space(world=space.world, global_batch=batch, runnable=space.runnable, offload=space.offload,
-                       max_microbatch=space.max_microbatch)
+        larger = replace(space, global_batch=batch)
         if not any(True for _ in candidates(base, larger, fixed, Counter(), bound=False)):
             continue
         if search(base, larger, fixed, timer, top_k=1, resolve=resolve, bound=bound, refine=refine).plans:
@@ -270,25 +269,23 @@ def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer,
     """Nothing fits: what would, at this global batch. Offload first when the job's strategy
     forbids it (the same GPUs), then the fewest GPUs, up to 64 times as many."""
     notes = []
-    splits = []  # per larger world tried: whether some plan of it splits the global batch
 
-    def fits(inputs: EstimateInputs, world: int, dp_fixed: bool) -> bool:
-        bigger = Space(world=world, global_batch=space.global_batch, runnable=space.runnable, offload=space.offload)
+    def searched(inputs: EstimateInputs, world: int, dp_fixed: bool) -> SearchResult:
         keep = fixed if dp_fixed else Fixed(**{**fixed.__dict__, "dp": None})
-        result = search(inputs.with_(degrees=Degrees(dp=world)), bigger, keep, timer, top_k=1,
-                        resolve=resolve, bound=bound, refine=refine)
-        splits.append(set(result.rejected) != {BATCH})
-        return bool(result.plans)
+        return search(inputs.with_(degrees=Degrees(dp=world)), replace(space, world=world), keep, timer, top_k=1,
+                      resolve=resolve, bound=bound, refine=refine)
 
     if base.strategy == "conservative" and fixed.offload is None and space.offload:
-        if fits(base.with_(strategy="balanced"), space.world, True):
+        if searched(base.with_(strategy="balanced"), space.world, True).plans:
             notes.append(f'with offload (--set offload.strategy=balanced) a plan fits {space.world} GPUs')
-    del splits[:]
+    unsplit = True  # no larger world splits the global batch either
     for factor in (2, 4, 8, 16, 32, 64):
         world = space.world * factor
-        if fits(base, world, False):
+        result = searched(base, world, False)
+        if result.plans:
             return notes + [f"with {world} GPUs (--gpus {world}) a plan fits at this global batch"]
-    if not any(splits):
+        unsplit = unsplit and result.batch_unsplit()
+    if unsplit:
         return notes + [f"more GPUs do not help: no plan of {2 * space.world} to {64 * space.world} GPUs splits a "
                         f"global batch of {space.global_batch} (raise --global-batch)"]
     return notes + [f"not even {64 * space.world} GPUs fit this global batch: lower the sequence length, "
