@@ -145,12 +145,44 @@ def test_report_document(references):
     assert report["tokens_per_second"] > 0
     rank = report["ranks"][0]
     keys = {"params", "grads", "optimizer", "activations", "peak_device", "resident_layers", "placement"}
-    assert set(rank["measured"]) == keys and set(rank["estimated"]) == keys | {"peak_moment"}
+    cuda = {"reserved_device", "device_used", "context", "device_capacity", "alloc_retries", "phases"}
+    assert set(rank["measured"]) == (keys | cuda if report["device"] == "cuda" else keys)
+    assert set(rank["estimated"]) == keys | {"peak_moment", "allowances", "phases"}
+    # The CUDA allowances apply on a GPU only; the phases are the step's forward, backward and
+    # optimizer step (runtime/train.py estimated_phases).
+    assert (rank["estimated"]["allowances"] == {}) == (report["device"] == "cpu")
+    assert set(rank["estimated"]["phases"]) == {"forward", "backward", "step"}
     # Without offload everything is on the device (CONTRACT: placement, measured and estimated).
     for side in ("measured", "estimated"):
         assert rank[side]["placement"] == {kind: {"device": rank[side][kind], "host": 0}
                                            for kind in ("params", "grads", "optimizer")}
     assert rank["estimated"]["peak_moment"] in ("forward", "loss", "backward", "backward end", "step")
+
+
+@pytest.mark.parametrize("preset,pp,recompute", [("tiny-llama", 1, "none"), ("tiny-gpt2", 2, "full"),
+                                                 ("gpt2", 1, "selective")])
+def test_estimated_phases_hold_the_peak(preset, pp, recompute):
+    """On a GPU the report compares the allocator's peak with the estimate's peak less its
+    allowances; the phases it reads are the estimate's moments less theirs, so the largest
+    phase is that peak (the allowances grow with the tensors: the peak moment stays the peak)."""
+    from dataclasses import replace
+
+    from shardplan.core.estimate import rank_coordinates, rank_estimate
+    from shardplan.core.estimate_inputs import inputs_from_job
+    from shardplan.core.memory import estimate_memory
+    from shardplan.io.job import load_job
+    from shardplan.runtime.train import estimated_phases, rank_estimates
+
+    resolved = load_job(None, [("model.preset", preset), ("parallel.pp", pp), ("parallel.num_microbatches", 4),
+                               ("train.seq_len", 128), ("train.activation_checkpointing", recompute),
+                               ("cluster.gpu_memory", "80GiB")], env={})
+    inputs = estimate_memory(replace(inputs_from_job(resolved.job, resolved.shape, True), on_gpu=True)).inputs
+    for rank in range(pp):
+        device = rank_estimate(inputs, rank_coordinates(inputs, rank), [rank])
+        figures = rank_estimates(device, on_gpu=True)
+        assert set(figures["allowances"]) == {"CUDA context", "allocator fragmentation"}
+        assert max(estimated_phases(device).values()) == figures["peak_device"]
+        assert figures["peak_device"] == device.gpu["total"] - sum(figures["allowances"].values())
 
 
 def test_token_file(tmp_path):

@@ -201,3 +201,84 @@ class ProcessMemory:
             return None
         peak = self._status("VmHWM")
         return None if peak is None else peak - self.baseline
+
+
+class CudaMemory:
+    """The caching allocator's figures on CUDA (torch.cuda memory statistics), kept across the
+    phases of one step: the peak allocated bytes of each phase (forward, backward, optimizer
+    step), the peaks over the whole run, and the device memory the process uses beside its
+    tensors (the CUDA context: driver, kernels, NCCL and cuBLAS workspaces).
+
+    A phase's peak is read with `max_memory_allocated` and the counter reset for the next
+    phase (`reset_peak_memory_stats`); the run's peaks are the largest of what was read, so
+    resetting loses nothing."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.phases: dict[str, int] = {}
+        self.allocated = 0
+        self.reserved = 0
+        self._current: str | None = None
+
+    def _read(self) -> int:
+        allocated = torch.cuda.max_memory_allocated(self.device)
+        self.allocated = max(self.allocated, allocated)
+        self.reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.device))
+        return allocated
+
+    def enter(self, phase: str | None) -> None:
+        """Close the phase in progress (its peak) and start `phase` (None: no phase)."""
+        torch.cuda.synchronize(self.device)
+        allocated = self._read()
+        if self._current is not None:
+            self.phases[self._current] = max(self.phases.get(self._current, 0), allocated)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._current = phase
+        if phase is not None:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def figures(self) -> dict:
+        """Peak allocated and reserved bytes of the run, the process's device memory now
+        (the device's used memory by `cudaMemGetInfo`, one process per GPU), the part of it
+        the allocator does not hold (the context), the allocator's retries, and each measured
+        phase's peak."""
+        torch.cuda.synchronize(self.device)
+        self._read()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        stats = torch.cuda.memory_stats(self.device)
+        return {
+            "peak_device": self.allocated,
+            "reserved_device": self.reserved,
+            "device_used": used,
+            "context": used - torch.cuda.memory_reserved(self.device),
+            "device_capacity": total,
+            # times an allocation failed, the allocator freed its cached blocks and retried:
+            # each costs a device synchronisation and cudaFree/cudaMalloc calls
+            "alloc_retries": stats.get("num_alloc_retries", 0),
+            "phases": dict(self.phases),
+        }
+
+
+# `SHARDPLAN_PROFILE=FILE`: rank 0 profiles one step (the one after the measured step) with
+# torch.profiler and writes each kernel's and operator's self time on the device as JSON, a
+# list of {"name", "count", "device_seconds", "cpu_seconds"}, largest first. A diagnostic:
+# the profiled step is left out of the timed steps.
+PROFILE_ENV = "SHARDPLAN_PROFILE"
+
+
+def profiler(device: torch.device):
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    return profile(activities=activities)
+
+
+def write_profile(prof, path: str) -> None:
+    import json
+
+    rows = [{"name": e.key, "count": e.count, "device_seconds": e.self_device_time_total / 1e6,
+             "cpu_seconds": e.self_cpu_time_total / 1e6} for e in prof.key_averages()]
+    rows.sort(key=lambda r: (r["device_seconds"], r["cpu_seconds"]), reverse=True)
+    with open(path, "w", encoding="utf-8") as out:
+        json.dump(rows, out, indent=1)

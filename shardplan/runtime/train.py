@@ -18,12 +18,13 @@ from ..core.estimate import DeviceEstimate
 from ..core.estimate_inputs import EstimateInputs
 from ..core.flops import model_flops_per_token
 from ..core.precision import uses_autocast
+from ..core.timeline import BACKWARD, BACKWARD_END, FORWARD, LOSS, STEP
 from ..io.job import ResolvedJob
 from ..spec.errors import RunFailure
 from . import data as data_mod
 from .dist import Runtime
 from .lora import add_adapters
-from .measure import SavedTensorTracker, placement_bytes
+from .measure import CudaMemory, SavedTensorTracker, placement_bytes
 from .model import Transformer, loss_fn
 from .offload import host_optimizer, members
 from .parallel import (COMPUTE_DTYPES, ParallelPlan, build_optimizer, host_parameters, offloaded_block, parallelize,
@@ -152,9 +153,14 @@ class Trainer:
                     dist.all_reduce(local, group=self.embedding_group)
 
     # -- one step ----------------------------------------------------------------------------
-    def step(self, step: int, tracker: SavedTensorTracker | None) -> torch.Tensor:
-        """One optimizer step over the global batch; returns this rank's loss contribution."""
+    def step(self, step: int, tracker: SavedTensorTracker | None, phases: CudaMemory | None = None) -> torch.Tensor:
+        """One optimizer step over the global batch; returns this rank's loss contribution.
+        With `phases` (CUDA, no pipeline), the allocator's peak of each phase is read."""
         self.optimizer.zero_grad(set_to_none=True)
+        def phase(name: str | None) -> None:
+            if phases is not None:
+                phases.enter(name)
+
         def tracking():
             return tracker.tracking() if tracker else contextlib.nullcontext()
 
@@ -177,14 +183,18 @@ class Trainer:
                 if self.engine is not None:
                     self.engine.set_final_microbatch(mb == m - 1)
                 with sync, tracking(), self._loss_context():
+                    phase("forward")
                     with _autocast(self.runtime, self.plan):
                         logits = self.model(tokens)
                     loss = self._loss(logits, targets) / m
                     del logits  # backward needs only the log-probabilities (as torchtitan does)
+                    phase("backward")
                     loss.backward()
                 total = total + loss.detach().float()
         self._sync_tied_embeddings()
+        phase("step")
         self.optimizer.step()
+        phase(None)
         return total.to(self.runtime.device)
 
     def measure_states(self) -> dict[str, dict[str, int]]:
@@ -223,7 +233,7 @@ def rank_estimates(device: DeviceEstimate, on_gpu: bool) -> dict[str, int]:
     on the CPU, where host and device memory are one, the process's growth from before the
     model is built against the larger of the start-up copy and the peak moment with the host
     terms beside it."""
-    allowances = sum(t.bytes for t in device.terms["gpu.buffers"] if "(allowance)" in t.label)
+    allowances = _allowances(device.terms["gpu.buffers"])
     peak = device.gpu["total"] - allowances
     if not on_gpu:
         peak = max(sum(t.bytes for t in device.startup), peak + sum(t.bytes for t in device.host))
@@ -237,7 +247,25 @@ def rank_estimates(device: DeviceEstimate, on_gpu: bool) -> dict[str, int]:
         "peak_device": peak,
         "peak_moment": device.peak_moment,
         "resident_layers": device.resident_layers,
+        "allowances": {t.label.removesuffix(" (allowance)"): t.bytes for t in device.terms["gpu.buffers"]
+                       if "(allowance)" in t.label},
+        "phases": estimated_phases(device),
     }
+
+
+def _allowances(terms) -> int:
+    return sum(t.bytes for t in terms if "(allowance)" in t.label)
+
+
+def estimated_phases(device: DeviceEstimate) -> dict[str, int]:
+    """The estimate's moments as the phases a CUDA run reads its allocator's peak in
+    (CudaMemory), allowances left out: the forward; the backward, which holds the loss
+    moment, each layer's backward and the backward's end; the optimizer step."""
+    totals = {m.name: m.total - _allowances(m.terms["buffers"]) for m in device.moments}
+    phases = {"forward": totals.get(FORWARD, 0),
+              "backward": max(totals.get(name, 0) for name in (LOSS, BACKWARD, BACKWARD_END)),
+              "step": totals.get(STEP, 0)}
+    return {name: value for name, value in phases.items() if value}
 
 
 def mfu(tokens_per_second: float, resolved: ResolvedJob, runtime: Runtime) -> float | None:

@@ -25,7 +25,7 @@ from ..render.run import progress_bar, run_table
 from ..spec.errors import RunFailure, ShardplanError
 from . import checkpoint, faults, preflight
 from .dist import Runtime, start, stop
-from .measure import ProcessMemory, SavedTensorTracker
+from .measure import PROFILE_ENV, CudaMemory, ProcessMemory, SavedTensorTracker, profiler, write_profile
 from .lora import preload_libraries
 from .train import Trainer, global_loss, mfu, rank_estimates
 
@@ -126,7 +126,8 @@ def _train(resolved: ResolvedJob, runtime: Runtime, limits_known: bool, options:
         return _already_complete(resume[0], resume[1]["step"], job.train.steps, rank0, options)
     preload_libraries(job)  # their import is not the model's memory
     process = ProcessMemory()
-    if runtime.on_gpu:
+    cuda = CudaMemory(runtime.device) if runtime.on_gpu else None
+    if cuda is not None:
         torch.cuda.reset_peak_memory_stats(runtime.device)
     else:
         process.start()  # on CPU, host and device memory are one: the process's growth
@@ -143,10 +144,10 @@ def _train(resolved: ResolvedJob, runtime: Runtime, limits_known: bool, options:
             emit_diagnostics([f"resuming from {path} after step {first_step}" + (f", {resharded}" if resharded else "")])
     if rank0 and decided.decisions and options.verbose:
         emit_diagnostics(f"offload: {d}" for d in decided.decisions)
-    report = _loop(resolved, runtime, trainer, first_step, plan, options)
+    report = _loop(resolved, runtime, trainer, first_step, plan, options, cuda)
     report["resumed_from"] = resumed
     report["offload_decisions"] = decided.decisions
-    report["ranks"] = _gather(runtime, trainer, report.pop("_tracker"), report.pop("_states"), mine, process)
+    report["ranks"] = _gather(runtime, trainer, report.pop("_tracker"), report.pop("_states"), mine, process, cuda)
     if not rank0:
         return None
     if options.table:
@@ -170,7 +171,7 @@ def _already_complete(path: Path, step: int, steps: int, rank0: bool, options: R
     return {"complete": True, "checkpoint": str(path), "step": step, "steps": []}
 
 
-def _loop(resolved, runtime, trainer, first_step, plan, options) -> dict:
+def _loop(resolved, runtime, trainer, first_step, plan, options, cuda) -> dict:
     job = resolved.job
     rank0 = runtime.rank == 0
     tracker = SavedTensorTracker(trainer.params)
@@ -179,6 +180,7 @@ def _loop(resolved, runtime, trainer, first_step, plan, options) -> dict:
     # step of a pipeline also runs torch's shape inference, whose graph stays alive meanwhile.
     measured = first_step + (1 if job.train.steps - first_step > 1 else 0)
     tokens_per_step = trainer.batching.global_batch * job.train.seq_len
+    profiled = measured + 1 if rank0 and os.environ.get(PROFILE_ENV) and measured + 1 < job.train.steps else -1
     folder = Path(job.checkpoint.dir) if job.checkpoint.dir else None
     bar = _progress(rank0, options.table, job.train.steps, first_step)
     with bar if bar else contextlib.nullcontext():
@@ -187,7 +189,11 @@ def _loop(resolved, runtime, trainer, first_step, plan, options) -> dict:
             _sync(runtime.device)
             start_time = time.perf_counter()
             Phase.current = f"step {step + 1} (forward, backward, optimizer)"
-            local = trainer.step(step, tracker if step == measured else None)
+            # The measured step also reads the allocator's peak of each phase (CUDA, no pipeline).
+            phases = cuda if step == measured and trainer.pp == 1 else None
+            profiling = profiler(runtime.device) if step == profiled else contextlib.nullcontext()
+            with profiling as prof:
+                local = trainer.step(step, tracker if step == measured else None, phases)
             Phase.current = f"step {step + 1} (loss all-reduce)"
             loss = global_loss(local, trainer)
             _sync(runtime.device)
@@ -195,6 +201,8 @@ def _loop(resolved, runtime, trainer, first_step, plan, options) -> dict:
             if states is None:
                 states = trainer.measure_states()
             steps.append({"step": step + 1, "loss": loss, "seconds": seconds})
+            if step == profiled:
+                write_profile(prof, os.environ[PROFILE_ENV])
             if bar:
                 bar.advance(step + 1, loss, tokens_per_step / seconds)
             done = step + 1
@@ -202,7 +210,10 @@ def _loop(resolved, runtime, trainer, first_step, plan, options) -> dict:
                 Phase.current = f"checkpoint of step {done}"
                 checkpoint.save(folder, done, [m for _, m in trainer.modules], trainer.optimizer, plan,
                                 job.checkpoint.keep)
-    timed_steps = steps[1:] or steps
+    # The first step pays for warm-up (allocations, kernel selection); the measured step for
+    # its hooks and synchronisations, a profiled one for its profiler. The others are timed
+    # where there are any.
+    timed_steps = [s for s in steps[1:] if s["step"] not in (measured + 1, profiled + 1)] or steps[1:] or steps
     step_time = sum(s["seconds"] for s in timed_steps) / max(1, len(timed_steps))
     tokens_per_second = tokens_per_step / step_time if step_time else 0.0
     return {
@@ -232,11 +243,15 @@ def _progress(rank0: bool, table: bool, total: int, completed: int):
     return None
 
 
-def _gather(runtime, trainer, tracker, states, mine, process) -> list[dict]:
+def _gather(runtime, trainer, tracker, states, mine, process, cuda) -> list[dict]:
     measured = {kind: sum(states[kind].values()) for kind in ("params", "grads", "optimizer")}
     measured["placement"] = states
     measured["activations"] = tracker.peak
-    measured["peak_device"] = torch.cuda.max_memory_allocated(runtime.device) if runtime.on_gpu else process.growth()
+    if cuda is not None:
+        # peak_device, reserved_device, device_used, context, device_capacity, phases
+        measured.update(cuda.figures())
+    else:
+        measured["peak_device"] = process.growth()
     measured["resident_layers"] = trainer.resident_blocks()
     entry = {
         "rank": runtime.rank,
