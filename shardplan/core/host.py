@@ -25,9 +25,10 @@ from .stages import RankParams, chunk_size
 from .states import HOST_GRADS, MASTER, HostGroup
 from .terms import Term
 
-# Bytes per element torchao's int8 quantisation holds at once (quantize_8bit_with_qmap): the
-# int64 codes and the next candidate index (8 + 8), the gathered fp32 map value (4) and the
-# fp32 scaled input (4), rounded up to a stated allowance.
+# Bytes per element the int8 quantisation holds at once (runtime/offload_codec.py
+# quantize_with_qmap, torchao's codes): the int64 codes and the next index (8 + 8), the
+# gathered fp32 map values (4 + 4) and the fp32 scaled input (4), rounded up to a stated
+# allowance.
 INT8_TEMPORARY = 32
 
 # Host memory of one training process beside its tensors: Python, torch and the CUDA, cuDNN,

@@ -271,11 +271,11 @@ def optimizer_traffic(plan: TimePlan) -> float:
 # Host memory traffic per parameter that compressed optimizer states add to the CPU step
 # (runtime/offload_codec.py, two moments each): decoding reads the codes and writes fp32
 # (bf16: 2 + 4 B), encoding reads fp32 and writes codes (4 + 2 B); fp16 also reads the fp32
-# values once for its block maxima (4 B); int8 runs torchao's branchless binary search, eight
-# passes each reading and writing int64 codes and gathering and comparing fp32 values (about
-# 36 B per pass), beside its decode, scaling and final rounding (about 14 B). Derived from
-# the code's passes, not measured.
-COMPRESSION_STEP_BYTES = {"none": 0.0, "bf16": 2 * 12.0, "fp16": 2 * 16.0, "int8": 2 * (8 * 36.0 + 14.0)}
+# values once for its block maxima (4 B); int8 finds its codes in thirteen elementwise passes
+# (quantize_with_qmap: a searchsorted writing int64 codes, two gathers of fp32 map values,
+# in-place arithmetic on the codes and the values; 183 B read and written), beside its decode
+# and scaling (about 14 B). Derived from the code's passes, not measured.
+COMPRESSION_STEP_BYTES = {"none": 0.0, "bf16": 2 * 12.0, "fp16": 2 * 16.0, "int8": 2 * (183.0 + 14.0)}
 
 
 def cpu_step_bytes(plan: TimePlan) -> float:

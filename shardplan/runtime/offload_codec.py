@@ -5,7 +5,8 @@
   256-entry dynamic map, one fp32 absmax scale per block of `core.offload.INT8_BLOCK` (256,
   torchao's AdamW8bit default) elements; the first moment uses the signed map, the second
   the unsigned one. torchao's functions do the work (torchao/optim/quant_utils.py:
-  `create_dynamic_map`, `scale_tensor`, `quantize_8bit_with_qmap`, `dequant_with_qmap`).
+  `create_dynamic_map`, `scale_tensor`, `dequant_with_qmap`); the codes are those of its
+  `quantize_8bit_with_qmap`, found in one pass (`quantize_with_qmap` below).
   Each tensor's codes are padded to whole blocks, so blocks never span two tensors.
 - `bf16`: stochastic rounding of the fp32 state to bf16 (torchao's `_fp32_to_bf16_sr`, the
   rounding its bf16 AdamW uses);
@@ -63,6 +64,23 @@ def _qmap(signed: bool) -> torch.Tensor:
     return torch.tensor(_torchao().create_dynamic_map(signed=signed), dtype=torch.float32)
 
 
+def quantize_with_qmap(values: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
+    """The code of each value in the sorted map `qmap`, as torchao's `quantize_8bit_with_qmap`
+    gives it (torchao/optim/quant_utils.py): the last entry at or below the value, moved up one
+    where the value is at least halfway to the next entry. torchao finds the entry by eight
+    rounds of a branchless binary search over the whole tensor, written for torch.compile;
+    eager on the host, one `searchsorted` does the same in a pass (2.6x faster on 20M values;
+    the codes are equal, tests/test_offload_codec.py)."""
+    last = qmap.numel() - 1
+    codes = torch.searchsorted(qmap, values, right=True).sub_(1).clamp_(0, last)
+    below = qmap[codes]
+    half_gap = qmap[(codes + 1).clamp_(max=last)].sub_(below).mul_(0.5)
+    residual = torch.sub(values, below, out=below)
+    # In place, so the temporaries stay within core/host.py's INT8_TEMPORARY (32 B/element):
+    # at most the int64 codes, one int64 index, two fp32 values and the caller's input.
+    return codes.add_(residual >= half_gap).clamp_(max=last).to(torch.uint8)
+
+
 class StoredState:
     """One optimizer state of a group of tensors, as kept in host memory."""
 
@@ -95,7 +113,7 @@ class StoredState:
         if self.compression == "int8":
             ao = _torchao()
             scaled, scales = ao.scale_tensor(values, INT8_BLOCK)
-            self.codes.copy_(ao.quantize_8bit_with_qmap(scaled, _qmap(self.signed)))
+            self.codes.copy_(quantize_with_qmap(scaled, _qmap(self.signed)))
             self.scales.copy_(scales)
         elif self.compression == "bf16":
             with torch.random.fork_rng(devices=[]):
