@@ -81,6 +81,8 @@ def job_text(model: str, mbs: int, recompute: str, offload: str, gpu: str, capac
         lines.append("[offload]\noptimizer = true")
     elif offload == "params":
         lines.append('[offload]\nparams = true\ngpu_param_budget = "1GiB"')
+    else:  # only what the job asks: the default strategy would offload a plan over the GPU
+        lines.append('[offload]\nstrategy = "conservative"')
     return "\n".join(lines) + "\n"
 
 
@@ -124,8 +126,8 @@ def measure(name: str, text: str, folder: Path) -> dict:
 
 
 def largest_fitting(folder: Path, gpu: str, capacity: int, host: int, share: float = 0.95) -> tuple[int, float]:
-    """The largest micro batch of GPT-2 1.56B (no recomputation) whose estimated peak is at
-    most `share` of the GPU, and that share."""
+    """The largest micro batch of GPT-2 1.56B (no recomputation, no offload: the strategy is
+    conservative) whose estimated peak is at most `share` of the GPU, and that share."""
     low, high, best = 1, 64, (0, 0.0)
     while low <= high:
         mbs = (low + high) // 2

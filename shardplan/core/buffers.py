@@ -33,12 +33,13 @@ from .timeline import BACKWARD, BACKWARD_END, FORWARD, LOSS, MOMENTS, STEP
 
 # CUDA context (driver, kernels of torch/cuBLAS/NCCL loaded lazily, NCCL's communicator): the
 # device memory a `shardplan run` process uses beside what its caching allocator holds,
-# measured as cudaMemGetInfo's used bytes less torch.cuda.memory_reserved: 1,331 to 1,357 MiB
-# over 13 runs on an H100 (torch 2.11, CUDA 13.0, NCCL 2.28, one rank; docs/validation.md,
+# measured as cudaMemGetInfo's used bytes less torch.cuda.memory_reserved: 1,329 to 1,361 MiB
+# over 18 runs on an H100 (torch 2.11, CUDA 13.0, NCCL 2.28, one rank; docs/validation.md,
 # benchmarks/data/gpu-ladder-h100.json), rounded up to the next 64 MiB. A fraction of the
 # tensor total is lost to the caching allocator's fragmentation: the reserved peak was 5.0%
-# and 7.3% over the allocated peak in the two runs that filled the GPU beyond 75% (the same
-# data). Both are allowances, stated in `assumptions`, not measurements of a job.
+# and 7.3% over the allocated peak in the two runs without offload that filled the GPU beyond
+# 70%, 11.9% to 18.8% with the optimizer offloaded (the same data). Both are allowances,
+# stated in `assumptions`, not measurements of a job.
 CUDA_CONTEXT_BYTES = 1408 * 2**20
 FRAGMENTATION = 0.05
 

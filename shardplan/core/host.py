@@ -114,9 +114,9 @@ def engine_buffers(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, deg
     - cast staging, as many slots, when the device parameters are not fp32: the updated fp32
       master is cast on the host, then copied;
     - decompression: the fp32 moments of the largest group while it steps (compression);
-    - int8 quantisation temporaries of the largest group: torchao's branchless binary search
-      keeps int64 codes, their next index and the fp32 neighbours (`INT8_TEMPORARY` bytes
-      per element, an allowance);
+    - int8 quantisation temporaries of the largest group: the codec's search keeps int64
+      codes, their next index and the fp32 neighbours (`INT8_TEMPORARY` bytes per element,
+      an allowance);
     - an fp32 copy of a group's gradients when they are 16-bit (the fused CPU AdamW kernel
       steps one dtype)."""
     on_device = [g for g in groups if not g.offloaded]

@@ -271,7 +271,7 @@ def optimizer_traffic(plan: TimePlan) -> float:
 # Host memory traffic per parameter that compressed optimizer states add to the CPU step
 # (runtime/offload_codec.py, two moments each): decoding reads the codes and writes fp32
 # (bf16: 2 + 4 B), encoding reads fp32 and writes codes (4 + 2 B); fp16 also reads the fp32
-# values once for its block maxima (4 B); int8 finds its codes in thirteen elementwise passes
+# values once for its block maxima (4 B); int8 finds its codes in fourteen elementwise passes
 # (quantize_with_qmap: a searchsorted writing int64 codes, two gathers of fp32 map values,
 # in-place arithmetic on the codes and the values; 183 B read and written), beside its decode
 # and scaling (about 14 B). Derived from the code's passes, not measured.

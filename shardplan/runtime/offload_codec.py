@@ -70,7 +70,7 @@ def quantize_with_qmap(values: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor
     where the value is at least halfway to the next entry. torchao finds the entry by eight
     rounds of a branchless binary search over the whole tensor, written for torch.compile;
     eager on the host, one `searchsorted` does the same in a pass (2.6x faster on 20M values;
-    the codes are equal, tests/test_offload_codec.py)."""
+    the codes of finite values are equal, tests/test_offload_codec.py)."""
     last = qmap.numel() - 1
     codes = torch.searchsorted(qmap, values, right=True).sub_(1).clamp_(0, last)
     below = qmap[codes]

@@ -1,0 +1,62 @@
+"""The estimate against the allocator peaks measured on an H100 (docs/validation.md, "CUDA";
+benchmarks/data/gpu-ladder-h100.json, written by benchmarks/gpu_ladder.py): each recorded
+job, estimated by this code, is held to what `torch.cuda.max_memory_allocated` measured. No
+GPU is needed: the measurements are data; a change to the estimate that moves it away from
+them fails here."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from conftest import ROOT
+from shardplan.core.estimate import rank_coordinates, rank_estimate
+from shardplan.core.estimate_inputs import inputs_from_job
+from shardplan.core.memory import estimate_memory
+from shardplan.core.timeline import BACKWARD, BACKWARD_END, LOSS, STEP
+from shardplan.io.job import load_job
+
+RECORD = json.loads((ROOT / "benchmarks" / "data" / "gpu-ladder-h100.json").read_text())
+# The tiny model is left out: 70 MiB the allocator holds beside it (cuBLAS workspaces, the
+# batch) are half its peak (docs/validation.md).
+RUNS = [r for r in RECORD["records"] if "run" in r and not r["name"].startswith("tiny")]
+
+
+def allowance(terms) -> int:
+    return sum(t.bytes for t in terms if "(allowance)" in t.label)
+
+
+def estimate_of(record: dict, tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text(record["job"], encoding="utf-8")
+    resolved = load_job(str(job), [], env={})
+    inputs = estimate_memory(replace(inputs_from_job(resolved.job, resolved.shape, True), on_gpu=True)).inputs
+    return rank_estimate(inputs, rank_coordinates(inputs, 0), [0])
+
+
+def test_the_record_covers_the_ladder():
+    assert RECORD["device"].startswith("NVIDIA H100") and len(RUNS) == 17
+    assert {r["job"].split('preset = "')[1].split('"')[0] for r in RUNS} == {"gpt2", "gpt2-medium", "gpt2-large",
+                                                                               "gpt2-xl"}
+
+
+@pytest.mark.parametrize("record", RUNS, ids=[r["name"] for r in RUNS])
+def test_estimate_holds_to_the_measured_allocator_peak(record, tmp_path):
+    device = estimate_of(record, tmp_path)
+    measured = record["run"]["measured"]
+    # The peak less the allowances against max_memory_allocated: measured within -1.0% to
+    # +0.4% (docs/validation.md); held here to 1.5%.
+    peak = device.gpu["total"] - allowance(device.terms["gpu.buffers"])
+    assert peak == pytest.approx(measured["peak_device"], rel=0.015)
+    # The backward phase (the loss moment, each layer's backward, its end) and the optimizer
+    # step, each the allocator's peak in that phase of one step (runtime/measure.py CudaMemory).
+    moments = {m.name: m.total - allowance(m.terms["buffers"]) for m in device.moments}
+    backward = max(moments.get(name, 0) for name in (LOSS, BACKWARD, BACKWARD_END))
+    assert backward == pytest.approx(measured["phases"]["backward"], rel=0.015)
+    assert moments[STEP] == pytest.approx(measured["phases"]["step"], rel=0.06)
+    # Parameters, gradients and optimizer states by placement: what the rank held.
+    for kind in ("params", "grads", "optimizer"):
+        assert (device.states[kind], device.cpu[kind]) == (measured["placement"][kind]["device"],
+                                                           measured["placement"][kind]["host"]), kind
