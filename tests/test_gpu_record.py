@@ -60,3 +60,20 @@ def test_estimate_holds_to_the_measured_allocator_peak(record, tmp_path):
     for kind in ("params", "grads", "optimizer"):
         assert (device.states[kind], device.cpu[kind]) == (measured["placement"][kind]["device"],
                                                            measured["placement"][kind]["host"]), kind
+
+
+def test_the_ladder_prints_the_recorded_table():
+    """benchmarks/gpu_ladder.py --from renders the recorded runs without a GPU (the table of
+    docs/validation.md): one row per record, each with its measured allocated peak."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_ladder.py", "--from",
+                           "benchmarks/data/gpu-ladder-h100.json"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == len(RECORD["records"])
+    for row, record in zip(rows, RECORD["records"]):
+        measured = record["run"]["measured"]["peak_device"] / 2**30
+        assert row.startswith(f"| {record['name']} |") and f"/ {measured:.2f} GiB" in row, row
