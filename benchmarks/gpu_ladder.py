@@ -62,12 +62,6 @@ CASES = {
 # The tiny model has 256 learned positions; the others 1,024.
 SEQ = {"tiny-gpt2": 256}
 
-# The GPU presets a device name maps to (the name torch reports contains the key).
-DEVICE_PRESETS = (("H100 80GB HBM3", "h100-sxm"), ("H100 PCIe", "h100-pcie"), ("H200", "h200"),
-                  ("A100-SXM4-80GB", "a100-sxm-80gb"), ("A100-SXM4-40GB", "a100-sxm-40gb"),
-                  ("B200", "b200"), ("L40S", "l40s"))
-
-
 def job_text(model: str, mbs: int, recompute: str, offload: str, gpu: str, capacity: int, host: int) -> str:
     stage = {"": 0, "optimizer": 2, "params": 3}[offload]
     lines = [
@@ -201,6 +195,8 @@ def main() -> None:
         from_record(args.recorded)
         return
     import torch  # only the runs need it; the estimates run in their own processes
+
+    from shardplan.runtime.train import DEVICE_PRESETS  # the GPU preset of a device name, as `run`'s MFU
 
     if not torch.cuda.is_available():
         raise SystemExit("gpu_ladder needs a CUDA GPU")

@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 
 from conftest import ROOT
+from shardplan.core.buffers import allowances_in
 from shardplan.core.estimate import rank_coordinates, rank_estimate
 from shardplan.core.estimate_inputs import inputs_from_job
 from shardplan.core.memory import estimate_memory
@@ -25,7 +26,7 @@ RUNS = [r for r in RECORD["records"] if "run" in r and not r["name"].startswith(
 
 
 def allowance(terms) -> int:
-    return sum(t.bytes for t in terms if "(allowance)" in t.label)
+    return sum(allowances_in(terms).values())
 
 
 def estimate_of(record: dict, tmp_path):

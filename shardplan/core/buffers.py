@@ -159,13 +159,22 @@ def step_buffers(optimizer_elements: int, eb: ElementBytes, optimizer: str) -> l
                  lambda: f"{optimizer_elements:,} elements * {unit} B")]
 
 
+ALLOWANCE = " (allowance)"  # how the allowances' labels end
+
+
 def allowance_terms(tensor_bytes: int, on_gpu: bool) -> list[Term]:
     """The CUDA context and the fragmentation allowance (GPU only)."""
     if not on_gpu:
         return []
     fragmentation = int(tensor_bytes * FRAGMENTATION)
     return [
-        Term("CUDA context (allowance)", CUDA_CONTEXT_BYTES, "1,408 MiB per process (measured on an H100)"),
-        Term("allocator fragmentation (allowance)", fragmentation,
+        Term("CUDA context" + ALLOWANCE, CUDA_CONTEXT_BYTES, "1,408 MiB per process (measured on an H100)"),
+        Term("allocator fragmentation" + ALLOWANCE, fragmentation,
              lambda: f"{FRAGMENTATION:.0%} of {tensor_bytes:,} B of tensors"),
     ]
+
+
+def allowances_in(terms) -> dict[str, int]:
+    """The allowances among a moment's buffer terms, by name ("CUDA context", "allocator
+    fragmentation"): what the estimate adds beside the tensors the allocator counts."""
+    return {t.label.removesuffix(ALLOWANCE): t.bytes for t in terms if t.label.endswith(ALLOWANCE)}

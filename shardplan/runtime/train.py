@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor.parallel import loss_parallel
 
+from ..core.buffers import allowances_in
 from ..core.estimate import DeviceEstimate
 from ..core.estimate_inputs import EstimateInputs
 from ..core.flops import model_flops_per_token
@@ -233,8 +234,8 @@ def rank_estimates(device: DeviceEstimate, on_gpu: bool) -> dict[str, int]:
     on the CPU, where host and device memory are one, the process's growth from before the
     model is built against the larger of the start-up copy and the peak moment with the host
     terms beside it."""
-    allowances = _allowances(device.terms["gpu.buffers"])
-    peak = device.gpu["total"] - allowances
+    allowances = allowances_in(device.terms["gpu.buffers"])
+    peak = device.gpu["total"] - sum(allowances.values())
     if not on_gpu:
         peak = max(sum(t.bytes for t in device.startup), peak + sum(t.bytes for t in device.host))
     return {
@@ -247,21 +248,16 @@ def rank_estimates(device: DeviceEstimate, on_gpu: bool) -> dict[str, int]:
         "peak_device": peak,
         "peak_moment": device.peak_moment,
         "resident_layers": device.resident_layers,
-        "allowances": {t.label.removesuffix(" (allowance)"): t.bytes for t in device.terms["gpu.buffers"]
-                       if "(allowance)" in t.label},
+        "allowances": allowances,
         "phases": estimated_phases(device),
     }
-
-
-def _allowances(terms) -> int:
-    return sum(t.bytes for t in terms if "(allowance)" in t.label)
 
 
 def estimated_phases(device: DeviceEstimate) -> dict[str, int]:
     """The estimate's moments as the phases a CUDA run reads its allocator's peak in
     (CudaMemory), allowances left out: the forward; the backward, which holds the loss
     moment, each layer's backward and the backward's end; the optimizer step."""
-    totals = {m.name: m.total - _allowances(m.terms["buffers"]) for m in device.moments}
+    totals = {m.name: m.total - sum(allowances_in(m.terms["buffers"]).values()) for m in device.moments}
     phases = {"forward": totals.get(FORWARD, 0),
               "backward": max(totals.get(name, 0) for name in (LOSS, BACKWARD, BACKWARD_END)),
               "step": totals.get(STEP, 0)}
