@@ -19,8 +19,8 @@ from shardplan.core.degrees import Degrees
 from shardplan.core.estimate_inputs import EstimateInputs, default_cpu_budget
 from shardplan.core.hardware import TimeConstants
 from shardplan.core.memory import cpu_limit, estimate_memory, plan_figures, resolve_offload
-from shardplan.core.search import Fixed, Space, candidates, forward_bound, search, states_bound, twin_key
-from shardplan.core.step_time import step_time, step_time_bound, step_time_refined_bound
+from shardplan.core.search import Fixed, Space, candidates, divisors, forward_bound, search, states_bound, twin_key
+from shardplan.core.step_time import step_time, step_time_bound, step_time_group_bound, step_time_refined_bound
 from test_plan_figures import SHAPES, plans
 from time_references import A100_80GB, narayanan_table_1, narayanan_table_2
 
@@ -40,6 +40,12 @@ def timers(constants=None):
             lambda i: step_time_refined_bound(i, A100_80GB, constants))
 
 
+def group_bounds(constants=None):
+    """The group bound `shardplan plan` passes the search (io/plan_search.py)."""
+    constants = constants or TimeConstants()
+    return lambda group: step_time_group_bound(group[0], tuple(group.batches), A100_80GB, constants)
+
+
 def small_base(name: str, world: int, gpu_memory: int) -> EstimateInputs:
     return EstimateInputs(shape=SHAPES[name], params=None, degrees=Degrees(dp=world), framework="fsdp2",
                           precision="bf16-mixed", seq_len=1024, gpus_per_node=4, gpu_memory=gpu_memory,
@@ -51,7 +57,7 @@ def exhaustive(base: EstimateInputs, space: Space, fixed: Fixed, timer, k: int):
     """Every candidate evaluated: its exact peak and host bytes against the limits, then its
     step time; no bound, no binary search over micro batches."""
     fitting = []
-    for group in candidates(base, space, fixed, Counter(), bound=False):
+    for group in candidates(base, space, fixed, Counter()):
         for plan in group:
             peak, host = plan_figures(plan)
             if peak <= base.gpu_memory and host <= cpu_limit(base):
@@ -95,12 +101,17 @@ def test_branch_and_bound_returns_the_exhaustive_ranking(name, world, batch, run
     expected = exhaustive(base, space, Fixed(), timer, 5)
     assert len(expected) == 5
     pruned = search(base, space, Fixed(), timer, top_k=5, bound=bound, refine=refine)
+    grouped = search(base, space, Fixed(), timer, top_k=5, bound=bound, refine=refine, group_bound=group_bounds())
     plain = search(base, space, Fixed(), timer, top_k=5)
-    for result in (pruned, plain):
+    for result in (pruned, grouped, plain):
         assert [p.seconds for p in result.plans] == pytest.approx([e[0] for e in expected], rel=1e-12)
         assert [p.peak_gpu_bytes for p in result.plans] == [e[1] for e in expected]
+        assert result.evaluated == plain.evaluated  # every plan of the space counted once
     # The bound did cut the walk short: most candidates were never timed.
-    assert pruned.rejected["slower than the plans found (lower bound of the step time)"] > pruned.evaluated / 2
+    for result in (pruned, grouped):
+        assert result.rejected["slower than the plans found (lower bound of the step time)"] > result.evaluated / 2
+    # The group bound cut it as early: the same plans were timed.
+    assert grouped.fitting == pruned.fitting
 
 
 def test_offload_search_returns_the_exhaustive_ranking():
@@ -111,7 +122,7 @@ def test_offload_search_returns_the_exhaustive_ranking():
     space = Space(world=8, global_batch=32)
     timer, bound, refine = timers()
     fitting = []
-    for group in candidates(base, space, Fixed(), Counter(), bound=False):
+    for group in candidates(base, space, Fixed(), Counter()):
         for plan in group:
             resolved = resolve_offload(plan.with_(strategy="balanced"))
             peak, host = plan_figures(resolved)
@@ -133,8 +144,7 @@ def test_memory_grows_with_the_micro_batch(name, world, batch, runnable, memory)
     micro batch (fewer microbatches) never lowers the peak, except the single-microbatch plan,
     which frees gradients as it goes and is tried alone."""
     base = small_base(name, world, memory)
-    groups = list(candidates(base, Space(world=world, global_batch=batch, runnable=runnable), Fixed(), Counter(),
-                             bound=False))
+    groups = list(candidates(base, Space(world=world, global_batch=batch, runnable=runnable), Fixed(), Counter()))
     checked = 0
     for group in groups:
         plans_ = [p for p in group if p.num_microbatches > 1]
@@ -150,7 +160,7 @@ def test_fit_after_offload_is_a_prefix_of_micro_batches(memory):
     the micro batches that fit are still the smallest ones."""
     base = small_base("llama", 8, memory).with_(strategy="balanced")
     checked = 0
-    for group in candidates(base, Space(world=8, global_batch=32), Fixed(), Counter(), bound=False):
+    for group in candidates(base, Space(world=8, global_batch=32), Fixed(), Counter()):
         plans_ = [p for p in group if p.num_microbatches > 1]
         fits = []
         for plan in plans_:
@@ -172,6 +182,23 @@ def test_bounds_never_exceed_what_they_bound(inputs):
     peak = plan_figures(inputs)[0]
     assert states_bound(inputs) <= peak
     assert forward_bound(inputs) <= peak
+
+
+@settings(max_examples=200, deadline=None)
+@given(plans())
+def test_the_group_bound_is_at_most_each_plans_bound(inputs):
+    """The search takes a key's plans out of its heap at their group bound
+    (core/search.py, `in_bound_order`): it is at most the bound of each plan of the group, the
+    plans that differ only in the micro batch at the same sequences per rank, and, for a group
+    of one plan, that plan's bound."""
+    local = inputs.micro_batch * inputs.num_microbatches
+    batches = tuple((b, local // b) for b in divisors(local))
+    _, bound, _ = timers()
+    lowest = step_time_group_bound(inputs, batches, A100_80GB)
+    exact = [bound(inputs.with_(micro_batch=b, num_microbatches=m)) for b, m in batches]
+    assert lowest <= min(exact)
+    alone = step_time_group_bound(inputs, ((inputs.micro_batch, inputs.num_microbatches),), A100_80GB)
+    assert alone == pytest.approx(bound(inputs), rel=1e-6)
 
 
 @settings(max_examples=150, deadline=None)

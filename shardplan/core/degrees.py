@@ -9,12 +9,15 @@ from dataclasses import dataclass
 
 from ..spec.common import MAX_WORLD_SIZE
 from ..spec.errors import PlanError
+from ..spec.model import cached_hash
 from ..spec.names import AXES, parse_order
 
 
 @dataclass(frozen=True)
 class Degrees:
     """Data, tensor, pipeline and context parallel degrees; their product is the world."""
+
+    __hash__ = cached_hash  # planner caches key on this frozen value
 
     dp: int = 1
     tp: int = 1

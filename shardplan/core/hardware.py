@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from ..spec.model import cached_hash
+
 # The three below were fitted together, once, on all 18 published iteration times of
 # Narayanan et al. 2021 (Table 1) and Korthikanti et al. 2022 (Table 5), A100 80GB: the grid
 # of benchmarks/validate_time.py --fit (matmul 0.68-0.78, memory 0.55-0.80, NVLink
@@ -41,6 +43,8 @@ INTER_NODE_EFFICIENCY = 0.90
 @dataclass(frozen=True)
 class Hardware:
     """One GPU and its links, in FLOP/s and bytes/s (floats)."""
+
+    __hash__ = cached_hash  # planner caches key on this frozen value
 
     name: str
     peak_flops: float  # dense 16-bit tensor-core FLOP/s
@@ -73,6 +77,8 @@ class Hardware:
 @dataclass(frozen=True)
 class TimeConstants:
     """The time model's remaining constants; every field says why it has its value."""
+
+    __hash__ = cached_hash  # planner caches key on this frozen value
 
     # A matmul kernel costs a few microseconds beyond its FLOPs: launch, the ramp-up and the
     # partly filled last wave of tiles. With 5 us a 1024^3 fp16 GEMM on an A100 runs at ~55%

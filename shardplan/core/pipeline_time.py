@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .schedule import chunks_per_rank, rank_order
-from .schedule_sim import encode_orders, finish_times
+from .schedule_sim import compile_orders, encode_orders, run_compiled
 
 RESOLUTION = 1024  # units of the largest action: rounding moves a makespan by < 0.1%
 POINTS = 4  # simulations that must lie on one line before the makespan is extrapolated
@@ -43,15 +43,16 @@ def _warm_up(pp: int, chunks: int) -> int:
 
 @lru_cache(maxsize=256)
 def _orders(schedule: str, pp: int, microbatches: int, chunks: int):
-    """Every rank's order, encoded for `finish_times`: the same for every plan that shares
+    """Every rank's order, compiled for `run_compiled`: the same for every plan that shares
     the schedule, the depth and the microbatches."""
-    return encode_orders([rank_order(schedule, pp, microbatches, chunks, rank) for rank in range(pp)])
+    orders = encode_orders([rank_order(schedule, pp, microbatches, chunks, rank) for rank in range(pp)])
+    return compile_orders(orders, pp * chunks)
 
 
 @lru_cache(maxsize=1024)
 def _simulate_units(schedule: str, pp: int, microbatches: int, chunks: int,
                     costs: tuple[tuple[int, int, int], ...]) -> tuple[int, tuple[int, ...]]:
-    return finish_times(_orders(schedule, pp, microbatches, chunks), pp * chunks, costs)
+    return run_compiled(_orders(schedule, pp, microbatches, chunks), costs)
 
 
 def _on_a_line(points: list[tuple[int, tuple[int, ...]]]) -> bool:

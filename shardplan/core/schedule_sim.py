@@ -197,67 +197,93 @@ def encode_orders(orders: list[list[Action]]) -> tuple[tuple[tuple[int, int, int
 def finish_times(orders: tuple[tuple[tuple[int, int, int], ...], ...], num_stages: int,
                  per_stage: tuple[tuple[int, int, int], ...]) -> tuple[int, tuple[int, ...]]:
     """(makespan, each rank's last end) of `simulate` under `StageCosts(per_stage)`, for
-    orders from `encode_orders`: the same rules and the same event-driven walk on integers
-    (the time model runs it for every pipelined plan it rates; tests/test_schedule.py holds it
-    equal to `simulate`)."""
+    orders from `encode_orders` (tests/test_schedule.py holds it equal to `simulate`)."""
+    return run_compiled(compile_orders(orders, num_stages), per_stage)
+
+
+class Compiled(NamedTuple):
+    """Encoded orders as one list of actions in an order where each follows what it waits
+    for (its rank's previous action and its dependencies), each as (rank, cost slot = stage * 3
+    + kind, index of a dependency or -1, index of another or -1)."""
+
+    ranks: int
+    steps: tuple[tuple[int, int, int, int], ...]
+
+
+def compile_orders(orders: tuple[tuple[tuple[int, int, int], ...], ...], num_stages: int) -> Compiled:
+    """The orders of `encode_orders` as `Compiled` steps, found by the event-driven walk of
+    `simulate` (a rank runs its next action once what it waits for has run). Every start is
+    the latest end among what an action waits for, so the times follow from any such order of
+    the steps, whatever the costs: the time model compiles a schedule once and runs it for
+    every plan's costs (`run_compiled`). Raises ScheduleDeadlock as `simulate` does."""
     microbatches = 1 + max((mb for order in orders for _, mb, _ in order), default=0)
     span = microbatches * num_stages
-    end = [-1] * (3 * span)  # index: kind * span + microbatch * num_stages + stage
+    done = [-1] * (3 * span)  # index: kind * span + microbatch * num_stages + stage -> step
     owner = [-1] * (3 * span)
     for rank, order in enumerate(orders):
         for kind, mb, stage in order:
             owner[kind * span + mb * num_stages + stage] = rank
     last = num_stages - 1
-    free = [0] * len(orders)
+    steps: list[tuple[int, int, int, int]] = []
     position = [0] * len(orders)
     pending = list(range(len(orders)))
     while pending:
         rank = pending.pop()
         order = orders[rank]
         at = position[rank]
-        ready = free[rank]
         while at < len(order):
             kind, mb, stage = order[at]
             here = mb * num_stages + stage
             if kind == 0:
-                start = ready
-                if stage > 0:
-                    dep = end[here - 1]
-                    if dep < 0:
-                        break
-                    start = max(start, dep)
-                finish = start + per_stage[stage][0]
-                end[here] = finish
+                first = done[here - 1] if stage > 0 else -1
+                if stage > 0 and first < 0:
+                    break
+                second = -1
                 wake = (here + 1 if stage < last else -1, span + here)
             elif kind == 1:
-                dep = end[here]
-                if dep < 0:
+                first = done[here]
+                if first < 0:
                     break
-                start = max(ready, dep)
+                second = -1
                 if stage < last:
-                    dep = end[span + here + 1]
-                    if dep < 0:
+                    second = done[span + here + 1]
+                    if second < 0:
                         break
-                    start = max(start, dep)
-                finish = start + per_stage[stage][1]
-                end[span + here] = finish
                 wake = (span + here - 1 if stage > 0 else -1, 2 * span + here)
             else:
-                dep = end[span + here]
-                if dep < 0:
+                first = done[span + here]
+                if first < 0:
                     break
-                finish = max(ready, dep) + per_stage[stage][2]
-                end[2 * span + here] = finish
+                second = -1
                 wake = ()
-            ready = finish
+            done[kind * span + here] = len(steps)
+            steps.append((rank, stage * 3 + kind, first, second))
             at += 1
             for index in wake:
                 if index >= 0:
                     other = owner[index]
                     if other >= 0 and other != rank:
                         pending.append(other)
-        position[rank], free[rank] = at, ready
+        position[rank] = at
     stuck = [rank for rank, order in enumerate(orders) if position[rank] < len(order)]
     if stuck:
         raise ScheduleDeadlock(f"the listed order deadlocks at ranks {stuck[:4]}")
+    return Compiled(len(orders), tuple(steps))
+
+
+def run_compiled(compiled: Compiled, per_stage: tuple[tuple[int, int, int], ...]) -> tuple[int, tuple[int, ...]]:
+    """(makespan, each rank's last end) of compiled orders under the stages' (F, B, W) costs:
+    each step starts at the latest of its rank's previous end and its dependencies' ends."""
+    costs = [cost for stage in per_stage for cost in stage]
+    end: list[int] = []
+    free = [0] * compiled.ranks
+    for rank, slot, first, second in compiled.steps:
+        start = free[rank]
+        if first >= 0 and end[first] > start:
+            start = end[first]
+        if second >= 0 and end[second] > start:
+            start = end[second]
+        start += costs[slot]
+        end.append(start)
+        free[rank] = start
     return max(free, default=0), tuple(free)

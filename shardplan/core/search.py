@@ -312,13 +312,11 @@ class Group(Sequence):
         return self.batches[-1][1] == 1
 
 
-def candidates(base: EstimateInputs, space: Space, fixed: Fixed, rejected: Counter,
-               bound: bool = True, too_big: Callable[[EstimateInputs, int, int], None] | None = None,
-               ) -> Iterator[Group]:
+def candidates(base: EstimateInputs, space: Space, fixed: Fixed, rejected: Counter) -> Iterator[Group]:
     """Every structurally valid plan of the space, cheapest checks first, rejections counted:
-    in groups that differ only in the micro batch (`Group`). `bound`: skip the (structure,
-    sharding) groups whose model states alone exceed the GPU, counting their plans and telling
-    `too_big(plan, states, plans)`."""
+    in groups that differ only in the micro batch (`Group`). The groups of one structure and
+    sharding share their `bare` plan, on which the search checks the model states
+    (`_Walk.admit`)."""
     shape = base.shape
     assert shape is not None
     gpn = base.gpus_per_node
@@ -347,14 +345,6 @@ def candidates(base: EstimateInputs, space: Space, fixed: Fixed, rejected: Count
                                   sequence_parallel=False, recompute="full",
                                   offload_params=base.offload_params and keep, offload_grads=base.offload_grads and keep,
                                   offload_optimizer=base.offload_optimizer and keep, strategy="conservative")
-                if bound and base.gpu_memory is not None:
-                    states = with_allowances(states_bound(bare), bare.on_gpu)
-                    if states > base.gpu_memory:
-                        plans = len(batches) * len(sps) * len(recomputes)
-                        rejected[STATES] += plans
-                        if too_big is not None:
-                            too_big(bare, states, plans)
-                        continue
                 for recompute, sp in product(recomputes, sps):
                     yield Group(bare, recompute, sp, batches, (structure, recompute, sp))
 
@@ -399,7 +389,7 @@ class _Walk:
 
     def __init__(self, base: EstimateInputs, top_k: int, timer, progress, refine=None):
         share = PRESSURE.get(base.strategy)  # the job's strategy keeps its headroom
-        self.capacity = base.gpu_memory
+        self.capacity = self.gpu_memory = base.gpu_memory
         if self.capacity is not None and share is not None and share < 1:
             self.capacity = int(share * self.capacity)
         self.limit = cpu_limit(base)
@@ -412,6 +402,7 @@ class _Walk:
         self.checked: dict[tuple[int, int], tuple[bool, int, int, str]] = {}  # (group, index) -> memory()
         self.state_cache: dict[tuple, tuple[int, int]] = {}
         self.twins: dict[tuple, tuple] = {}  # twin_key -> the ranked item of least memory
+        self.admitted: dict[int, bool] = {}  # id of a group's bare plan -> its states fit (`admit`)
 
     def kth(self) -> float | None:
         return -self.best[0][0] if len(self.best) == self.top_k else None
@@ -422,10 +413,22 @@ class _Walk:
             self.misses.sort(key=lambda m: m.short_bytes)
             del self.misses[2 * self.top_k:]
 
-    def too_big(self, inputs: EstimateInputs, states: int, plans: int) -> None:
-        """A group whose model states alone (with the allowances every moment adds) exceed the
-        GPU: a miss by at least that much."""
-        self.misses.append(Miss(inputs, states, 0, states - (self.capacity or 0), "GPU memory", at_least=True))
+    def admit(self, group: Group) -> bool:
+        """False for a group whose model states alone (stage 0's or the last stage's, with the
+        allowances every moment adds) exceed the GPU, its plans rejected; checked once per
+        structure and sharding (the groups' shared `bare` plan), where a miss by at least that
+        much is kept."""
+        verdict = self.admitted.get(id(group.bare))
+        if verdict is None:
+            bare = group.bare
+            states = with_allowances(max(self.states(bare)), bare.on_gpu)
+            verdict = self.admitted[id(bare)] = states <= self.gpu_memory
+            if not verdict:
+                self.misses.append(Miss(bare, states, 0, states - (self.capacity or 0), "GPU memory", at_least=True))
+        if not verdict:
+            self.reject(STATES, len(group))
+            self.tick(len(group))
+        return verdict
 
     def states(self, inputs: EstimateInputs) -> tuple[int, int]:
         """Stage 0's and the last stage's GPU model states, shared by the plans that differ
@@ -514,16 +517,75 @@ class _Walk:
         elif item > self.best[0]:
             heapq.heapreplace(self.best, item)
 
-    def in_bound_order(self, groups: list[Group], bound) -> Iterator[tuple[int, int, EstimateInputs]]:
-        """(group, index, plan) in increasing order of the time bound, each counted evaluated;
-        stops, counting the rest as pruned, once the next bound exceeds the k-th best time."""
-        keyed = _keyed(groups, bound)
-        for position, (lower, g, i) in enumerate(keyed):
+    def in_bound_order(self, groups: list[Group], bound, group_bound=None,
+                       admit: Callable[[Group], bool] | None = None) -> Iterator[tuple[int, int, EstimateInputs]]:
+        """(group, index, plan) in increasing order of the time bound (ties: group, index),
+        each counted evaluated; stops, counting the rest as pruned, once the next bound exceeds
+        the k-th best time.
+
+        With `group_bound` (a lower bound of `bound` over a group's micro batches, shared by
+        the groups of one key), the plans' own bounds are computed only for the keys the walk
+        reaches: one heap holds the keys at their group bound and the plans of the keys taken
+        out of it at theirs; a key leaves before plans of the same value, so the plans come out
+        in the order of sorting every plan's bound (`_keyed`), and the walk stops at the same
+        plan. `admit(group)`, when given, is asked once per group: False leaves the group out
+        (it counts its plans itself). It is asked when the group's first plan comes out, or,
+        before any plan is ranked (when nothing stops the walk), as its key is taken, which
+        spares the bounds of groups left out."""
+        if bound is None or group_bound is None:
+            admitted = [g for g, plans in enumerate(groups) if admit is None or admit(plans)]
+            keyed = [(lower, admitted[a], i) for lower, a, i in _keyed([groups[g] for g in admitted], bound)]
+            for position, (lower, g, i) in enumerate(keyed):
+                kth = self.kth()
+                if bound is not None and kth is not None and lower > kth:
+                    self.reject(PRUNED, len(keyed) - position)
+                    self.tick(len(keyed) - position)
+                    return
+                self.tick()
+                yield g, i, groups[g][i]
+            return
+        members: dict[tuple, list[int]] = {}
+        for g, plans in enumerate(groups):
+            members.setdefault(plans.key, []).append(g)
+        keys = list(members.values())
+        heap: list[tuple] = [(group_bound(groups[gs[0]]), 0, n) for n, gs in enumerate(keys)]
+        heapq.heapify(heap)
+        left = sum(len(plans) for plans in groups)  # plans not yet yielded nor left out
+        verdicts: dict[int, bool] = {}  # group -> admitted
+
+        def verdict_of(g: int) -> bool:
+            nonlocal left
+            verdict = verdicts.get(g)
+            if verdict is None:
+                verdict = verdicts[g] = admit(groups[g])
+                if not verdict:
+                    left -= len(groups[g])
+            return verdict
+
+        while heap:
+            entry = heapq.heappop(heap)
             kth = self.kth()
-            if bound is not None and kth is not None and lower > kth:
-                self.reject(PRUNED, len(keyed) - position)
-                self.tick(len(keyed) - position)
+            if kth is not None and entry[0] > kth:
+                self.reject(PRUNED, left)
+                self.tick(left)
                 return
+            if entry[1] == 0:
+                known: dict[int, float] = {}  # index -> bound: the key's groups share them
+                for g in keys[entry[2]]:
+                    plans = groups[g]
+                    if admit is not None and kth is None:  # until K plans are ranked, no bound stops the walk
+                        if not verdict_of(g):
+                            continue
+                    for i in range(len(plans)):
+                        lower = known.get(i)
+                        if lower is None:
+                            lower = known[i] = bound(plans[i])
+                        heapq.heappush(heap, (lower, 1, g, i))
+                continue
+            _, _, g, i = entry
+            if admit is not None and not verdict_of(g):
+                continue
+            left -= 1
             self.tick()
             yield g, i, groups[g][i]
 
@@ -567,7 +629,8 @@ def search(base: EstimateInputs, space: Space, fixed: Fixed, timer: Callable[[Es
            top_k: int = 5, progress: Callable[[int], None] | None = None,
            resolve: Callable[[EstimateInputs], EstimateInputs] | None = None,
            bound: Callable[[EstimateInputs], float] | None = None,
-           refine: Callable[[EstimateInputs], float] | None = None) -> SearchResult:
+           refine: Callable[[EstimateInputs], float] | None = None,
+           group_bound: Callable[[Group], float] | None = None) -> SearchResult:
     """The `top_k` fastest plans that fit, best first. `timer` predicts a plan's step seconds;
     `resolve` turns an offload candidate into the plan the offload strategy decides
     (core.memory.estimate_memory's inputs), so its figures are the estimate's.
@@ -578,13 +641,16 @@ def search(base: EstimateInputs, space: Space, fixed: Fixed, timer: Callable[[Es
     the exhaustive search's (tests/test_plan.py compares them). It must not read the sharding
     (ZeRO stage, hybrid): plans that differ only in it share one value (core/step_time.py's
     bound reads neither). `refine`: a sharper lower bound, dearer, checked before `timer` on
-    the plans the walk reaches."""
+    the plans the walk reaches. `group_bound(group)`: a lower bound of `bound` over a group's
+    micro batches (core/step_time.py `step_time_group_bound`), with which the plans' own bounds
+    are computed only for the groups the walk reaches (`_Walk.in_bound_order`)."""
     start = time.perf_counter()
     walk = _Walk(base, top_k, timer, progress, refine)
     result = walk.result
-    groups = list(candidates(base, space, fixed, result.rejected, too_big=walk.too_big))
-    result.evaluated = sum(result.rejected.values())  # the plans the structure and states rejected
-    for g, i, inputs in walk.in_bound_order(groups, bound):
+    groups = list(candidates(base, space, fixed, result.rejected))
+    result.evaluated = sum(result.rejected.values())  # the plans the structure rejected
+    admit = walk.admit if base.gpu_memory is not None else None
+    for g, i, inputs in walk.in_bound_order(groups, bound, group_bound, admit):
         plans = groups[g]
         if i == len(plans) - 1 and plans.single_last():  # the single-microbatch plan, alone
             fits, peak, host, reason = walk.checked_memory(g, i, inputs)
@@ -604,7 +670,7 @@ def search(base: EstimateInputs, space: Space, fixed: Fixed, timer: Callable[[Es
         # cheapest first, only as far as each plan needs. Offload adds time, so the same bound
         # still holds.
         result.offloaded = True
-        groups = list(candidates(base, space, fixed, Counter(), bound=False))
+        groups = list(candidates(base, space, fixed, Counter()))
         walk.fits.clear()
         offloaded: dict[tuple[int, int], tuple] = {}  # (group, index) -> (fits, peak, host, why, plan, asked)
 
@@ -624,7 +690,7 @@ def search(base: EstimateInputs, space: Space, fixed: Fixed, timer: Callable[[Es
                         offloaded[key] = (*walk.memory(plan), plan, asked)
             return offloaded[key]
 
-        for g, i, inputs in walk.in_bound_order(groups, bound):
+        for g, i, inputs in walk.in_bound_order(groups, bound, group_bound):
             plans = groups[g]
             if not (i == len(plans) - 1 and plans.single_last()):
                 limit = walk.largest_fitting(g, plans, len(plans) - plans.single_last(), with_offload)

@@ -204,6 +204,56 @@ def _bound(shape, d, order, gpus_per_node, framework, precision, optimizer, micr
     return best
 
 
+def step_time_group_bound(inputs: EstimateInputs, batches: tuple[tuple[int, int], ...], hardware: Hardware,
+                          constants: TimeConstants = DEFAULT_CONSTANTS, lora: LoraShape | None = None) -> float:
+    """A lower bound of `step_time_bound` over the plans that differ from `inputs` only in
+    the (micro batch, microbatches) of `batches`, all with the same product (the sequences a
+    data-parallel rank takes per step), computed once for them all. `_bound` is, for each rank
+    r, the sequences' share of its own actions, m * own_r(b) = local * own_r(b) / b, plus the
+    fill before it, sum of the earlier stages' per-microbatch costs; both are sums of
+    per-layer, embedding and head costs, so each is at least the same sum of each part's least
+    value over `batches` (the least of a sum is at least the sum of the least parts). `shardplan
+    plan` orders groups of plans by this bound and computes the exact one only for the groups it
+    reaches (core/search.py; tests/test_plan.py holds it at or below every plan's bound)."""
+    return _group_bound(inputs.shape, inputs.degrees, inputs.order, inputs.gpus_per_node, inputs.framework,
+                        inputs.precision, inputs.optimizer, tuple(batches), inputs.seq_len, inputs.schedule,
+                        inputs.virtual, inputs.stage_split, inputs.sequence_parallel, inputs.recompute,
+                        inputs.attention, inputs.dropout, inputs.loss, hardware, constants, lora)
+
+
+@lru_cache(maxsize=16384)
+def _group_bound(shape, d, order, gpus_per_node, framework, precision, optimizer, batches, seq_len, schedule,
+                 virtual, stage_split, sequence_parallel, recompute, attention, dropout, loss, hardware, constants,
+                 lora) -> float:
+    local = batches[0][0] * batches[0][1]
+    chain_back = schedule not in SPLIT_BACKWARD
+    per_sequence = [float("inf")] * 3  # layer, embedding, head: least (forward + backward) / micro batch
+    per_fill = [float("inf")] * 2  # layer, embedding: least forward (+ backward when chained) of a microbatch
+    for micro_batch, microbatches in batches:
+        if micro_batch * microbatches != local:
+            raise ValueError(f"batches of unequal sequences per rank: {batches}")
+        layer_f, layer_b, embed_f, embed_b, head_f, head_b = _bound_parts(
+            shape, d, order, gpus_per_node, framework, precision, optimizer, micro_batch, seq_len,
+            sequence_parallel, recompute, attention, dropout, loss, hardware, constants, lora)
+        for n, value in enumerate(((layer_f + layer_b) / micro_batch, (embed_f + embed_b) / micro_batch,
+                                   (head_f + head_b) / micro_batch)):
+            per_sequence[n] = min(per_sequence[n], value)
+        for n, value in enumerate((layer_f + (layer_b if chain_back else 0.0),
+                                   embed_f + (embed_b if chain_back else 0.0))):
+            per_fill[n] = min(per_fill[n], value)
+    counts = _stage_counts(shape.num_layers, d.pp * chunks_per_rank(schedule, virtual), stage_split)
+    last_rank = (len(counts) - 1) % d.pp
+    best = before = 0.0
+    for rank in range(d.pp):
+        layers = sum(counts[s] for s in range(rank, len(counts), d.pp))
+        own = layers * per_sequence[0] + (per_sequence[1] if rank == 0 else 0.0) + (
+            per_sequence[2] if rank == last_rank else 0.0)
+        best = max(best, local * own + before)
+        before += counts[rank] * per_fill[0] + (per_fill[1] if rank == 0 else 0.0)
+    # The sums are regrouped: a relative 1e-9 covers their rounding.
+    return best * (1 - 1e-9)
+
+
 @lru_cache(maxsize=16384)
 def _bound_parts(shape, d, order, gpus_per_node, framework, precision, optimizer, micro_batch, seq_len,
                  sequence_parallel, recompute, attention, dropout, loss, hardware, constants,

@@ -17,7 +17,7 @@ from pathlib import Path
 from ..core.degrees import Degrees
 from ..core.estimate_inputs import EstimateInputs, inputs_from_job
 from ..core.memory import Estimate, estimate_memory, resolve_offload
-from ..core.search import Fixed, SearchResult, Space, candidates, search
+from ..core.search import Fixed, Group, SearchResult, Space, candidates, search
 from ..spec.errors import InputError, Problem
 from ..spec.units import format_bytes
 from .files import read_document
@@ -179,7 +179,7 @@ class _Progress:
 
 def run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None, global_batch: int | None,
                     top: int, progress: bool = True, overrides=None) -> PlanOutcome:
-    from ..core.step_time import step_time, step_time_bound, step_time_refined_bound
+    from ..core.step_time import step_time, step_time_bound, step_time_group_bound, step_time_refined_bound
     from .hardware import hardware_of, lora_of
 
     job, shape = resolved.job, resolved.shape
@@ -223,9 +223,15 @@ def run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None, 
     def refine(inputs: EstimateInputs) -> float:
         return step_time_refined_bound(inputs, hardware, lora=lora)
 
+    def group_bound(group: Group) -> float:
+        return step_time_group_bound(group[0], tuple(group.batches), hardware, lora=lora)
+
+    # What every search of this command ranks by, beside the timer (core/search.py, `search`).
+    ranking = dict(resolve=resolve, bound=bound, refine=refine, group_bound=group_bound)
+
     bar = _Progress(progress)
     try:
-        result = search(base, space, fixed, timer, top_k=top, progress=bar, resolve=resolve, bound=bound, refine=refine)
+        result = search(base, space, fixed, timer, top_k=top, progress=bar, **ranking)
     finally:
         bar.close()
     document = read_document(Path(resolved.file)).data if resolved.file else {}
@@ -238,14 +244,13 @@ def run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None, 
     outcome = PlanOutcome(resolved, document, world, batch, job.cluster.gpu_memory, entries, result, fixed, hardware)
     if not entries:
         if result.batch_unsplit():
-            outcome.notes += _batch_that_splits(base, space, fixed, timer, bound, refine, resolve)
+            outcome.notes += _batch_that_splits(base, space, fixed, timer, ranking)
         else:
-            outcome.notes += _what_it_would_take(base, space, fixed, timer, bound, refine, resolve)
+            outcome.notes += _what_it_would_take(base, space, fixed, timer, ranking)
     return outcome
 
 
-def _batch_that_splits(base: EstimateInputs, space: Space, fixed: Fixed, timer, bound, refine,
-                       resolve) -> list[str]:
+def _batch_that_splits(base: EstimateInputs, space: Space, fixed: Fixed, timer, ranking: dict) -> list[str]:
     """No plan splits the global batch (every data-parallel rank takes whole sequences, a
     pipeline of pp stages needs at least pp microbatches): the nearest larger batch that a
     plan splits, up to 64 times the batch, and whether a plan of it fits (if not, what would
@@ -255,17 +260,16 @@ def _batch_that_splits(base: EstimateInputs, space: Space, fixed: Fixed, timer, 
             "whole sequences; a pipeline of pp stages needs at least pp microbatches)")
     for batch in range(given + 1, 64 * given + 1):
         larger = replace(space, global_batch=batch)
-        if not any(True for _ in candidates(base, larger, fixed, Counter(), bound=False)):
+        if not any(True for _ in candidates(base, larger, fixed, Counter())):
             continue
-        if search(base, larger, fixed, timer, top_k=1, resolve=resolve, bound=bound, refine=refine).plans:
+        if search(base, larger, fixed, timer, top_k=1, **ranking).plans:
             return [f"{head}: with a global batch of {batch} (--global-batch {batch}) a plan fits"]
         return ([f"{head}: a global batch of {batch} splits, but no plan of it fits; at that batch:"]
-                + _what_it_would_take(base, larger, fixed, timer, bound, refine, resolve))
+                + _what_it_would_take(base, larger, fixed, timer, ranking))
     return [f"{head}, nor one up to {64 * given}: plan fewer GPUs (--gpus)"]
 
 
-def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer, bound, refine,
-                        resolve) -> list[str]:
+def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer, ranking: dict) -> list[str]:
     """Nothing fits: what would, at this global batch. Offload first when the job's strategy
     forbids it (the same GPUs), then the fewest GPUs, up to 64 times as many."""
     notes = []
@@ -273,7 +277,7 @@ def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer,
     def searched(inputs: EstimateInputs, world: int, dp_fixed: bool) -> SearchResult:
         keep = fixed if dp_fixed else Fixed(**{**fixed.__dict__, "dp": None})
         return search(inputs.with_(degrees=Degrees(dp=world)), replace(space, world=world), keep, timer, top_k=1,
-                      resolve=resolve, bound=bound, refine=refine)
+                      **ranking)
 
     if base.strategy == "conservative" and fixed.offload is None and space.offload:
         if searched(base.with_(strategy="balanced"), space.world, True).plans:

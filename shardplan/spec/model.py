@@ -140,7 +140,7 @@ def cached_hash(self) -> int:
         if names is None:
             names = tuple(f.name for f in fields(cls))
             setattr(cls, "_field_names", names)
-        cached = hash(tuple(values[name] for name in names))
+        cached = hash(tuple(map(values.__getitem__, names)))
         values["_hash"] = cached
     return cached
 
