@@ -424,10 +424,10 @@ def test_set_overrides_reach_the_schedule():
 @given(st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "round-robin"]),
        st.integers(2, 6), st.integers(1, 4), st.integers(1, 3), st.data())
 def test_integer_walk_equals_the_simulation(schedule, pp, rounds, virtual, data):
-    """The time model's `finish_times` (integers, ends only) places every action where
+    """The time model's compiled orders (integers, ends only) place every action where
     `simulate` does: the same makespan and the same last end on every rank, for any stage costs."""
     from shardplan.core.schedule import chunks_per_rank, rank_order
-    from shardplan.core.schedule_sim import StageCosts, encode_orders, finish_times
+    from shardplan.core.schedule_sim import StageCosts, compile_orders, encode_orders, run_compiled
 
     chunks = chunks_per_rank(schedule, virtual)
     microbatches = pp * rounds
@@ -437,4 +437,4 @@ def test_integer_walk_equals_the_simulation(schedule, pp, rounds, virtual, data)
     orders = [rank_order(schedule, pp, microbatches, chunks, rank) for rank in range(pp)]
     timeline = simulate(orders, pp * chunks, StageCosts(per_stage))
     expected = (timeline.makespan, tuple(spans[-1].end for spans in timeline.spans))
-    assert finish_times(encode_orders(orders), pp * chunks, per_stage) == expected
+    assert run_compiled(compile_orders(encode_orders(orders), pp * chunks), per_stage) == expected

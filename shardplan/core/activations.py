@@ -312,5 +312,3 @@ def kept_logits_terms(act: ActivationShape) -> list[Term]:
     elements, e = logit_elements(act), act.act_bytes
     return [Term("logits, held by the training loop until backward", elements * e,
                  lambda: f"sb*V/t = {elements:,} * {e} B")]
-
-

@@ -149,8 +149,6 @@ def inputs_from_job(job: JobSpec, shape: ModelShape | None, limits_known: bool) 
     )
 
 
-
-
 def lora_plan(job: JobSpec) -> LoraPlan | None:
     """The job's [lora] table as estimate inputs (None: full training)."""
     if job.lora is None:

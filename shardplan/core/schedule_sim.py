@@ -190,15 +190,8 @@ _KIND = {FORWARD: 0, BACKWARD: 1, WEIGHT: 2}
 
 
 def encode_orders(orders: list[list[Action]]) -> tuple[tuple[tuple[int, int, int], ...], ...]:
-    """`orders` as (kind 0/1/2 for F/B/W, microbatch, stage) integers, for `finish_times`."""
+    """`orders` as (kind 0/1/2 for F/B/W, microbatch, stage) integers, for `compile_orders`."""
     return tuple(tuple((_KIND[a.kind], a.microbatch, a.stage) for a in order) for order in orders)
-
-
-def finish_times(orders: tuple[tuple[tuple[int, int, int], ...], ...], num_stages: int,
-                 per_stage: tuple[tuple[int, int, int], ...]) -> tuple[int, tuple[int, ...]]:
-    """(makespan, each rank's last end) of `simulate` under `StageCosts(per_stage)`, for
-    orders from `encode_orders` (tests/test_schedule.py holds it equal to `simulate`)."""
-    return run_compiled(compile_orders(orders, num_stages), per_stage)
 
 
 class Compiled(NamedTuple):
@@ -273,7 +266,9 @@ def compile_orders(orders: tuple[tuple[tuple[int, int, int], ...], ...], num_sta
 
 def run_compiled(compiled: Compiled, per_stage: tuple[tuple[int, int, int], ...]) -> tuple[int, tuple[int, ...]]:
     """(makespan, each rank's last end) of compiled orders under the stages' (F, B, W) costs:
-    each step starts at the latest of its rank's previous end and its dependencies' ends."""
+    each step starts at the latest of its rank's previous end and its dependencies' ends
+    (`simulate`'s figures under `StageCosts(per_stage)`; tests/test_schedule.py holds them
+    equal)."""
     costs = [cost for stage in per_stage for cost in stage]
     end: list[int] = []
     free = [0] * compiled.ranks

@@ -142,5 +142,3 @@ def rank_params(shape: ModelShape, pp: int, virtual: int, pp_rank: int, tp: int,
         has_head=last,
         adapters=local(adapter_params(base, lora)) if lora is not None else (),
     )
-
-

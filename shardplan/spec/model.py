@@ -258,5 +258,3 @@ def resolve_shape(table: dict, where: str = "model") -> tuple[ModelShape | None,
         experts_per_token=top_k if num_experts > 1 else 1,
     )
     return shape, []
-
-
