@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from math import gcd
 
+from ..spec.model import ModelShape
 from .activations import (
     ActivationShape,
     embedding_terms,
@@ -38,7 +40,7 @@ from .finetune import (
     lora_fsdp2_buffers,
     trainable_params,
 )
-from .lora import lora_counts
+from .lora import LoraPlan, lora_counts
 from .host import checkpoint_staging, rank_host, startup_host
 from .offload import frees_device_grads
 from .params import ParamInfo, count_params
@@ -46,7 +48,7 @@ from .precision import MIXED, ElementBytes, element_bytes, uses_autocast
 from .schedule import ALL_FORWARDS_FIRST, SPLIT_BACKWARD, chunks_per_rank, held_peak, rank_order
 from .schedule_sim import BACKWARD as BACKWARD_ACTION, WEIGHT, Action
 from .stages import LocalParam, RankParams, chunk_size, rank_params
-from .states import HostGroup, Offload, Sharding, rank_states
+from .states import HostGroup, Offload, Sharding, States, rank_states
 from .terms import Term
 from .timeline import BACKWARD, BACKWARD_END, FORWARD, LOSS, MOMENTS, STEP, Moment, peak
 
@@ -146,17 +148,25 @@ def resident_layers(rp: RankParams, eb: ElementBytes, inputs: EstimateInputs, de
     return min(rp.num_layers, inputs.gpu_param_budget // layer_bytes)
 
 
-@lru_cache(maxsize=4096)
 def _activation_shape(inputs: EstimateInputs, eb: ElementBytes) -> ActivationShape:
+    """The activation shape of `inputs`: one instance per distinct shape (`_interned_shape`),
+    so the caches keyed on it (per-layer bytes, edges, transients) find it by identity."""
     assert inputs.shape is not None
     d = inputs.degrees
-    return ActivationShape(
-        shape=inputs.shape, micro_batch=inputs.micro_batch, seq_len=inputs.seq_len, tp=d.tp, cp=d.cp,
-        sequence_parallel=inputs.sequence_parallel and d.tp > 1, recompute=inputs.recompute,
-        attention=inputs.attention, dropout=inputs.dropout, act_bytes=eb.compute,
-        autocast=uses_autocast(inputs.framework, inputs.zero_stage, inputs.precision), loss=inputs.loss,
-        lora=inputs.lora,
-    )
+    return _interned_shape(inputs.shape, inputs.micro_batch, inputs.seq_len, d.tp, d.cp,
+                           inputs.sequence_parallel and d.tp > 1, inputs.recompute, inputs.attention,
+                           inputs.dropout, eb.compute,
+                           uses_autocast(inputs.framework, inputs.zero_stage, inputs.precision), inputs.loss,
+                           inputs.lora)
+
+
+@lru_cache(maxsize=4096)
+def _interned_shape(shape: ModelShape, micro_batch: int, seq_len: int, tp: int, cp: int, sequence_parallel: bool,
+                    recompute: str, attention: str, dropout: bool, act_bytes: int, autocast: bool, loss: str,
+                    lora: LoraPlan | None) -> ActivationShape:
+    return ActivationShape(shape=shape, micro_batch=micro_batch, seq_len=seq_len, tp=tp, cp=cp,
+                           sequence_parallel=sequence_parallel, recompute=recompute, attention=attention,
+                           dropout=dropout, act_bytes=act_bytes, autocast=autocast, loss=loss, lora=lora)
 
 
 def torch_sequence_parallel_extra(inputs: EstimateInputs) -> int:
@@ -200,8 +210,14 @@ def held_at_peak(schedule: str, pp: int, microbatches: int, virtual: int, pp_ran
         return dict.fromkeys(stage_bytes, 1)
     if schedule in ALL_FORWARDS_FIRST:
         return dict.fromkeys(stage_bytes, microbatches)
-    # With one chunk per rank the count at the peak does not depend on its bytes.
-    weights = tuple(sorted(stage_bytes.items())) if len(stage_bytes) > 1 else tuple((k, 1) for k in stage_bytes)
+    # With one chunk per rank the count at the peak does not depend on its bytes; with more,
+    # only on their ratios (the walk compares sums of them), so they are divided by their
+    # greatest common divisor: micro batches whose bytes scale alike share the walk.
+    if len(stage_bytes) > 1:
+        common = gcd(*stage_bytes.values()) or 1
+        weights = tuple(sorted((stage, amount // common) for stage, amount in stage_bytes.items()))
+    else:
+        weights = tuple((k, 1) for k in stage_bytes)
     return dict(_held(schedule, pp, microbatches, virtual, pp_rank, weights))
 
 
@@ -352,18 +368,24 @@ def _lora(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, degree: int,
     return memory, host
 
 
+def torch_or_paper_states(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, degree: int, index: int,
+                          resident: int) -> States:
+    """The model states of `_torch_or_paper` (fsdp2, zero-paper), without its buffers."""
+    sharding = Sharding(inputs.framework, inputs.zero_stage, degree, index, inputs.min_num_params)
+    # Compressed host states exist only in the engine `run` executes (fsdp2).
+    compression = inputs.compression if inputs.framework == "fsdp2" else "none"
+    offload = Offload(inputs.offload_params, inputs.offload_grads, inputs.offload_optimizer, resident, compression,
+                      inputs.optimizer)
+    return rank_states(rp, eb, sharding, offload)
+
+
 def _torch_or_paper(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, degree: int, index: int,
                     resident: int, buffers: bool = True) -> _RankMemory:
     """fsdp2 (what `run` executes) and zero-paper (the paper's model states, no framework
     buffers). fsdp2 frees gradients between steps (`zero_grad(set_to_none=True)`): they are
     alive in forward and backward only when microbatches accumulate into them; DDP's (stage 1)
     gradients are views of buckets allocated once. The paper counts every state throughout."""
-    sharding = Sharding(inputs.framework, inputs.zero_stage, degree, index, inputs.min_num_params)
-    # Compressed host states exist only in the engine `run` executes (fsdp2).
-    compression = inputs.compression if inputs.framework == "fsdp2" else "none"
-    offload = Offload(inputs.offload_params, inputs.offload_grads, inputs.offload_optimizer, resident, compression,
-                      inputs.optimizer)
-    states = rank_states(rp, eb, sharding, offload)
+    states = torch_or_paper_states(inputs, rp, eb, degree, index, resident)
     grads = states.gpu["grads"]
     if inputs.framework == "zero-paper":
         return _RankMemory(states.gpu, states.cpu, {m: grads for m in MOMENTS}, no_buffers())

@@ -9,7 +9,7 @@ tests/test_plan_figures.py holds it equal to the explained estimate over random 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 
 from .activations import ActivationShape, kept_logits_terms
@@ -31,6 +31,7 @@ from .estimate import (
     held_at_peak,
     resident_layers,
     shard_degree,
+    torch_or_paper_states,
 )
 from .estimate_inputs import EstimateInputs
 from .host import checkpoint_staging, rank_host, startup_host
@@ -75,22 +76,38 @@ def _framework(inputs: EstimateInputs, rp: RankParams, degree: int, resident: in
     return fixed, grads, buffers, _sum(host) + _sum(checkpoint_staging(inputs, rp, degree))
 
 
+# What `_framework_key` sets to fixed values, beside the degrees (pipelined or not) and the
+# microbatches (one, or more than one).
+_KEY_FIXED = dict(order="tp-cp-dp-pp", gpus_per_node=8, micro_batch=1, seq_len=1, schedule="1f1b", virtual=1,
+                  stage_split=(0, 0), sequence_parallel=False, recompute="none", attention="flash", loss="fp32",
+                  dropout=False, gpu_memory=None, cpu_memory_per_node=None, strategy="balanced",
+                  resident_layers=None, hybrid=False)
+_KEY_KEPT = tuple(f.name for f in fields(EstimateInputs) if f.name not in (*_KEY_FIXED, "degrees", "num_microbatches"))
+_KEYS: dict[tuple, EstimateInputs] = {}  # the kept values -> the one key instance with them
+
+
 def _framework_key(inputs: EstimateInputs) -> EstimateInputs:
     """The inputs with what the framework's part does not read set to fixed values, so plans
     that differ only in their activations share it: `_torch_or_paper`, `_deepspeed`,
     `rank_host` and `checkpoint_staging` read the framework, stage, precision, optimizer,
     offload, the DeepSpeed knobs, whether microbatches accumulate, whether there is an
     architecture, and whether stages pipeline (the offload engine's gradient staging, core/host.py);
-    the rank's parameters and shard degree come beside the key. Kept on the instance (every
-    stage of a plan asks for it; `with_` drops it from copies)."""
-    cached = inputs.__dict__.get("_framework_key")
+    the rank's parameters and shard degree come beside the key. One instance per distinct key
+    (the caches keyed on it then find it by identity), kept on the instance asked about too
+    (every stage of a plan asks for it; `with_` drops it from copies)."""
+    values = inputs.__dict__
+    cached = values.get("_framework_key")
     if cached is not None:
         return cached
-    key = inputs.__dict__["_framework_key"] = inputs.with_(
-        degrees=_ONE if inputs.degrees.pp == 1 else _PIPELINED, order="tp-cp-dp-pp", gpus_per_node=8, micro_batch=1,
-        seq_len=1, num_microbatches=min(inputs.num_microbatches, 2), schedule="1f1b", virtual=1, stage_split=(0, 0),
-        sequence_parallel=False, recompute="none", attention="flash", loss="fp32", dropout=False, gpu_memory=None,
-        cpu_memory_per_node=None, strategy="balanced", resident_layers=None, hybrid=False)
+    pipelined, accumulates = inputs.degrees.pp > 1, min(inputs.num_microbatches, 2)
+    token = (pipelined, accumulates, *map(values.__getitem__, _KEY_KEPT))
+    key = _KEYS.get(token)
+    if key is None:
+        if len(_KEYS) >= 4096:
+            _KEYS.clear()
+        key = _KEYS[token] = inputs.with_(degrees=_PIPELINED if pipelined else _ONE, num_microbatches=accumulates,
+                                          **_KEY_FIXED)
+    values["_framework_key"] = key
     return key
 
 
@@ -157,9 +174,15 @@ def rank_figures(inputs: EstimateInputs, at: Coordinates) -> RankFigures:
 
 def rank_states_bytes(inputs: EstimateInputs, at: Coordinates) -> int:
     """The parameters and optimizer states the rank holds on its GPU through the step: a part
-    of every moment (the search's lower bound)."""
+    of every moment (the search's lower bound). Under fsdp2 and zero-paper without LoRA, from
+    the model states alone (`torch_or_paper_states`, what `_framework` adds up too), without
+    the buffers and host memory a plan too big for its states never needs."""
     eb = element_bytes(inputs.framework, inputs.precision, inputs.optimizer)
     rp = _rank_params(inputs, at)
     degree = shard_degree(inputs)
     resident = resident_layers(rp, eb, inputs, degree)
-    return _framework(_framework_key(inputs), rp, degree, resident)[0]
+    key = _framework_key(inputs)
+    if inputs.lora is None and inputs.framework != "deepspeed":
+        states = torch_or_paper_states(key, rp, eb, degree, 0, resident)
+        return _sum(states.gpu["params"]) + _sum(states.gpu["optimizer"])
+    return _framework(key, rp, degree, resident)[0]

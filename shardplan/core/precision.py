@@ -23,6 +23,7 @@ core/quantized.py `adamw8bit_bytes` (torchao's AdamW8bit); `optimizer` here is t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 FP32, HALF = 4, 2
 STEP_BYTES = 4  # AdamW's per-tensor `step`, a float32 scalar (torch/optim/adamw.py)
@@ -49,6 +50,7 @@ class ElementBytes:
     states8: bool = False  # 8-bit moments, counted per tensor (core/quantized.py adamw8bit_bytes)
 
 
+@lru_cache(maxsize=64)  # a handful of combinations, asked for every plan and stage
 def element_bytes(framework: str, precision: str, optimizer: str) -> ElementBytes:
     compute = FP32 if precision == "fp32" else HALF
     if framework != "fsdp2":  # deepspeed, zero-paper

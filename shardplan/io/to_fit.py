@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from ..core.degrees import Degrees
 from ..core.estimate_inputs import EstimateInputs
 from ..core.memory import estimate_memory, resolve_offload
-from ..core.search import Fixed, Space, search
+from ..core.search import Fixed, Group, Space, search
 from .plan_job import plan_tables
 
 # (lever, the Fixed fields it frees)
@@ -84,8 +84,9 @@ def changes_to_fit(asked: EstimateInputs, hardware, lora=None, limit: int = 3) -
         return []
     if asked.shape is None:
         return _state_levers(asked, limit)
-    from ..core.step_time import step_time, step_time_bound, step_time_refined_bound
+    from ..core.step_time import step_time, step_time_bound, step_time_group_bound, step_time_refined_bound
     from .hardware import FALLBACK_GPU, _preset_cluster, hardware_of
+    from .plan_search import collector_paused
 
     known = hardware is not None
     ranking = hardware if known else hardware_of(_preset_cluster(FALLBACK_GPU))
@@ -98,6 +99,9 @@ def changes_to_fit(asked: EstimateInputs, hardware, lora=None, limit: int = 3) -
 
     def refine(inputs: EstimateInputs) -> float:
         return step_time_refined_bound(inputs, ranking, lora=lora)
+
+    def group_bound(group: Group) -> float:
+        return step_time_group_bound(group[0], tuple(group.batches), ranking, lora=lora)
 
     d = asked.degrees
     world = d.dp * d.tp * d.pp * d.cp
@@ -114,7 +118,9 @@ def changes_to_fit(asked: EstimateInputs, hardware, lora=None, limit: int = 3) -
             base = base.with_(degrees=Degrees(dp=world))
         space = Space(world=world, global_batch=global_batch, runnable=asked.framework == "fsdp2",
                       offload=lever.startswith("offload"))
-        result = search(base, space, fixed, timer, top_k=1, resolve=resolve_offload, bound=bound, refine=refine)
+        with collector_paused():
+            result = search(base, space, fixed, timer, top_k=1, resolve=resolve_offload, bound=bound, refine=refine,
+                            group_bound=group_bound)
         if not result.plans:
             continue
         best = result.plans[0]
