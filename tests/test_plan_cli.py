@@ -246,3 +246,27 @@ def test_every_plan_is_its_written_jobs_estimate(tmp_path_factory, model, gpus, 
         assert (doc["peak_gpu_bytes"], doc["cpu_bytes_per_node"]) == (plan["peak_gpu_bytes"], plan["cpu_bytes_per_node"])
         assert doc["time"]["step_seconds"] == plan["time"]["step_seconds"]
         assert doc["fits"] is True
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_search_leaves_the_garbage_collector_as_it_found_it(enabled):
+    """The search pauses Python's cyclic collector (io/plan_search.py `collector_paused`) and
+    gives it back as it was, when the search raises too; what survived moved to the oldest
+    generation, so no young collection has it to scan."""
+    import gc
+
+    from shardplan.io.plan_search import collector_paused
+
+    was = gc.isenabled()
+    try:
+        (gc.enable if enabled else gc.disable)()
+        with collector_paused():
+            assert not gc.isenabled()
+            kept = [[] for _ in range(1000)]
+        assert gc.isenabled() is enabled
+        assert gc.get_count()[0] < 1000 and kept
+        with pytest.raises(RuntimeError), collector_paused():
+            raise RuntimeError("the search failed")
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()

@@ -11,10 +11,14 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from shardplan.core.degrees import Degrees
+from shardplan.core.estimate import Coordinates, held_at_peak, rank_parts
 from shardplan.core.estimate_inputs import EstimateInputs
+from shardplan.core.figures import _framework_key, rank_states_bytes
 from shardplan.core.lora import LoraPlan
 from shardplan.core.memory import estimate_memory, plan_figures
 from shardplan.core.pipeline import split_problem
+from shardplan.core.schedule import SPLIT_BACKWARD, chunks_per_rank, held_peak, rank_order
+from shardplan.core.schedule_sim import BACKWARD as BACKWARD_ACTION, WEIGHT
 from shardplan.spec.model import resolve_shape
 
 SHAPES = {
@@ -73,3 +77,48 @@ def plans(draw):
 def test_plan_figures_equal_the_explained_estimate(inputs):
     explained = estimate_memory(inputs)
     assert plan_figures(inputs) == (explained.peak_gpu_bytes, explained.cpu_bytes_per_node)
+
+
+@settings(max_examples=250, deadline=None)
+@given(inputs=plans())
+def test_the_states_check_adds_what_the_explained_estimate_holds(inputs):
+    """The search's model-states check (`rank_states_bytes`, from the states alone under
+    fsdp2 and zero-paper) is the explained estimate's GPU parameters and optimizer states."""
+    for stage in {0, inputs.degrees.pp - 1}:
+        parts = rank_parts(inputs, Coordinates(pp_rank=stage))
+        explained = sum(t.bytes for t in parts.gpu["params"]) + sum(t.bytes for t in parts.gpu["optimizer"])
+        assert rank_states_bytes(inputs, Coordinates(pp_rank=stage)) == explained
+
+
+@settings(max_examples=300, deadline=None)
+@given(schedule=st.sampled_from(["1f1b", "zero-bubble", "interleaved-1f1b"]), pp=st.integers(2, 5),
+       virtual=st.integers(1, 3), rounds=st.integers(1, 6), data=st.data())
+def test_held_microbatches_follow_the_whole_order_whatever_the_scale(schedule, pp, virtual, rounds, data):
+    """`held_at_peak` walks a prefix of the rank's order, shared by byte counts of the same
+    ratios; the walk of the whole order (core/schedule.py `held_peak`) with the bytes as given,
+    and again scaled, holds the same microbatches at the peak."""
+    virtual = virtual if schedule == "interleaved-1f1b" else 1
+    microbatches = pp * rounds
+    rank = data.draw(st.integers(0, pp - 1))
+    stages = range(rank, pp * virtual, pp)
+    stage_bytes = {s: data.draw(st.integers(1, 50)) for s in stages}
+    scale = data.draw(st.integers(2, 7))
+    order = rank_order(schedule, pp, microbatches, chunks_per_rank(schedule, virtual), rank)
+    release = WEIGHT if schedule in SPLIT_BACKWARD else BACKWARD_ACTION
+    whole = held_peak(order, stage_bytes, release)[1]
+    assert held_at_peak(schedule, pp, microbatches, virtual, rank, stage_bytes) == whole
+    scaled = {s: b * scale for s, b in stage_bytes.items()}
+    assert held_at_peak(schedule, pp, microbatches, virtual, rank, scaled) == whole
+
+
+def test_plans_that_differ_in_activations_share_one_framework_key():
+    """The framework part's key is one instance for plans that differ only in what it does not
+    read, so its cache finds it by identity; a difference it reads gives another."""
+    base = EstimateInputs(shape=SHAPES["llama"], params=None, degrees=Degrees(dp=2, pp=2), zero_stage=3,
+                          num_microbatches=4)
+    same = [base.with_(micro_batch=b, num_microbatches=m, recompute=r)
+            for b, m, r in ((1, 4, "none"), (2, 2, "full"), (4, 8, "selective"))]
+    assert all(_framework_key(p) is _framework_key(base) for p in same)
+    assert _framework_key(base.with_(num_microbatches=1)) is not _framework_key(base)
+    assert _framework_key(base.with_(zero_stage=2)) is not _framework_key(base)
+    assert _framework_key(base.with_(zero_stage=2)).zero_stage == 2

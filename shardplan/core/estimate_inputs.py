@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ..spec.job import JobSpec
 from ..spec.model import ModelShape, cached_hash
@@ -86,16 +86,18 @@ class EstimateInputs:
     def with_(self, **changes) -> EstimateInputs:
         """A copy with `changes` (as `dataclasses.replace`, which the planner's inner loop cannot
         afford: this class has no validation in its constructor to skip)."""
-        unknown = changes.keys() - self.__dict__.keys()
-        if unknown:
-            raise TypeError(f"EstimateInputs has no field {sorted(unknown)[0]!r}")
+        if not changes.keys() <= _FIELDS:
+            raise TypeError(f"EstimateInputs has no field {sorted(changes.keys() - _FIELDS)[0]!r}")
         copy = object.__new__(EstimateInputs)
-        values = dict(self.__dict__)
+        values = copy.__dict__
+        values.update(self.__dict__)
+        values.update(changes)
         values.pop("_hash", None)
         values.pop("_framework_key", None)  # core/figures.py caches it on the instance
-        values.update(changes)
-        copy.__dict__.update(values)
         return copy
+
+
+_FIELDS = frozenset(f.name for f in fields(EstimateInputs))
 
 
 def inputs_from_job(job: JobSpec, shape: ModelShape | None, limits_known: bool) -> EstimateInputs:
