@@ -13,6 +13,7 @@ import sys
 import time
 from collections import Counter
 from contextlib import contextmanager
+from typing import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -199,6 +200,26 @@ def collector_paused():
             gc.enable()
 
 
+def search_ranking(hardware, lora) -> tuple[Callable[[EstimateInputs], float], dict]:
+    """The step timer on `hardware` and what a search ranks by beside it (core/search.py
+    `search`): the offload strategy's decisions and the time bounds, on the same hardware."""
+    from ..core.step_time import step_time, step_time_bound, step_time_group_bound, step_time_refined_bound
+
+    def timer(inputs: EstimateInputs) -> float:
+        return step_time(inputs, hardware, lora=lora).step_seconds
+
+    def bound(inputs: EstimateInputs) -> float:
+        return step_time_bound(inputs, hardware, lora=lora)
+
+    def refine(inputs: EstimateInputs) -> float:
+        return step_time_refined_bound(inputs, hardware, lora=lora)
+
+    def group_bound(group: Group) -> float:
+        return step_time_group_bound(group[0], tuple(group.batches), hardware, lora=lora)
+
+    return timer, dict(resolve=resolve_offload, bound=bound, refine=refine, group_bound=group_bound)
+
+
 def run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None, global_batch: int | None,
                     top: int, progress: bool = True, overrides=None) -> PlanOutcome:
     with collector_paused():
@@ -207,7 +228,7 @@ def run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None, 
 
 def _run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None, global_batch: int | None,
                      top: int, progress: bool, overrides) -> PlanOutcome:
-    from ..core.step_time import step_time, step_time_bound, step_time_group_bound, step_time_refined_bound
+    from ..core.step_time import step_time
     from .hardware import hardware_of, lora_of
 
     job, shape = resolved.job, resolved.shape
@@ -239,24 +260,7 @@ def _run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None,
     base = inputs_from_job(job, shape, True).with_(degrees=Degrees(dp=world))
     space = Space(world=world, global_batch=batch, runnable=job.zero.framework == "fsdp2")
 
-    def timer(inputs: EstimateInputs) -> float:
-        return step_time(inputs, hardware, lora=lora).step_seconds
-
-    def resolve(inputs: EstimateInputs) -> EstimateInputs:
-        return resolve_offload(inputs)
-
-    def bound(inputs: EstimateInputs) -> float:
-        return step_time_bound(inputs, hardware, lora=lora)
-
-    def refine(inputs: EstimateInputs) -> float:
-        return step_time_refined_bound(inputs, hardware, lora=lora)
-
-    def group_bound(group: Group) -> float:
-        return step_time_group_bound(group[0], tuple(group.batches), hardware, lora=lora)
-
-    # What every search of this command ranks by, beside the timer (core/search.py, `search`).
-    ranking = dict(resolve=resolve, bound=bound, refine=refine, group_bound=group_bound)
-
+    timer, ranking = search_ranking(hardware, lora)
     bar = _Progress(progress)
     try:
         result = search(base, space, fixed, timer, top_k=top, progress=bar, **ranking)

@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 
 from ..core.degrees import Degrees
 from ..core.estimate_inputs import EstimateInputs
-from ..core.memory import estimate_memory, resolve_offload
-from ..core.search import Fixed, Group, Space, search
+from ..core.memory import estimate_memory
+from ..core.search import Fixed, Space, search
 from .plan_job import plan_tables
 
 # (lever, the Fixed fields it frees)
@@ -84,25 +84,22 @@ def changes_to_fit(asked: EstimateInputs, hardware, lora=None, limit: int = 3) -
         return []
     if asked.shape is None:
         return _state_levers(asked, limit)
-    from ..core.step_time import step_time, step_time_bound, step_time_group_bound, step_time_refined_bound
     from .hardware import FALLBACK_GPU, _preset_cluster, hardware_of
-    from .plan_search import collector_paused
+    from .plan_search import collector_paused, search_ranking
 
     known = hardware is not None
-    ranking = hardware if known else hardware_of(_preset_cluster(FALLBACK_GPU))
+    timer, ranking = search_ranking(hardware if known else hardware_of(_preset_cluster(FALLBACK_GPU)), lora)
+    with collector_paused():
+        found = _levers_searched(asked, timer, ranking, known)
+    ordered = sorted(found.values(), key=lambda c: (timer_of(c), len(c.settings)))[:limit]
+    smallest = min(found.values(), key=lambda c: (len(c.settings), timer_of(c)), default=None)
+    if smallest is not None and smallest not in ordered:
+        ordered[-1] = smallest  # the fastest changes, and the smallest one
+    return ordered
 
-    def timer(inputs: EstimateInputs) -> float:
-        return step_time(inputs, ranking, lora=lora).step_seconds
 
-    def bound(inputs: EstimateInputs) -> float:
-        return step_time_bound(inputs, ranking, lora=lora)
-
-    def refine(inputs: EstimateInputs) -> float:
-        return step_time_refined_bound(inputs, ranking, lora=lora)
-
-    def group_bound(group: Group) -> float:
-        return step_time_group_bound(group[0], tuple(group.batches), ranking, lora=lora)
-
+def _levers_searched(asked: EstimateInputs, timer, ranking: dict, known: bool) -> dict[tuple, Change]:
+    """Each lever's fastest fitting plan (`LEVERS`), one per distinct change of settings."""
     d = asked.degrees
     world = d.dp * d.tp * d.pp * d.cp
     global_batch = d.dp * asked.micro_batch * asked.num_microbatches
@@ -118,9 +115,7 @@ def changes_to_fit(asked: EstimateInputs, hardware, lora=None, limit: int = 3) -
             base = base.with_(degrees=Degrees(dp=world))
         space = Space(world=world, global_batch=global_batch, runnable=asked.framework == "fsdp2",
                       offload=lever.startswith("offload"))
-        with collector_paused():
-            result = search(base, space, fixed, timer, top_k=1, resolve=resolve_offload, bound=bound, refine=refine,
-                            group_bound=group_bound)
+        result = search(base, space, fixed, timer, top_k=1, **ranking)
         if not result.plans:
             continue
         best = result.plans[0]
@@ -134,11 +129,7 @@ def changes_to_fit(asked: EstimateInputs, hardware, lora=None, limit: int = 3) -
                         best.seconds if known else None)
         if key not in found:
             found[key] = change
-    ordered = sorted(found.values(), key=lambda c: (timer_of(c), len(c.settings)))[:limit]
-    smallest = min(found.values(), key=lambda c: (len(c.settings), timer_of(c)), default=None)
-    if smallest is not None and smallest not in ordered:
-        ordered[-1] = smallest  # the fastest changes, and the smallest one
-    return ordered
+    return found
 
 
 def timer_of(change: Change) -> float:
