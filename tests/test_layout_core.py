@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from shardplan.core.degrees import Degrees
 from shardplan.core.layout import (
     AXIS_GROUPS, COMBINED_GROUPS, EMBEDDING_GROUP, GROUP_NAMES, Layout, format_ranks, hybrid_shard_groups,
-    layout_problems, layout_warnings, mesh_dims,
+    layout_problems, layout_warnings, mesh_dims, shard_group_size,
 )
 from shardplan.spec.common import MAX_WORLD_SIZE
 from shardplan.spec.errors import PlanError
@@ -272,6 +272,24 @@ def test_hybrid_groups_partition_and_stay_inside_nodes(order, gpn):
     for group in shard + replicate:  # both are sub-groups of a dp group
         assert any(set(group) <= set(dp) for dp in grid.groups("dp"))
     assert len(shard[0]) * len(replicate[0]) == 8 and len(replicate[0]) == nodes_per_dp_group[0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(ORDERS), st.sampled_from([1, 2, 3, 4, 6, 8]), st.sampled_from([1, 2, 3, 4]),
+       st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 3]), st.sampled_from([2, 3, 4, 6, 8, 16]))
+def test_hybrid_shard_size_is_the_listed_groups(order, dp, tp, pp, cp, gpn):
+    """`shard_group_size(hybrid=True)` checks one dp x cp group per base rank modulo the node
+    size instead of listing every group (a search asks it of thousands of ranks): the same
+    size as the first listed shard group, and the same error where a group splits unevenly."""
+    grid = Layout(Degrees(dp=dp, tp=tp, pp=pp, cp=cp), order, gpn)
+    try:
+        shard, _ = hybrid_shard_groups(grid, group="dp_cp")
+    except PlanError as slow:
+        with pytest.raises(PlanError) as fast:
+            shard_group_size(grid, hybrid=True)
+        assert str(fast.value) == str(slow)
+        return
+    assert shard_group_size(grid, hybrid=True) == len(shard[0])
 
 
 def test_hybrid_cases_cover_both_outcomes():

@@ -19,7 +19,8 @@ from shardplan.core.degrees import Degrees
 from shardplan.core.estimate_inputs import EstimateInputs, default_cpu_budget
 from shardplan.core.hardware import TimeConstants
 from shardplan.core.memory import cpu_limit, estimate_memory, plan_figures, resolve_offload
-from shardplan.core.search import Fixed, Space, candidates, divisors, forward_bound, search, states_bound, twin_key
+from shardplan.core.search import (PRUNED, RECOMPUTE, Fixed, Space, _Walk, candidates, divisors, forward_bound, search,
+                                   states_bound, twin_key)
 from shardplan.core.step_time import step_time, step_time_bound, step_time_group_bound, step_time_refined_bound
 from test_plan_figures import SHAPES, plans
 from time_references import A100_80GB, narayanan_table_1, narayanan_table_2
@@ -55,7 +56,7 @@ def small_base(name: str, world: int, gpu_memory: int) -> EstimateInputs:
 
 def exhaustive(base: EstimateInputs, space: Space, fixed: Fixed, timer, k: int):
     """Every candidate evaluated: its exact peak and host bytes against the limits, then its
-    step time; no bound, no binary search over micro batches."""
+    step time; no bound, no search over micro batches."""
     fitting = []
     for group in candidates(base, space, fixed, Counter()):
         for plan in group:
@@ -116,7 +117,7 @@ def test_branch_and_bound_returns_the_exhaustive_ranking(name, world, batch, run
 
 def test_offload_search_returns_the_exhaustive_ranking():
     """Nothing fits without offload: the search's second phase (each plan offloaded as the
-    balanced strategy decides, the micro batches' fit found by binary search, the floor and
+    balanced strategy decides, the micro batches' fit found by a galloping search, the floor and
     time bounds) returns what timing every offloaded plan returns."""
     base = small_base("llama", 8, gpu(48)).with_(strategy="balanced")
     space = Space(world=8, global_batch=32)
@@ -140,7 +141,7 @@ def test_offload_search_returns_the_exhaustive_ranking():
 
 @pytest.mark.parametrize("name,world,batch,runnable,memory", SPACES)
 def test_memory_grows_with_the_micro_batch(name, world, batch, runnable, memory):
-    """The binary search over a group's micro batches rests on this: at a fixed plan, a larger
+    """The galloping search over a group's micro batches rests on this: at a fixed plan, a larger
     micro batch (fewer microbatches) never lowers the peak, except the single-microbatch plan,
     which frees gradients as it goes and is tried alone."""
     base = small_base(name, world, memory)
@@ -156,7 +157,7 @@ def test_memory_grows_with_the_micro_batch(name, world, batch, runnable, memory)
 
 @pytest.mark.parametrize("memory", [gpu(138), gpu(288)])
 def test_fit_after_offload_is_a_prefix_of_micro_batches(memory):
-    """The second phase's binary search rests on this: after the balanced strategy's offload,
+    """The second phase's galloping search rests on this: after the balanced strategy's offload,
     the micro batches that fit are still the smallest ones."""
     base = small_base("llama", 8, memory).with_(strategy="balanced")
     checked = 0
@@ -199,6 +200,70 @@ def test_the_group_bound_is_at_most_each_plans_bound(inputs):
     assert lowest <= min(exact)
     alone = step_time_group_bound(inputs, ((inputs.micro_batch, inputs.num_microbatches),), A100_80GB)
     assert alone == pytest.approx(bound(inputs), rel=1e-6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans())
+def test_recomputation_only_raises_the_group_bound(inputs):
+    """The search bounds the keys of one structure in the order none, selective, full
+    recomputation, each only once the previous one is taken (core/search.py, `in_bound_order`):
+    each one's group bound is at least the previous one's."""
+    local = inputs.micro_batch * inputs.num_microbatches
+    batches = tuple((b, local // b) for b in divisors(local))
+    values = [step_time_group_bound(inputs.with_(recompute=r), batches, A100_80GB) for r in RECOMPUTE]
+    assert values == sorted(values)
+
+
+def test_the_fitting_micro_batches_are_found_from_the_smallest():
+    """`_Walk.largest_fitting` finds the largest fitting micro batch of every prefix (memory
+    grows with the micro batch: test_memory_grows_with_the_micro_batch), probing 0, 1, 3, 7,
+    ... then halving the gap: a group that fits nothing costs one check, one that fits only its
+    smallest two."""
+    for count in range(1, 12):
+        for limit in range(-1, count):
+            walk = _Walk(small_base("llama", 8, gpu(388)), 5, timer=None, progress=None)
+            probed = []
+
+            def check(group, index, plan):
+                probed.append(index)
+                return (index <= limit, 0, 0, "")
+
+            assert walk.largest_fitting(0, list(range(count)), count, check) == limit, (count, limit)
+            assert len(probed) == len(set(probed)) <= 2 * count.bit_length()
+            if limit == -1:
+                assert probed == [0]
+            if limit == 0 and count > 1:
+                assert probed == [0, 1]
+            assert walk.largest_fitting(0, list(range(count)), count, check) == limit  # kept per group
+            assert len(probed) == len(set(probed))
+
+
+def test_fits_are_timed_in_the_order_of_their_sharper_bound():
+    """A plan that fits waits at its sharper bound (`_Walk.rank`) and is timed once the walk
+    reaches that bound (`settle`), least first; once K plans are timed, a waiting plan whose
+    sharper bound exceeds the K-th best time is pruned without being timed."""
+    sharper = {1: 3.0, 2: 1.0, 3: 2.0, 4: 5.0, 5: 4.5}
+    seconds = {1: 3.5, 2: 1.5, 3: 2.5, 4: 9.0, 5: 6.0}
+    plans_ = {n: small_base("llama", 8, gpu(388)).with_(micro_batch=n) for n in sharper}
+    timed = []
+
+    def timer(plan):
+        timed.append(plan.micro_batch)
+        return seconds[plan.micro_batch]
+
+    walk = _Walk(plans_[1], 2, timer, None, refine=lambda plan: sharper[plan.micro_batch])
+    for n in (1, 2, 3):
+        walk.rank(plans_[n], figures=(n, 0))
+    assert timed == []  # none timed before the walk reaches its bound
+    walk.settle(2.0)
+    assert timed == [2, 3]  # least sharper bound first; 1 waits at 3.0
+    walk.rank(plans_[4], figures=(4, 0))  # 5.0 > the 2nd best time found (2.5): pruned at once
+    walk.settle(2.9)
+    assert timed == [2, 3]
+    walk.settle()
+    assert timed == [2, 3]  # 1's bound 3.0 exceeds the 2nd best time (2.5): pruned, not timed
+    assert walk.result.rejected[PRUNED] == 2 and walk.result.fitting == 2
+    assert [item[3].micro_batch for item in sorted(walk.best, reverse=True)] == [2, 3]
 
 
 @settings(max_examples=150, deadline=None)

@@ -295,9 +295,46 @@ def shard_group_size(layout: Layout, hybrid: bool) -> int:
     weights: Megatron-LM's data-parallel-with-cp group, torchtitan's dp_shard_cp mesh); with
     hybrid sharding only the part of that group inside one node."""
     if hybrid:
-        shard_groups, _ = hybrid_shard_groups(layout, group="dp_cp")
-        return len(shard_groups[0])
+        return _hybrid_shard_size(layout, "dp_cp")
     return layout.degrees.dp * layout.degrees.cp
+
+
+def _hybrid_shard_size(layout: Layout, group: str) -> int:
+    """`len(hybrid_shard_groups(layout, group)[0][0])`, the size of the shard group of rank 0,
+    without listing every group (a search asks it of worlds of thousands of ranks). Every
+    group is one base rank plus the same offsets (`Layout.groups`), and two groups whose bases
+    differ by whole nodes split over nodes alike: one group per base modulo gpus_per_node
+    decides whether every group splits evenly, and the first uneven one, in the order of
+    `Layout.groups`, is the one `hybrid_shard_groups`' error names."""
+    gpn = layout.gpus_per_node
+    spanned = layout.group_axes(group)
+    offsets = _mixed_radix(spanned, layout.sizes, layout.strides)
+    others = tuple(axis for axis in layout.axes if axis not in spanned)
+    size_at: dict[int, int] = {}  # base modulo gpus_per_node -> its groups' piece size
+    for base in _mixed_radix(others, layout.sizes, layout.strides):
+        if base % gpn not in size_at:
+            size_at[base % gpn] = len(_node_pieces([base + offset for offset in offsets], group, gpn)[0])
+    return size_at[0]
+
+
+def _node_pieces(ranks: list[int], group: str, gpn: int) -> list[list[int]]:
+    """A group's ranks (ascending) cut into the pieces on each node; PlanError when the
+    pieces differ in size."""
+    pieces: list[list[int]] = []
+    for rank in ranks:  # ranks ascend, so a node's ranks are consecutive here
+        if pieces and pieces[-1][0] // gpn == rank // gpn:
+            pieces[-1].append(rank)
+        else:
+            pieces.append([rank])
+    sizes = {len(piece) for piece in pieces}
+    if len(sizes) > 1:
+        counts = ", ".join(f"{len(p)} on node {p[0] // gpn}" for p in pieces[:4])
+        more = ", ..." if len(pieces) > 4 else ""
+        raise PlanError(
+            f"hybrid sharding needs every {group} group spread evenly over nodes: "
+            f"{group} group {format_ranks(ranks)} has {counts}{more} (gpus_per_node {gpn})"
+        )
+    return pieces
 
 
 def hybrid_shard_groups(layout: Layout, group: str = "dp") -> tuple[list[list[int]], list[list[int]]]:
@@ -314,20 +351,7 @@ def hybrid_shard_groups(layout: Layout, group: str = "dp") -> tuple[list[list[in
     shard_groups: list[list[int]] = []
     replicate_groups: list[list[int]] = []
     for ranks in layout.groups(group):
-        pieces: list[list[int]] = []
-        for rank in ranks:  # ranks ascend, so a node's ranks are consecutive here
-            if pieces and pieces[-1][0] // gpn == rank // gpn:
-                pieces[-1].append(rank)
-            else:
-                pieces.append([rank])
-        sizes = {len(piece) for piece in pieces}
-        if len(sizes) > 1:
-            counts = ", ".join(f"{len(p)} on node {p[0] // gpn}" for p in pieces[:4])
-            more = ", ..." if len(pieces) > 4 else ""
-            raise PlanError(
-                f"hybrid sharding needs every {group} group spread evenly over nodes: "
-                f"{group} group {format_ranks(ranks)} has {counts}{more} (gpus_per_node {gpn})"
-            )
+        pieces = _node_pieces(ranks, group, gpn)
         shard_groups += pieces
         replicate_groups += [list(column) for column in zip(*pieces)]
     shard_groups.sort(key=lambda g: g[0])

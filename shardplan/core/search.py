@@ -398,6 +398,9 @@ class _Walk:
         self.best: list[tuple] = []  # min-heap of (-seconds, -peak, -order, inputs, peak, host, asked)
         self.misses: list[Miss] = []
         self.order = 0
+        self.pending: list[tuple] = []  # min-heap of (sharper bound, queued, inputs, asked, figures): `rank`
+        self.queued = 0
+        self.fitted = False  # a plan fits (then misses are no longer kept)
         self.fits: dict[int, int] = {}  # group -> index of its largest fitting micro batch (-1: none)
         self.checked: dict[tuple[int, int], tuple[bool, int, int, str]] = {}  # (group, index) -> memory()
         self.state_cache: dict[tuple, tuple[int, int]] = {}
@@ -448,16 +451,17 @@ class _Walk:
             first, last = self.states(inputs)
             if with_allowances(max(forward_bound(inputs, first), first, last), inputs.on_gpu) > self.capacity:
                 return False, 0, 0, FORWARD
-        # Misses are shown only when nothing fits: once a plan is ranked none is kept, and the
+        # Misses are shown only when nothing fits: once a plan fits none is kept, and the
         # first stage over the GPU is enough to reject a plan.
-        peak, host = plan_figures(inputs, self.capacity if self.best else None)
+        peak, host = plan_figures(inputs, self.capacity if self.fitted else None)
         over_gpu = peak - self.capacity if self.capacity is not None else 0
         over_host = host - self.limit
         if over_gpu > 0 or over_host > 0:
             reason = "GPU memory" if over_gpu > 0 else "host memory"
-            if not self.best:
+            if not self.fitted:
                 self.miss(inputs, peak, host, max(over_gpu, over_host), reason)
             return False, peak, host, reason
+        self.fitted = True
         return True, peak, host, ""
 
     def checked_memory(self, group: int, index: int, inputs: EstimateInputs) -> tuple[bool, int, int, str]:
@@ -469,13 +473,20 @@ class _Walk:
     def largest_fitting(self, group: int, plans: Sequence[EstimateInputs], count: int, check=None) -> int:
         """Memory grows with the micro batch at a fixed accumulation rule (activations and the
         loss's transients scale with it, the rest does not change; tests/test_plan.py): the
-        fitting micro batches are a prefix, found by binary search. A list's last plan with a
-        single microbatch is left out: it frees its gradients in forward and is tried alone.
+        fitting micro batches are a prefix, found by a galloping search from the smallest. A
+        list's last plan with a single microbatch is left out: it frees its gradients in forward
+        and is tried alone.
         `count`: how many of `plans` to consider. `check(group, index, plan)` -> (fits, ...):
         `checked_memory` unless given."""
         check = check or self.checked_memory
         if group not in self.fits:
-            low, high, best = 0, count - 1, -1
+            # Most groups a search reaches fit nothing or only their smallest micro batches:
+            # probe from the smallest, at 0, 1, 3, 7, ... while they fit, then halve the gap
+            # left. A group that fits nothing costs one check.
+            best, probe, step = -1, 0, 1
+            while probe < count and check(group, probe, plans[probe])[0]:
+                best, probe, step = probe, probe + step, step * 2
+            low, high = best + 1, min(probe, count) - 1
             while low <= high:
                 middle = (low + high) // 2
                 if check(group, middle, plans[middle])[0]:
@@ -489,10 +500,36 @@ class _Walk:
         self.result.rejected[reason] += count
 
     def rank(self, inputs: EstimateInputs, asked: EstimateInputs | None = None, figures=None) -> None:
+        """A plan that fits. With `refine`, it waits at its sharper bound (`settle`): pruned
+        if that exceeds the k-th best time already, else timed once the walk reaches that
+        bound, so the fits with the least bounds are timed first and the k-th best time falls
+        soonest. Without, it is timed now."""
+        if self.refine is None:
+            self._time(inputs, asked, figures)
+            return
+        lower = self.refine(inputs)
         kth = self.kth()
-        if self.refine is not None and kth is not None and self.refine(inputs) > kth:
+        if kth is not None and lower > kth:
             self.reject(PRUNED)
             return
+        self.queued += 1
+        heapq.heappush(self.pending, (lower, self.queued, inputs, asked, figures))
+
+    def settle(self, up_to: float = float("inf")) -> None:
+        """Times the waiting fits whose sharper bound is at most `up_to` (the walk's next
+        bound: every plan not yet reached takes at least that), least bound first; those
+        above the k-th best time by then are pruned."""
+        pending = self.pending
+        while pending and pending[0][0] <= up_to:
+            lower, _, inputs, asked, figures = heapq.heappop(pending)
+            kth = self.kth()
+            if kth is not None and lower > kth:
+                self.reject(PRUNED, len(pending) + 1)  # the rest wait at larger bounds still
+                pending.clear()
+                return
+            self._time(inputs, asked, figures)
+
+    def _time(self, inputs: EstimateInputs, asked: EstimateInputs | None, figures) -> None:
         peak, host = figures if figures is not None else plan_figures(inputs)
         seconds = self.timer(inputs)
         self.order += 1
@@ -536,6 +573,7 @@ class _Walk:
             admitted = [g for g, plans in enumerate(groups) if admit is None or admit(plans)]
             keyed = [(lower, admitted[a], i) for lower, a, i in _keyed([groups[g] for g in admitted], bound)]
             for position, (lower, g, i) in enumerate(keyed):
+                self.settle(lower)
                 kth = self.kth()
                 if bound is not None and kth is not None and lower > kth:
                     self.reject(PRUNED, len(keyed) - position)
@@ -548,7 +586,22 @@ class _Walk:
         for g, plans in enumerate(groups):
             members.setdefault(plans.key, []).append(g)
         keys = list(members.values())
-        heap: list[tuple] = [(group_bound(groups[gs[0]]), 0, n) for n, gs in enumerate(keys)]
+        # The keys of one structure and sequence parallel differ only in recomputation, which
+        # only adds time (none, then selective, then full: core/layer_time.py): a key's group
+        # bound is at least the previous one's, so each key is bounded and enters the heap
+        # only once the previous one is taken (tests/test_plan.py holds the order).
+        after: dict[int, int] = {}  # key -> the next key of its chain
+        chains: dict[tuple, list[tuple[int, int]]] = {}
+        for n, gs in enumerate(keys):
+            first = groups[gs[0]]
+            if first.recompute in RECOMPUTE:
+                chains.setdefault((first.key[0], first.sequence_parallel), []).append(
+                    (RECOMPUTE.index(first.recompute), n))
+        for chain in chains.values():
+            chain.sort()
+            after.update((n, m) for (_, n), (_, m) in zip(chain, chain[1:]))
+        later = set(after.values())
+        heap: list[tuple] = [(group_bound(groups[gs[0]]), 0, n) for n, gs in enumerate(keys) if n not in later]
         heapq.heapify(heap)
         left = sum(len(plans) for plans in groups)  # plans not yet yielded nor left out
         verdicts: dict[int, bool] = {}  # group -> admitted
@@ -564,12 +617,16 @@ class _Walk:
 
         while heap:
             entry = heapq.heappop(heap)
+            self.settle(entry[0])
             kth = self.kth()
             if kth is not None and entry[0] > kth:
                 self.reject(PRUNED, left)
                 self.tick(left)
                 return
             if entry[1] == 0:
+                follows = after.get(entry[2])
+                if follows is not None:
+                    heapq.heappush(heap, (group_bound(groups[keys[follows][0]]), 0, follows))
                 known: dict[int, float] = {}  # index -> bound: the key's groups share them
                 for g in keys[entry[2]]:
                     plans = groups[g]
@@ -663,8 +720,9 @@ def search(base: EstimateInputs, space: Space, fixed: Fixed, timer: Callable[[Es
         if i > limit:
             walk.reject(walk.checked[(g, i)][3] if (g, i) in walk.checked else SMALLER)
             continue
-        known = walk.checked.get((g, i))  # the binary search's figures, when it checked this one
+        known = walk.checked.get((g, i))  # the galloping search's figures, when it checked this one
         walk.rank(inputs, figures=known[1:3] if known is not None else None)
+    walk.settle()
     if not walk.best and fixed.offload is None and space.offload and base.strategy != "conservative":
         # Nothing fits as it is: the offload strategy adds the offload the runtime executes,
         # cheapest first, only as far as each plan needs. Offload adds time, so the same bound
@@ -702,6 +760,7 @@ def search(base: EstimateInputs, space: Space, fixed: Fixed, timer: Callable[[Es
                 walk.rank(plan, asked, figures=(peak, host))
             else:
                 walk.reject(reason)
+        walk.settle()
     ranked = sorted(walk.best, reverse=True)
     result.plans = [Found(inputs, peak, host, -neg, asked) for neg, _, _, inputs, peak, host, asked in ranked]
     result.misses = sorted(walk.misses, key=lambda m: m.short_bytes)[:top_k]

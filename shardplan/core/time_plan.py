@@ -233,13 +233,20 @@ def stage_costs(plan: TimePlan, layer: LayerCosts, edges: EdgeCosts) -> list[Sta
     last_stage = len(plan.stage_layers) - 1
     shares = [offloaded_share(plan, rank) for rank in range(d.pp)]
     costs = []
+    # Stages alike in what their cost reads (most middle stages) share one StageCost.
+    alike: dict[tuple, StageCost] = {}
     for stage, (layers, elements) in enumerate(zip(plan.stage_layers, stage_elements(plan))):
-        trained = trained_elements(plan, elements, layers)
         share = shares[stage % d.pp]
-        costs.append(stage_cost(
-            layers, layer, stage == 0, stage == last_stage, edges, send if d.pp > 1 else 0.0,
-            sharded_traffic(plan, elements, trained, layers), streamed(plan, elements, trained, share), split, plan.c,
-        ))
+        key = (layers, elements, share, stage == 0, stage == last_stage)
+        cost = alike.get(key)
+        if cost is None:
+            trained = trained_elements(plan, elements, layers)
+            cost = alike[key] = stage_cost(
+                layers, layer, stage == 0, stage == last_stage, edges, send if d.pp > 1 else 0.0,
+                sharded_traffic(plan, elements, trained, layers), streamed(plan, elements, trained, share), split,
+                plan.c,
+            )
+        costs.append(cost)
     return costs
 
 
