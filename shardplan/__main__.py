@@ -1,5 +1,3 @@
-import sys
+from shardplan.cli.app import main_exit
 
-from shardplan.cli.app import main
-
-sys.exit(main())
+main_exit()

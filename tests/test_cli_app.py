@@ -45,6 +45,28 @@ def test_a_command_imports_only_its_own_module():
     assert proc.stdout.strip() == "['estimate_cmd']", proc.stdout
 
 
+def test_the_collector_is_paused_for_a_planning_command_and_restored():
+    """Planning commands run with Python's cyclic collector paused (cli/app.py `main`); an
+    in-process caller gets it back as it was, also after a failing command, and `run` keeps it."""
+    proc = _python(
+        "import gc, sys, io, contextlib\n"
+        "import shardplan.cli.validate_cmd as v\n"
+        "seen = []\n"
+        "real = v.register\n"
+        "def register(app):\n"
+        "    real(app)\n"
+        "    seen.append(gc.isenabled())\n"
+        "v.register = register\n"
+        "from shardplan.cli.app import main, command_names\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+        "    codes = [main(['validate', 'llama-3-8b-h100']), main(['validate', 'no-such-file.toml'])]\n"
+        "    gc.disable(); main(['validate', 'llama-3-8b-h100']); off = gc.isenabled(); gc.enable()\n"
+        "print(codes, seen, gc.isenabled(), off, command_names(['run', 'job.toml']))\n"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[0, 2] [False, False, False] True False ['run']"
+
+
 def test_a_schedule_from_flags_never_reads_a_job():
     proc = _python(
         "import sys, io, contextlib; from shardplan.cli.app import main\n"
