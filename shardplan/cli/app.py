@@ -66,6 +66,12 @@ def command_names(argv: list[str]) -> list[str]:
     return list(COMMANDS)
 
 
+def _plans_only(argv: list[str]) -> bool:
+    """Whether the command line runs a short-lived planning command (anything but `run`, which
+    trains): those run with the cyclic collector paused and skip its last pass at exit."""
+    return command_names(argv) != ["run"]
+
+
 def _debugging() -> bool:
     return os.environ.get("SHARDPLAN_DEBUG", "") not in ("", "0")
 
@@ -133,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     # schemas, the job, a search's plans) are freed by reference counting: Python's cyclic
     # collector, which runs as they are made, frees next to nothing there. It is paused for
     # the command and restored after; `run`, which trains, keeps it.
-    paused = gc.isenabled() and command_names(argv) != ["run"]
+    paused = gc.isenabled() and _plans_only(argv)
     if paused:
         gc.disable()
     try:
@@ -196,7 +202,7 @@ def _main(argv: list[str]) -> int:
 def main_exit() -> None:
     """Console-script entry point (and `python -m shardplan`)."""
     code = main()
-    if command_names(sys.argv[1:]) != ["run"]:
+    if _plans_only(sys.argv[1:]):
         # The process ends here: the interpreter's last full collection would walk every
         # object still alive (the modules, a search's caches) to free memory the operating
         # system takes back anyway, 1-4% of a planning command. `run` keeps it.
