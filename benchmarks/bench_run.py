@@ -129,8 +129,11 @@ def launch(kind: str, job: str, sets: list[str], world: int, out: Path, log: Pat
     else:
         command = [*torchrun(), "--standalone", f"--nproc_per_node={world}", str(MINIMAL), job,
                    *set_args, "--out", str(out), *minimal_args]
+    sys.path.insert(0, str(ROOT))
+    from shardplan.cli.run_cmd import threads_per_worker
+
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # what `shardplan run` gives its workers
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(world)))  # what `shardplan run` gives its workers
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     out.unlink(missing_ok=True)  # a report left by an earlier run in --logs must not count
     busy, ours = busy_cpu_seconds(), children_cpu_seconds()

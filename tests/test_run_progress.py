@@ -59,6 +59,17 @@ def _run_on_terminal(*args: str) -> tuple[int, str, str]:
 RUN = ["tiny-gpt2-cpu", "--set", "train.steps=3"]
 
 
+@pytest.mark.parametrize("cores, workers, threads", [(16, 1, 16), (16, 2, 8), (16, 3, 5), (2, 4, 1), (1, 1, 1)])
+def test_workers_share_the_cores(monkeypatch, cores, workers, threads):
+    """Each worker's torch gets its share of the launcher's cores (OMP_NUM_THREADS), as
+    DeepSpeed's `--bind_cores_to_rank` gives them: a host optimizer on one core each, torchrun's
+    own default, left a 16-core host idle (docs/validation.md, the CUDA offload runs)."""
+    from shardplan.cli.run_cmd import threads_per_worker
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert threads_per_worker(workers) == threads
+
+
 @pytest.mark.slow
 def test_progress_is_live_on_a_terminal():
     pytest.importorskip("torch")

@@ -133,6 +133,21 @@ def _watch(proc: subprocess.Popen, progress_path: Path) -> None:
         bar.show(reader.poll())
 
 
+def threads_per_worker(nproc: int) -> int:
+    """CPU threads each worker's torch may use: the cores this process may run on, shared
+    evenly among the node's workers (at least one). torchrun's own default is one thread per
+    worker (OMP_NUM_THREADS=1 whenever nproc_per_node > 1), which leaves an offload plan's host
+    optimizer and its state encoding on one core; the time model counts that optimizer bound
+    by the node's memory bandwidth (docs/time.md), which takes several cores. DeepSpeed's
+    launcher shares the cores the same way (`--bind_cores_to_rank`: OMP_NUM_THREADS = cores
+    per rank). A user's own OMP_NUM_THREADS is kept."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity call on this platform
+        cores = os.cpu_count() or 1
+    return max(1, cores // nproc)
+
+
 def _spawn(nproc: int, max_restarts: int, argv: list[str], verbose: bool, live: bool) -> None:
     """torchrun on this node; a failure raises `WorkersFailed` with the workers' exit code
     (torchrun's own is 1 for any failure). Workers' stderr goes to files and their failure
@@ -142,7 +157,7 @@ def _spawn(nproc: int, max_restarts: int, argv: list[str], verbose: bool, live: 
     torchrun = shutil.which("torchrun")
     command = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(nproc)))
     with tempfile.TemporaryDirectory(prefix="shardplan-logs-") as logs:
         progress_path = Path(logs) / "progress.jsonl"
         env.pop(PROGRESS_ENV, None)

@@ -19,16 +19,16 @@ from __future__ import annotations
 
 from .deepspeed import SUB_GROUP_SIZE, flat_groups, ordered_params, pinned_bytes
 from .estimate_inputs import EstimateInputs
-from .offload import CODE_BYTES, INT8_BLOCK, MOMENTS, frees_device_grads
+from .offload import CODE_BYTES, CODEC_CHUNK, INT8_BLOCK, MOMENTS, ROUNDING_CHUNKS, frees_device_grads
 from .precision import FP32, ElementBytes
 from .stages import RankParams, chunk_size
 from .states import HOST_GRADS, MASTER, HostGroup
 from .terms import Term
 
-# Bytes per element the int8 quantisation holds at once (runtime/offload_codec.py
-# quantize_with_qmap, torchao's codes): the int64 codes and the next index (8 + 8), the
-# gathered fp32 map values (4 + 4) and the fp32 scaled input (4), rounded up to a stated
-# allowance.
+# Bytes per element the int8 codec holds at once for the chunk it codes (runtime/offload_codec.py:
+# the fp32 scaled input and torchao's absolute values for the block maxima (4 + 4), the code
+# table's int32 buckets (4), the gathered codes and cuts (1 + 4), the comparison (1), and on
+# decoding the fp32 chunk (4)), rounded up to a stated allowance.
 INT8_TEMPORARY = 32
 
 # Host memory of one training process beside its tensors: Python, torch and the CUDA, cuDNN,
@@ -114,9 +114,9 @@ def engine_buffers(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, deg
     - cast staging, as many slots, when the device parameters are not fp32: the updated fp32
       master is cast on the host, then copied;
     - decompression: the fp32 moments of the largest group while it steps (compression);
-    - int8 quantisation temporaries of the largest group: the codec's search keeps int64
-      codes, their next index and the fp32 neighbours (`INT8_TEMPORARY` bytes per element,
-      an allowance);
+    - the codec's temporaries, for one chunk of `CODEC_CHUNK` elements at a time: int8's
+      (`INT8_TEMPORARY` bytes per element, an allowance), bf16's random bits (4 bytes per
+      element of a round of `ROUNDING_CHUNKS` chunks);
     - an fp32 copy of a group's gradients when they are 16-bit (the fused CPU AdamW kernel
       steps one dtype)."""
     on_device = [g for g in groups if not g.offloaded]
@@ -146,8 +146,13 @@ def engine_buffers(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, deg
         terms.append(Term("decompressed moments of the group stepping", moments * padded * FP32,
                           lambda: f"{moments} * {padded:,} elements * {FP32} B"))
     if inputs.compression == "int8" and moments:
-        terms.append(Term("int8 quantisation temporaries (allowance)", padded * INT8_TEMPORARY,
-                          lambda: f"{padded:,} elements * {INT8_TEMPORARY} B"))
+        chunk = min(padded, CODEC_CHUNK)
+        terms.append(Term("int8 quantisation temporaries (allowance)", chunk * INT8_TEMPORARY,
+                          lambda: f"{chunk:,} elements of a chunk * {INT8_TEMPORARY} B"))
+    if inputs.compression == "bf16" and moments:
+        drawn = min(padded, ROUNDING_CHUNKS * CODEC_CHUNK)
+        terms.append(Term("bf16 rounding's random bits", drawn * 4,
+                          lambda: f"{drawn:,} elements of a round * 4 B (int32)"))
     if eb.grads != FP32:
         terms.append(Term("fp32 copy of a group's gradients", biggest * FP32, lambda: f"{biggest:,} elements * {FP32} B"))
     return terms

@@ -26,6 +26,11 @@ from .precision import FP32, HALF
 # Elements per int8 block: torchao's AdamW8bit default (torchao/optim/adam.py, block_size=256),
 # the layout the 8-bit optimizers of bitsandbytes and torchao store.
 INT8_BLOCK = 256
+# Elements the host-state codec (runtime/offload_codec.py) transforms at a time: whole blocks,
+# so a chunk's temporaries are a few MiB, reused from one chunk to the next.
+CODEC_CHUNK = 1 << 20
+# Chunks whose random bits bf16 stochastic rounding draws in one round (one generator each).
+ROUNDING_CHUNKS = 16
 SCALE_BYTES = FP32  # one fp32 absmax per block
 CODE_BYTES = {"int8": 1, "fp16": HALF}  # block-wise stores: bytes per element
 

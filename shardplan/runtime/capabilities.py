@@ -21,9 +21,9 @@ def unbuildable(shape: ModelShape) -> str | None:
 
 
 def require_library(compression: str) -> str | None:
-    """The install hint when the library a compression needs (torchao: int8 quantisation and
-    bf16 stochastic rounding, runtime/offload_codec.py) is missing, else None."""
-    if compression not in ("int8", "bf16"):
+    """The install hint when the library a compression needs (torchao: int8 quantisation,
+    runtime/offload_codec.py) is missing, else None."""
+    if compression != "int8":
         return None
     import importlib.util
 

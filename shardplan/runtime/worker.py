@@ -220,6 +220,7 @@ def _loop(resolved, runtime, trainer, first_step, plan, options, cuda) -> dict:
         "world_size": runtime.world,
         "device": runtime.device.type,
         "torch_version": torch.__version__,
+        "cpu_threads": torch.get_num_threads(),  # the launcher's OMP_NUM_THREADS (cli/run_cmd.py)
         "pipeline_schedule": trainer.schedule_name,
         "steps": steps,
         "step_seconds": step_time,
