@@ -143,8 +143,9 @@ def test_report_document(references):
     report = references["tiny-llama"]
     assert report["schema_version"] == 1 and report["world_size"] == 1 and report["device"] in ("cpu", "cuda")
     assert report["tokens_per_second"] > 0
-    # One worker gets every core this process may use (cli/run_cmd.py threads_per_worker).
-    assert report["cpu_threads"] == len(os.sched_getaffinity(0))
+    # One worker gets every core this process may use (cli/run_cmd.py threads_per_worker),
+    # unless the caller set its own OMP_NUM_THREADS.
+    assert report["cpu_threads"] == int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
     rank = report["ranks"][0]
     keys = {"params", "grads", "optimizer", "activations", "peak_device", "resident_layers", "placement"}
     cuda = {"reserved_device", "device_used", "context", "device_capacity", "alloc_retries", "phases"}

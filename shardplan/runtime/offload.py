@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw
 from torch.optim.sgd import sgd
 
-from .offload_codec import StoredState, padded
+from .offload_codec import StoredState, padded, rounding_bits
 
 # torch.optim.AdamW's defaults: the device path (runtime/parallel.py) uses them unchanged.
 ADAMW_DEFAULTS = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
@@ -238,6 +238,7 @@ class HostOptimizer(torch.optim.Optimizer):
         self._cast_events: list[object] = [None] * len(self._cast)
         working = max((g.stored_numel for g in self.groups), default=0) if config.compression != "none" else 0
         self._working = {name: torch.zeros(working) for name in MOMENT_NAMES[config.optimizer]} if working else {}
+        self._bits = rounding_bits(working) if config.compression == "bf16" and working else None
 
     # -- gradients arriving -----------------------------------------------------------------
     def watch_fsdp(self) -> None:
@@ -363,7 +364,8 @@ class HostOptimizer(torch.optim.Optimizer):
         if self.config.compression == "none":
             return
         for name, state in group.states.items():
-            state.encode(self._working[name][:group.stored_numel], self._seed(group) * 2 + (name == "exp_avg_sq"))
+            state.encode(self._working[name][:group.stored_numel], self._seed(group) * 2 + (name == "exp_avg_sq"),
+                         self._bits)
 
     def _publish(self, group: _Group, entries: list[_Entry]) -> None:
         """Updated masters to the parameters: host-to-device on the copy stream, through a
@@ -457,7 +459,7 @@ class HostOptimizer(torch.optim.Optimizer):
                     if name in loaded:
                         values[e.stored_offset:e.stored_offset + e.numel].view(e.shape).copy_(_local(loaded[name]))
                 if self._working:
-                    group.states[name].encode(values, self._seed(group) * 2 + (name == "exp_avg_sq"))
+                    group.states[name].encode(values, self._seed(group) * 2 + (name == "exp_avg_sq"), self._bits)
             for e in group.entries:
                 loaded = state_dict["state"].get(by_param[e.param], {})
                 if e.step is not None and "step" in loaded:

@@ -167,10 +167,11 @@ class StoredState:
             else:
                 out[start:stop].view(-1, INT8_BLOCK).copy_(codes.view(-1, INT8_BLOCK).float() * scales.view(-1, 1))
 
-    def encode(self, values: torch.Tensor, seed: int) -> None:
-        """Store the fp32 `values` (same number of elements)."""
+    def encode(self, values: torch.Tensor, seed: int, bits: torch.Tensor | None = None) -> None:
+        """Store the fp32 `values` (same number of elements); `bits`: bf16's round buffer
+        (`rounding_bits`), kept by the caller."""
         if self.compression == "bf16":
-            bf16_stochastic(values, self.codes, seed)
+            bf16_stochastic(values, self.codes, seed, bits)
             return
         if self.compression not in BLOCKWISE:
             self.codes.copy_(values)
@@ -201,25 +202,21 @@ def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=torch.get_num_threads(), thread_name_prefix="shardplan-rounding")
 
 
-_BITS: list[torch.Tensor] = []
+def rounding_bits(numel: int) -> torch.Tensor:
+    """The int32 buffer of one round's random bits for tensors of up to `numel` elements. The
+    offload engine keeps one (core/host.py counts it): a fresh one per state and group costs
+    the kernel a page fault per 4 KiB, a quarter of the rounding's time on a 2-core host."""
+    return torch.empty(min(numel, ROUNDING_CHUNKS * CHUNK), dtype=torch.int32)
 
 
-def _random_bits(width: int) -> torch.Tensor:
-    """The round's int32 buffer, kept from call to call (the largest asked for so far, as
-    core/host.py counts it): a fresh one per state and group costs the kernel a page fault
-    per 4 KiB, a quarter of the rounding's time on a 2-core host."""
-    if not _BITS or _BITS[0].numel() < width:
-        _BITS[:] = [torch.empty(width, dtype=torch.int32)]
-    return _BITS[0][:width]
-
-
-def bf16_stochastic(values: torch.Tensor, out: torch.Tensor, seed: int) -> None:
+def bf16_stochastic(values: torch.Tensor, out: torch.Tensor, seed: int, bits: torch.Tensor | None = None) -> None:
     """Round the fp32 `values` stochastically into the bf16 `out` (module docstring), a round
-    of `ROUNDING_CHUNKS` chunks at a time: their random bits drawn in parallel, the carry and
-    the truncation in torch's own parallel kernels."""
+    of `ROUNDING_CHUNKS` chunks at a time: their random bits drawn in parallel into `bits`
+    (`rounding_bits`; a new one when not given), the carry and the truncation in torch's own
+    parallel kernels."""
     numel = values.numel()
     width = min(numel, ROUNDING_CHUNKS * CHUNK)
-    bits = _random_bits(width)
+    bits = (bits if bits is not None else rounding_bits(numel))[:width]
 
     def fill(start: int, base: int) -> None:
         generator = torch.Generator().manual_seed(chunk_seed(seed, start // CHUNK))
