@@ -3,6 +3,7 @@ anywhere, shell completion, and `validate --json`'s error member."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -65,6 +66,40 @@ def test_the_collector_is_paused_for_a_planning_command_and_restored():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[0, 2] [False, False, False] True False ['run']"
+
+
+def test_a_planning_command_ends_without_teardown_and_loses_nothing():
+    """Planning commands end with os._exit after the atexit handlers and a flush of the
+    standard streams (cli/app.py `_end_process`): the whole output arrives through a pipe, the
+    exit code is kept, a handler registered during the command runs; `run` exits normally."""
+    code = ("import atexit, sys, os\n"
+            "import shardplan.cli.app as app\n"
+            "real = app._main\n"
+            "def traced(argv):\n"
+            "    atexit.register(lambda: sys.stderr.write('handler ran\\n'))\n"
+            "    return real(argv)\n"
+            "app._main = traced\n"
+            "real_exit = os._exit\n"
+            "os._exit = lambda c: (sys.stderr.write(f'os._exit({c})\\n'), sys.stderr.flush(), real_exit(c))\n"
+            "sys.argv = ['shardplan', *sys.argv[1:]]\n"
+            "app.main_exit()\n")
+    environment = dict(os.environ, PYTHONPATH=str(ROOT))
+    environment.pop("WORLD_SIZE", None)
+
+    def command(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=ROOT,
+                              env=environment, timeout=120)
+
+    shown = command("estimate", "llama-3-8b-h100", "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["peak_gpu_bytes"] > 0  # the whole document, flushed
+    assert shown.stderr.splitlines()[-2:] == ["handler ran", "os._exit(0)"]
+    failed = command("validate", "no-such-file.toml")
+    assert failed.returncode == 2
+    assert failed.stderr.splitlines()[-2:] == ["handler ran", "os._exit(2)"]
+    trained = command("run", "no-such-file.toml")  # `run` exits normally: no os._exit
+    assert trained.returncode == 2
+    assert "os._exit" not in trained.stderr and "handler ran" in trained.stderr
 
 
 def test_a_schedule_from_flags_never_reads_a_job():

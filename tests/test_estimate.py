@@ -207,6 +207,22 @@ def test_capped_walk_finds_the_same_peak(schedule, pp, virtual):
             assert capped == full, (microbatches, rank)
 
 
+@pytest.mark.parametrize("pp", [2, 3, 4, 5, 8, 16])
+def test_one_f_one_b_holds_pp_minus_rank_at_its_peak(pp):
+    # held_at_peak answers 1F1B with one stage per rank in closed form, min(pp - r, m)
+    # (Narayanan et al. 2021, section 2.2); walking torch's order (core/schedule.py, the
+    # shape of `_get_1f1b_rank_ops`) must find the same count, and none for an empty stage.
+    from shardplan.core.estimate import held_at_peak
+    from shardplan.core.schedule import held_peak, rank_order
+
+    for microbatches in list(range(pp, 3 * pp + 2)) + [64, 97]:  # 1F1B needs m >= pp
+        for rank in range(pp):
+            walked = held_peak(tuple(rank_order("1f1b", pp, microbatches, 1, rank)), {rank: 4096}, "B")[1]
+            assert held_at_peak("1f1b", pp, microbatches, 1, rank, {rank: 4096}) == walked, (microbatches, rank)
+            empty = held_peak(tuple(rank_order("1f1b", pp, microbatches, 1, rank)), {rank: 0}, "B")[1]
+            assert held_at_peak("1f1b", pp, microbatches, 1, rank, {rank: 0}) == empty == {rank: 0}
+
+
 def test_plans_beyond_the_drawing_limits_are_estimated():
     # `schedule` refuses to draw these (too many cells); the estimate still answers.
     result = run_cli("estimate", "--set", "model.preset=llama-3-8b", "--pp", "1",

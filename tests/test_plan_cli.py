@@ -5,6 +5,8 @@ the job fixes, exit 1 with the closest misses, and bad input."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -17,7 +19,7 @@ else:  # pragma: no cover
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from conftest import run_cli
+from conftest import ROOT, run_cli
 
 JOB = """
 [model]
@@ -154,6 +156,25 @@ def test_table(job):
     assert lines[1].split()[:5] == ["#", "dp", "tp", "pp", "cp"]
     assert [line.split()[0] for line in lines[2:5]] == ["1", "2", "3"]
     assert "evaluated" in lines[5]
+
+
+def test_table_styled_on_a_terminal_and_plain_without_rich(job, monkeypatch):
+    """The table's lines (render/output.py `Line`) print as plain text without a terminal,
+    never loading rich's text module (a tenth of the command), and in rich's styles on one."""
+    code = ("import sys, io, contextlib\nfrom shardplan.cli.app import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            f"    main(['plan', {str(job)!r}, '--gpus', '8', '--global-batch', '64'])\n"
+            "print([m for m in ('rich.text', 'rich.console') if m in sys.modules])\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE")})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+    plain = run_cli("plan", job, *ARGS, "--top", "2")
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    styled = run_cli("plan", job, *ARGS, "--top", "2")
+    assert styled.code == plain.code == 0
+    assert styled.out.startswith("\x1b[1m" + plain.out.splitlines()[0])  # the title in bold
+    assert "\x1b[2mevaluated " in styled.out  # the search's line dim
 
 
 def test_nothing_fits(write):

@@ -210,6 +210,13 @@ def held_at_peak(schedule: str, pp: int, microbatches: int, virtual: int, pp_ran
         return dict.fromkeys(stage_bytes, 1)
     if schedule in ALL_FORWARDS_FIRST:
         return dict.fromkeys(stage_bytes, microbatches)
+    if schedule == "1f1b" and len(stage_bytes) == 1:
+        # 1F1B's rank r runs min(pp - r - 1, m) warm-up forwards, then one more before its
+        # first backward: it holds min(pp - r, m) microbatches at its peak (Narayanan et al.
+        # 2021, section 2.2: "at most p"), none when its stage keeps nothing. The walk's
+        # answer (tests/test_estimate.py holds the two equal).
+        ((stage, amount),) = stage_bytes.items()
+        return {stage: min(pp - pp_rank, microbatches) if amount > 0 else 0}
     # With one chunk per rank the count at the peak does not depend on its bytes; with more,
     # only on their ratios (the walk compares sums of them), so they are divided by their
     # greatest common divisor: micro batches whose bytes scale alike share the walk.
@@ -434,15 +441,15 @@ class RankParts:
     on_gpu: bool
 
 
+# The moments a rank's estimate has, by (it computes the loss, its gradients accumulate over
+# microbatches): the loss moment only on the loss's rank; "backward end" only without
+# accumulation (otherwise the backward moments already hold the gradients).
+PRESENT = {(loss, accumulates): tuple(m for m in MOMENTS if (m != LOSS or loss) and not (m == BACKWARD_END and accumulates))
+           for loss in (False, True) for accumulates in (False, True)}
+
+
 def _present(inputs: EstimateInputs, has_loss: bool) -> tuple[str, ...]:
-    names = []
-    for name in MOMENTS:
-        if name == LOSS and not has_loss:
-            continue
-        if name == BACKWARD_END and inputs.num_microbatches > 1:
-            continue  # gradients accumulate: the backward moments already hold them
-        names.append(name)
-    return tuple(names)
+    return PRESENT[has_loss, inputs.num_microbatches > 1]
 
 
 def _transients(inputs: EstimateInputs, act: ActivationShape | None, has_head: bool,

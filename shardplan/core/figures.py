@@ -15,6 +15,7 @@ from functools import lru_cache
 from .activations import ActivationShape, kept_logits_terms
 from .buffers import CUDA_CONTEXT_BYTES, FRAGMENTATION
 from .estimate import (
+    PRESENT,
     Coordinates,
     _activation_shape,
     _deepspeed,
@@ -24,7 +25,6 @@ from .estimate import (
     _layer_bytes,
     _lora,
     _loss_terms,
-    _present,
     _rank_params,
     _recompute_terms,
     _torch_or_paper,
@@ -138,38 +138,48 @@ def rank_host_figures(inputs: EstimateInputs, at: Coordinates) -> tuple[int, int
 def rank_figures(inputs: EstimateInputs, at: Coordinates) -> RankFigures:
     """The numbers `rank_estimate(inputs, at, ...)` reports, without its terms."""
     eb, rp, (fixed, grads, buffers, host), startup = _framework_part(inputs, at)
-    act = _activation_shape(inputs, eb) if inputs.shape is not None else None
-    saved = in_backward = 0
-    extra = dict.fromkeys(MOMENTS, 0)
-    has_loss = False
-    if act is not None:
-        per_layer, embedding, head, recompute, loss, logits = _act_sums(act)
-        d = inputs.degrees
-        stages = [at.pp_rank + chunk * d.pp for chunk in range(len(rp.chunk_layers))] or [at.pp_rank]
-        last_stage = d.pp * max(1, len(rp.chunk_layers)) - 1
-        # Under LoRA the first layer keeps less (no gradient flows into it).
-        first = _first_layer_bytes(act) - per_layer if act.lora is not None and rp.chunk_layers and rp.chunk_layers[0] else 0
-        stage_bytes = {}
-        for stage, layers in zip(stages, rp.chunk_layers or (0,)):
-            stage_bytes[stage] = (layers * per_layer + (embedding + first if stage == 0 else 0)
-                                  + (head if stage == last_stage else 0))
-        held = held_at_peak(inputs.schedule, d.pp, inputs.num_microbatches, inputs.virtual, at.pp_rank, stage_bytes)
-        saved = sum(held[stage] * stage_bytes[stage] for stage in stage_bytes)
-        head_held = held.get(last_stage, 0)
-        in_backward = saved - head if rp.has_head and head_held else saved
-        extra[BACKWARD] += recompute
-        if rp.has_head:
-            has_loss = True
-            extra[LOSS] += loss
-            if inputs.framework == "deepspeed" or d.pp > 1:
-                for moment in (FORWARD, LOSS, BACKWARD):
-                    extra[moment] += logits * head_held
+    saved, in_backward, extra, has_loss = (0, 0, _NO_EXTRA, False) if inputs.shape is None else _activation_part(
+        _activation_shape(inputs, eb), inputs.schedule, inputs.degrees.pp, inputs.num_microbatches, inputs.virtual,
+        at.pp_rank, rp.chunk_layers, rp.has_head, inputs.framework == "deepspeed")
     totals = {}
-    for name in _present(inputs, has_loss):
+    moments = PRESENT[has_loss, inputs.num_microbatches > 1]
+    for name in moments:
         tensors = fixed + grads[name] + buffers[name] + extra[name]
         tensors += saved if name in (FORWARD, LOSS) else in_backward if name == BACKWARD else 0
         totals[name] = tensors + (CUDA_CONTEXT_BYTES + int(tensors * FRAGMENTATION) if inputs.on_gpu else 0)
     return RankFigures(totals, host, startup)
+
+
+_NO_EXTRA = dict.fromkeys(MOMENTS, 0)
+
+
+@lru_cache(maxsize=8192)
+def _activation_part(act: ActivationShape, schedule: str, pp: int, microbatches: int, virtual: int, pp_rank: int,
+                     chunk_layers: tuple[int, ...], has_head: bool, deepspeed: bool) -> tuple[int, int, dict, bool]:
+    """(saved activations in forward and at the loss, in backward, each moment's transients,
+    whether the rank computes the loss) of a rank: what its figures add to the framework's part,
+    shared by the plans that differ only in their sharding or offload."""
+    per_layer, embedding, head, recompute, loss, logits = _act_sums(act)
+    stages = [pp_rank + chunk * pp for chunk in range(len(chunk_layers))] or [pp_rank]
+    last_stage = pp * max(1, len(chunk_layers)) - 1
+    # Under LoRA the first layer keeps less (no gradient flows into it).
+    first = _first_layer_bytes(act) - per_layer if act.lora is not None and chunk_layers and chunk_layers[0] else 0
+    stage_bytes = {}
+    for stage, layers in zip(stages, chunk_layers or (0,)):
+        stage_bytes[stage] = (layers * per_layer + (embedding + first if stage == 0 else 0)
+                              + (head if stage == last_stage else 0))
+    held = held_at_peak(schedule, pp, microbatches, virtual, pp_rank, stage_bytes)
+    saved = sum(held[stage] * stage_bytes[stage] for stage in stage_bytes)
+    head_held = held.get(last_stage, 0)
+    in_backward = saved - head if has_head and head_held else saved
+    extra = dict.fromkeys(MOMENTS, 0)
+    extra[BACKWARD] += recompute
+    if has_head:
+        extra[LOSS] += loss
+        if deepspeed or pp > 1:
+            for moment in (FORWARD, LOSS, BACKWARD):
+                extra[moment] += logits * head_held
+    return saved, in_backward, extra, has_head
 
 
 def rank_states_bytes(inputs: EstimateInputs, at: Coordinates) -> int:

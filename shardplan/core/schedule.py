@@ -131,27 +131,42 @@ def _forward_backward(warmup: int, total: int, fwd_stage: Callable[[int], int],
     of the k-th forward / j-th backward of this rank. With `split_w_delay = d` (zero-bubble)
     the j-th W follows the (j + d)-th B, and the Ws left at the end follow the last B.
     """
-    next_mb: dict[tuple[str, int], int] = {}
+    forwards: dict[int, int] = {}  # stage -> its next microbatch, per kind
+    backwards: dict[int, int] = {}
+    weights: dict[int, int] = {}
+    order: list[Action] = []
+    append = order.append
+    new = tuple.__new__  # Action(...) without its Python-level __new__: the time model builds many
 
-    def take(kind: str, stage: int) -> Action:
-        mb = next_mb.get((kind, stage), 0)
-        next_mb[(kind, stage)] = mb + 1
-        return Action(kind, mb, stage)
+    def weight(stage: int) -> None:
+        mb = weights.get(stage, 0)
+        weights[stage] = mb + 1
+        append(new(Action, (WEIGHT, mb, stage)))
 
-    order = [take(FORWARD, fwd_stage(k)) for k in range(warmup)]
+    for k in range(warmup):
+        stage = fwd_stage(k)
+        mb = forwards.get(stage, 0)
+        forwards[stage] = mb + 1
+        append(new(Action, (FORWARD, mb, stage)))
     backward_stages: list[int] = []
     weights_done = 0
     for step in range(warmup, total + warmup):
         if step < total:
-            order.append(take(FORWARD, fwd_stage(step)))
+            stage = fwd_stage(step)
+            mb = forwards.get(stage, 0)
+            forwards[stage] = mb + 1
+            append(new(Action, (FORWARD, mb, stage)))
         stage = bwd_stage(step - warmup)
-        order.append(take(BACKWARD, stage))
-        backward_stages.append(stage)
-        if split_w_delay is not None and step - warmup >= split_w_delay:
-            order.append(take(WEIGHT, backward_stages[weights_done]))
-            weights_done += 1
-    if split_w_delay is not None:
-        order += [take(WEIGHT, stage) for stage in backward_stages[weights_done:]]
+        mb = backwards.get(stage, 0)
+        backwards[stage] = mb + 1
+        append(new(Action, (BACKWARD, mb, stage)))
+        if split_w_delay is not None:
+            backward_stages.append(stage)
+            if step - warmup >= split_w_delay:
+                weight(backward_stages[weights_done])
+                weights_done += 1
+    for stage in backward_stages[weights_done:]:
+        weight(stage)
     return order
 
 
@@ -236,18 +251,21 @@ def held_peak(order: Sequence[Action], stage_bytes: dict[int, int], release: str
     """The most a rank holds while walking its order, each (microbatch, stage) weighing its
     stage's `stage_bytes` from its F until `release` (B, or W when the backward is split), and
     how many microbatches of each stage it holds then."""
-    held = dict.fromkeys(stage_bytes, 0)
     current = peak = 0
-    at_peak = dict(held)
-    for action in order:
-        if action.kind == FORWARD:
-            held[action.stage] += 1
-            current += stage_bytes[action.stage]
+    end = 0  # actions walked when the peak was first reached
+    for position, (kind, _, stage) in enumerate(order):
+        if kind == FORWARD:
+            current += stage_bytes[stage]
             if current > peak:
-                peak, at_peak = current, dict(held)
-        elif action.kind == release:
-            held[action.stage] -= 1
-            current -= stage_bytes[action.stage]
+                peak, end = current, position + 1
+        elif kind == release:
+            current -= stage_bytes[stage]
+    at_peak = dict.fromkeys(stage_bytes, 0)
+    for kind, _, stage in order[:end]:
+        if kind == FORWARD:
+            at_peak[stage] += 1
+        elif kind == release:
+            at_peak[stage] -= 1
     return peak, at_peak
 
 

@@ -120,25 +120,45 @@ def rank_params(shape: ModelShape, pp: int, virtual: int, pp_rank: int, tp: int,
     """The parameters pipeline rank `pp_rank` holds, as tensor-parallel rank `tp_rank` sees them
     (with `lora`, the adapters of one layer too)."""
     chunks = rank_chunks(shape.num_layers, pp, virtual, pp_rank, split)
-    first, last = pp_rank == 0, pp_rank == pp - 1
+    last = pp_rank == pp - 1
+    layer, adapters = _local_layer(shape, tp, tp_rank, lora)
+    return RankParams(
+        num_layers=sum(len(c) for c in chunks),
+        chunk_layers=tuple(len(c) for c in chunks),
+        layer=layer,
+        root=_local_root(shape, tp, tp_rank, pp_rank == 0, last, pp > 1),
+        has_head=last,
+        adapters=adapters,
+    )
+
+
+def _local(params: list[ParamInfo], tp: int, tp_rank: int, shape: ModelShape) -> tuple[LocalParam, ...]:
+    return tuple(LocalParam(p, tp_local_shape(p, tp, tp_rank, shape)) for p in params)
+
+
+@lru_cache(maxsize=256)
+def _local_layer(shape: ModelShape, tp: int, tp_rank: int,
+                 lora: LoraPlan | None) -> tuple[tuple[LocalParam, ...], tuple[LocalParam, ...]]:
+    """One layer's parameters and (with `lora`) adapters on a tensor-parallel rank: the same
+    objects for every pipeline rank and layer split, so the caches keyed on them (core/states.py)
+    serve every stage."""
+    base = layer_params(shape, 0)
+    adapters = _local(adapter_params(base, lora), tp, tp_rank, shape) if lora is not None else ()
+    return _local(base, tp, tp_rank, shape), adapters
+
+
+@lru_cache(maxsize=256)
+def _local_root(shape: ModelShape, tp: int, tp_rank: int, first: bool, last: bool,
+                pipelined: bool) -> tuple[LocalParam, ...]:
+    """The root parameters a pipeline rank holds: the embedding on the first stage, the final
+    norm and head on the last; with tied embeddings and more than one stage the last stage keeps
+    its own copy of the embedding matrix as the head."""
     root: list[ParamInfo] = []
     if first:
         root += embedding_params(shape)
     if last:
         root += head_params(shape)
-        if shape.tie_embeddings and pp > 1:
+        if shape.tie_embeddings and pipelined:
             embed = embedding_params(shape)[0]
             root.append(ParamInfo("lm_head.weight", embed.shape, "head", None, embed.tp_dim))
-
-    def local(params: list[ParamInfo]) -> tuple[LocalParam, ...]:
-        return tuple(LocalParam(p, tp_local_shape(p, tp, tp_rank, shape)) for p in params)
-
-    base = layer_params(shape, 0)
-    return RankParams(
-        num_layers=sum(len(c) for c in chunks),
-        chunk_layers=tuple(len(c) for c in chunks),
-        layer=local(base),
-        root=local(root),
-        has_head=last,
-        adapters=local(adapter_params(base, lora)) if lora is not None else (),
-    )
+    return _local(root, tp, tp_rank, shape)

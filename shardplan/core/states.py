@@ -152,7 +152,26 @@ def _zero1_optimizer(rp: RankParams, sharding: Sharding, eb: ElementBytes) -> tu
     return layers, root
 
 
+_ELEMENTS: dict[tuple, tuple[tuple[LocalParam, ...], TensorStates]] = {}
+
+
 def _fsdp2_elements(params: tuple[LocalParam, ...], sharding: Sharding, eb: ElementBytes) -> TensorStates:
+    """`_fsdp2_sum` of a tensor-parallel rank's layer or root parameters, found by the tuple's
+    identity: core/stages.py gives every pipeline rank and layer split the same tuples, so a
+    search sums each once per sharding. The cache keeps the tuple it was asked about, which
+    therefore cannot be freed and its id reused while the entry lives."""
+    key = (id(params), sharding, eb)
+    found = _ELEMENTS.get(key)
+    if found is not None and found[0] is params:
+        return found[1]
+    if len(_ELEMENTS) >= 4096:
+        _ELEMENTS.clear()
+    result = _fsdp2_sum(params, sharding, eb)
+    _ELEMENTS[key] = (params, result)
+    return result
+
+
+def _fsdp2_sum(params: tuple[LocalParam, ...], sharding: Sharding, eb: ElementBytes) -> TensorStates:
     stored = grads = optimizer = tensors = num_blocks = states8 = 0
     degree, index = sharding.degree, sharding.index
     for p in params:

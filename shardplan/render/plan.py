@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from rich.text import Text
-
 from ..spec.units import format_bytes
+from .output import Line
 
 
 def _sharding(inputs) -> str:
@@ -63,7 +62,7 @@ def print_plans(console, outcome) -> None:
     """The table of plans, best first, then what the search did."""
     result = outcome.result
     name = outcome.resolved.model_name or "model"
-    lines = [Text(f"{name}: plans for {outcome.world} GPUs ({outcome.hardware.name}, "
+    lines = [Line(f"{name}: plans for {outcome.world} GPUs ({outcome.hardware.name}, "
                   f"{format_bytes(outcome.gpu_memory)} each), global batch {outcome.global_batch} x "
                   f"{outcome.resolved.job.train.seq_len} tokens, fastest first",
                   style="bold")]
@@ -76,14 +75,14 @@ def print_plans(console, outcome) -> None:
             return "  ".join(c.rjust(w) if headers[i] in right else c.ljust(w)
                              for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
-        lines.append(Text(line(headers)))
-        lines += [Text(line(r)) for r in rows]
+        lines.append(Line(line(headers)))
+        lines += [Line(line(r)) for r in rows]
     searched = f"evaluated {result.evaluated:,} plans in {result.seconds:.2f} s"
     if result.rejected:
         searched += "; rejected: " + ", ".join(f"{n:,} {reason}" for reason, n in result.rejected.most_common())
-    lines.append(Text(searched, style="dim"))
+    lines.append(Line(searched, style="dim"))
     if result.offloaded and outcome.entries:
-        lines.append(Text("nothing fits without offload: these plans offload as the balanced strategy decides",
+        lines.append(Line("nothing fits without offload: these plans offload as the balanced strategy decides",
                           style="yellow"))
     for line_ in lines:
         console.print(line_, soft_wrap=True)
