@@ -85,7 +85,7 @@ def main() -> None:
             Path(path).write_text(job_text(model, cluster, seq))
             base = wall(["validate", path], args.repeat)
             plan = wall(["plan", path, "--gpus", str(gpus), "--global-batch", str(batch)], args.repeat)
-            print(f"  {name}: plan {plan:.2f} s, validate {base:.2f} s, ratio {plan / base:.2f}x")
+            print(f"  {name}: plan {plan:.3f} s, validate {base:.3f} s, ratio {plan / base:.2f}x")
         print("search alone (in process): branch and bound against no bound")
         for name, (model, cluster, seq, gpus, batch) in CASES.items():
             path = str(Path(folder) / f"{model}-{gpus}.toml")
