@@ -97,6 +97,10 @@ def test_a_planning_command_ends_without_teardown_and_loses_nothing():
     failed = command("validate", "no-such-file.toml")
     assert failed.returncode == 2
     assert failed.stderr.splitlines()[-2:] == ["handler ran", "os._exit(2)"]
+    closed = subprocess.run([sys.executable, "-m", "shardplan", "validate", "llama-3-8b-h100"], cwd=ROOT,
+                            env=environment, stderr=subprocess.PIPE, text=True, timeout=120,
+                            preexec_fn=lambda: os.close(1))  # started with no stdout at all
+    assert "Traceback" not in closed.stderr, closed.stderr
     trained = command("run", "no-such-file.toml")  # `run` exits normally: no os._exit
     assert trained.returncode == 2
     assert "os._exit" not in trained.stderr and "handler ran" in trained.stderr

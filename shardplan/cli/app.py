@@ -221,7 +221,8 @@ def _end_process(code: int) -> None:
         run_handlers()
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.flush()
+            if stream is not None:  # None: the process was started with the descriptor closed
+                stream.flush()
         except (OSError, ValueError):  # a closed pipe: nothing more can be said
             pass
     os._exit(code if isinstance(code, int) and 0 <= code <= 255 else 1)
