@@ -85,6 +85,7 @@ def test_a_planning_command_ends_without_teardown_and_loses_nothing():
             "app.main_exit()\n")
     environment = dict(os.environ, PYTHONPATH=str(ROOT))
     environment.pop("WORLD_SIZE", None)
+    environment.pop("PYTHONUNBUFFERED", None)  # stdout buffered, as a user's: the final flush must write it
 
     def command(*argv: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=ROOT,
@@ -97,13 +98,33 @@ def test_a_planning_command_ends_without_teardown_and_loses_nothing():
     failed = command("validate", "no-such-file.toml")
     assert failed.returncode == 2
     assert failed.stderr.splitlines()[-2:] == ["handler ran", "os._exit(2)"]
-    closed = subprocess.run([sys.executable, "-m", "shardplan", "validate", "llama-3-8b-h100"], cwd=ROOT,
-                            env=environment, stderr=subprocess.PIPE, text=True, timeout=120,
-                            preexec_fn=lambda: os.close(1))  # started with no stdout at all
-    assert "Traceback" not in closed.stderr, closed.stderr
+    for argv in (["validate", "llama-3-8b-h100"], ["estimate", "llama-3-8b-h100", "--json"]):
+        closed = subprocess.run([sys.executable, "-m", "shardplan", *argv], cwd=ROOT, env=environment,
+                                stderr=subprocess.PIPE, text=True, timeout=120,
+                                preexec_fn=lambda: os.close(1))  # started with no stdout at all
+        assert closed.returncode == 0 and "Traceback" not in closed.stderr, closed.stderr
     trained = command("run", "no-such-file.toml")  # `run` exits normally: no os._exit
     assert trained.returncode == 2
     assert "os._exit" not in trained.stderr and "handler ran" in trained.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+@pytest.mark.parametrize("unbuffered", [False, True])
+@pytest.mark.parametrize("argv", [["validate", "llama-3-8b-h100"], ["estimate", "llama-3-8b-h100", "--json"]])
+def test_output_that_cannot_be_written_fails_in_one_line(argv, unbuffered):
+    # A full disk: written in the command (unbuffered, or a document larger than the buffer) or
+    # at the final flush (cli/app.py `_end_process`), the command fails with exit 3 and one line.
+    environment = dict(os.environ, PYTHONPATH=str(ROOT))
+    environment.pop("WORLD_SIZE", None)
+    environment.pop("PYTHONUNBUFFERED", None)
+    if unbuffered:
+        environment["PYTHONUNBUFFERED"] = "1"
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "shardplan", *argv], cwd=ROOT, env=environment, stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr.splitlines()[-1] == "shardplan: could not write the output: [Errno 28] No space left on device"
+    assert "Traceback" not in proc.stderr
 
 
 def test_a_schedule_from_flags_never_reads_a_job():

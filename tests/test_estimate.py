@@ -211,16 +211,19 @@ def test_capped_walk_finds_the_same_peak(schedule, pp, virtual):
 def test_one_f_one_b_holds_pp_minus_rank_at_its_peak(pp):
     # held_at_peak answers 1F1B with one stage per rank in closed form, min(pp - r, m)
     # (Narayanan et al. 2021, section 2.2); walking torch's order (core/schedule.py, the
-    # shape of `_get_1f1b_rank_ops`) must find the same count, and none for an empty stage.
+    # shape of `_get_1f1b_rank_ops`) with the walk's single-stage weight must find the same
+    # count, whatever the stage's bytes, and fewer microbatches than stages stay refused.
     from shardplan.core.estimate import held_at_peak
-    from shardplan.core.schedule import held_peak, rank_order
+    from shardplan.core.schedule import ScheduleInputError, held_peak, rank_order
 
-    for microbatches in list(range(pp, 3 * pp + 2)) + [64, 97]:  # 1F1B needs m >= pp
+    for microbatches in list(range(pp, 3 * pp + 2)) + [64, 97]:
         for rank in range(pp):
-            walked = held_peak(tuple(rank_order("1f1b", pp, microbatches, 1, rank)), {rank: 4096}, "B")[1]
-            assert held_at_peak("1f1b", pp, microbatches, 1, rank, {rank: 4096}) == walked, (microbatches, rank)
-            empty = held_peak(tuple(rank_order("1f1b", pp, microbatches, 1, rank)), {rank: 0}, "B")[1]
-            assert held_at_peak("1f1b", pp, microbatches, 1, rank, {rank: 0}) == empty == {rank: 0}
+            walked = held_peak(tuple(rank_order("1f1b", pp, microbatches, 1, rank)), {rank: 1}, "B")[1]
+            for amount in (0, 1, 4096):
+                assert held_at_peak("1f1b", pp, microbatches, 1, rank, {rank: amount}) == walked, (microbatches, rank)
+            assert walked == {rank: min(pp - rank, microbatches)}
+    with pytest.raises(ScheduleInputError):
+        held_at_peak("1f1b", pp, pp - 1, 1, 0, {0: 4096})
 
 
 def test_plans_beyond_the_drawing_limits_are_estimated():

@@ -13,6 +13,7 @@ completion).
 from __future__ import annotations
 
 import atexit
+import errno
 import gc
 import os
 import sys
@@ -112,7 +113,7 @@ def _fail(lines: list[str], code: int, json_out: bool, problems: list | None = N
     if json_out:
         try:
             emit_json(error_document(problems if problems is not None else lines, code))
-        except BrokenPipeError:  # stdout's reader is gone (`| head`): the exit code still says it
+        except OSError:  # stdout's reader is gone (`| head`) or its disk full: the exit code still says it
             _quiet_stdout()
     return code
 
@@ -132,6 +133,9 @@ def _quiet_stdout() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI and return its exit code (the console script exits with it)."""
     argv = _optional_values(list(argv if argv is not None else sys.argv[1:]))
+    for name in ("stdout", "stderr"):
+        if getattr(sys, name) is None:  # started with the descriptor closed: the output has nowhere to go
+            setattr(sys, name, open(os.devnull, "w", encoding="utf-8"))
     if argv == ["--version"]:  # instant: no typer, no pydantic
         sys.stdout.write(f"shardplan {__version__}\n")
         return 0
@@ -192,12 +196,29 @@ def _main(argv: list[str]) -> int:
     except BrokenPipeError:
         _quiet_stdout()
         return 0
+    except OSError as exc:
+        if exc.errno not in _WRITE_FAILURES:
+            return _internal_error(exc, json_out)
+        _quiet_stdout()  # the output is lost: only stderr can say so
+        return _fail([f"shardplan: could not write the output: {exc}"], EXIT_RUNTIME, False)
     except Exception as exc:  # an internal error: say so in one line, never a traceback
-        if _debugging():
-            raise
-        line = f"shardplan: internal error: {type(exc).__name__}: {exc} (rerun with --debug)"
-        return _fail([line], EXIT_RUNTIME, json_out)
+        return _internal_error(exc, json_out)
     return result if isinstance(result, int) else 0
+
+
+# What a write to stdout raises when the output cannot be kept (a full disk, a quota, a file
+# too large, an I/O error), as against a program error.
+_WRITE_FAILURES = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+
+
+def _internal_error(exc: Exception, json_out: bool) -> int:
+    """An internal error: one line, never a traceback (`--debug` shows it)."""
+    from ..spec.errors import EXIT_RUNTIME
+
+    if _debugging():
+        raise exc
+    line = f"shardplan: internal error: {type(exc).__name__}: {exc} (rerun with --debug)"
+    return _fail([line], EXIT_RUNTIME, json_out)
 
 
 def main_exit() -> None:
@@ -214,15 +235,31 @@ def _end_process(code: int) -> None:
     caches) for memory the operating system takes back anyway: 5-8% of a planning command
     (benchmarks/bench_plan.py). What a normal exit does that matters still happens: the
     `atexit` handlers run and the standard streams are flushed; files the command wrote are
-    closed already. `run`, which trains, exits normally."""
+    closed already, and no planning command starts a thread that would still run. An output
+    that cannot be written (a full disk) fails the command with one line, as a normal exit
+    would not say; a reader that left (`| head`) is no failure. `run`, which trains, exits
+    normally."""
     gc.disable()
     run_handlers = getattr(atexit, "_run_exitfuncs", None)  # CPython: what a normal exit calls
     if run_handlers is not None:
         run_handlers()
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # the process was started with the descriptor closed
+            continue
         try:
-            if stream is not None:  # None: the process was started with the descriptor closed
-                stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more can be said
+            stream.flush()
+        except BrokenPipeError:  # the reader left: as a broken pipe during the command
             pass
+        except ValueError:  # already closed: nothing is buffered
+            pass
+        except OSError as exc:  # the output is lost
+            if stream is sys.stdout:
+                from ..spec.errors import EXIT_RUNTIME
+
+                code = EXIT_RUNTIME
+                try:
+                    sys.stderr.write(f"shardplan: could not write the output: {exc}\n")
+                    sys.stderr.flush()
+                except (OSError, ValueError, AttributeError):
+                    pass
     os._exit(code if isinstance(code, int) and 0 <= code <= 255 else 1)

@@ -210,13 +210,13 @@ def held_at_peak(schedule: str, pp: int, microbatches: int, virtual: int, pp_ran
         return dict.fromkeys(stage_bytes, 1)
     if schedule in ALL_FORWARDS_FIRST:
         return dict.fromkeys(stage_bytes, microbatches)
-    if schedule == "1f1b" and len(stage_bytes) == 1:
-        # 1F1B's rank r runs min(pp - r - 1, m) warm-up forwards, then one more before its
-        # first backward: it holds min(pp - r, m) microbatches at its peak (Narayanan et al.
-        # 2021, section 2.2: "at most p"), none when its stage keeps nothing. The walk's
-        # answer (tests/test_estimate.py holds the two equal).
-        ((stage, amount),) = stage_bytes.items()
-        return {stage: min(pp - pp_rank, microbatches) if amount > 0 else 0}
+    if schedule == "1f1b" and len(stage_bytes) == 1 and microbatches >= pp:
+        # 1F1B's rank r runs pp - r - 1 warm-up forwards, then one more before its first
+        # backward: it holds min(pp - r, m) microbatches at its peak (Narayanan et al. 2021,
+        # section 2.2: "at most p"), whatever its stage's bytes. The walk's answer
+        # (tests/test_estimate.py holds the two equal); fewer microbatches than stages are
+        # the walk's to refuse (core/schedule.py `check_schedule`).
+        return dict.fromkeys(stage_bytes, min(pp - pp_rank, microbatches))
     # With one chunk per rank the count at the peak does not depend on its bytes; with more,
     # only on their ratios (the walk compares sums of them), so they are divided by their
     # greatest common divisor: micro batches whose bytes scale alike share the walk.

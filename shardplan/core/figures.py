@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from functools import lru_cache
+from types import MappingProxyType
 
 from .activations import ActivationShape, kept_logits_terms
 from .buffers import CUDA_CONTEXT_BYTES, FRAGMENTATION
@@ -150,12 +151,12 @@ def rank_figures(inputs: EstimateInputs, at: Coordinates) -> RankFigures:
     return RankFigures(totals, host, startup)
 
 
-_NO_EXTRA = dict.fromkeys(MOMENTS, 0)
+_NO_EXTRA = MappingProxyType(dict.fromkeys(MOMENTS, 0))  # read-only: shared by every caller
 
 
 @lru_cache(maxsize=8192)
 def _activation_part(act: ActivationShape, schedule: str, pp: int, microbatches: int, virtual: int, pp_rank: int,
-                     chunk_layers: tuple[int, ...], has_head: bool, deepspeed: bool) -> tuple[int, int, dict, bool]:
+                     chunk_layers: tuple[int, ...], has_head: bool, deepspeed: bool) -> tuple[int, int, MappingProxyType, bool]:
     """(saved activations in forward and at the loss, in backward, each moment's transients,
     whether the rank computes the loss) of a rank: what its figures add to the framework's part,
     shared by the plans that differ only in their sharding or offload."""
@@ -179,7 +180,7 @@ def _activation_part(act: ActivationShape, schedule: str, pp: int, microbatches:
         if deepspeed or pp > 1:
             for moment in (FORWARD, LOSS, BACKWARD):
                 extra[moment] += logits * head_held
-    return saved, in_backward, extra, has_head
+    return saved, in_backward, MappingProxyType(extra), has_head  # cached: read-only for every caller
 
 
 def rank_states_bytes(inputs: EstimateInputs, at: Coordinates) -> int:
