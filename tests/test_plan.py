@@ -283,11 +283,48 @@ def test_a_stopped_memory_check_is_a_lower_bound_over_the_limit(inputs, share):
     it, a peak over L and at most the plan's (the search rejects on it)."""
     peak, host = plan_figures(inputs)
     limit = int(share * peak)
-    stopped = plan_figures(inputs, stop_above=limit)
+    stopped = plan_figures(inputs.with_(), stop_above=limit)  # a copy: the full figures stay on `inputs`
     if peak <= limit:
         assert stopped == (peak, host)
     else:
         assert limit < stopped[0] <= peak
+
+
+def test_the_figures_kept_on_a_plan_are_its_own():
+    """plan_figures keeps a plan's full figures on the instance; a copy with a change is
+    measured anew, and a stopped check never leaves figures behind."""
+    base = small_base("llama", 8, gpu(388)).with_(micro_batch=1, num_microbatches=4)
+    full = plan_figures(base)
+    assert plan_figures(base) == full and plan_figures(base, stop_above=0) == full
+    larger = base.with_(micro_batch=2)
+    assert "_figures" not in larger.__dict__
+    stopped = plan_figures(larger, stop_above=0)
+    assert "_figures" not in larger.__dict__ and stopped[1] == 0
+    assert plan_figures(larger)[0] > full[0]
+
+
+def test_bisection_with_a_guess_finds_the_largest_good_value():
+    """core/memory.py `_search` (the offload strategy's resident layers): whatever the guess,
+    the largest value of [low, high] a monotone predicate holds for, as plain bisection finds
+    it, and `high` alone when it holds."""
+    from shardplan.core.memory import _search
+
+    for high in range(0, 12):
+        for last_good in range(-1, high + 2):
+            expected = min(last_good, high) if last_good >= 0 else None
+            for guess in [None, *range(-2, high + 3)]:
+                asked = []
+
+                def good(value: int) -> bool:
+                    asked.append(value)
+                    return value <= last_good
+
+                assert _search(0, high, good, guess) == expected, (high, last_good, guess)
+                assert all(0 <= value <= high for value in asked)
+                if last_good >= high:
+                    assert asked == [high]
+                if guess is not None and 0 <= guess < high and expected is not None and expected in (guess, guess - 1):
+                    assert len(asked) <= 3  # high, the guess and its neighbour
 
 
 @settings(max_examples=150, deadline=None)

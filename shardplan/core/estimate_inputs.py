@@ -94,6 +94,7 @@ class EstimateInputs:
         values.update(changes)
         values.pop("_hash", None)
         values.pop("_framework_key", None)  # core/figures.py caches it on the instance
+        values.pop("_figures", None)  # core/memory.py plan_figures likewise
         return copy
 
 

@@ -111,7 +111,12 @@ def plan_figures(inputs: EstimateInputs, stop_above: int | None = None) -> tuple
     adds nothing, computed from the same parts without building a term (the planner's inner
     loop; tests/test_plan.py holds the two equal). `stop_above`: once a stage's peak exceeds
     it, return (that peak, 0) without the other stages: the plan does not fit, and the peak
-    returned is a lower bound of the plan's."""
+    returned is a lower bound of the plan's. The full figures are kept on the instance (as
+    `with_` drops them from copies): the offload strategy measures the plan it decides on, and
+    the search then checks that same plan."""
+    known = inputs.__dict__.get("_figures")
+    if known is not None:
+        return known
     mixes = node_mixes(inputs.degrees, inputs.order, inputs.gpus_per_node)
     single = all(len(set(mix)) == 1 for mix in mixes)
     gpu_stages = _candidate_stages(inputs, True)  # stage 1 bounds the middle ones' GPU either way
@@ -135,6 +140,7 @@ def plan_figures(inputs: EstimateInputs, stop_above: int | None = None) -> tuple
         training = sum(host[stage][0] for stage in mix)
         startup = sum(host[stage][1] for stage in mix)
         node = max(node, training, startup)
+    inputs.__dict__["_figures"] = (peak, node)
     return peak, node
 
 
@@ -281,9 +287,27 @@ def decide_offload(inputs: EstimateInputs, measure: Measure) -> tuple[EstimateIn
     return chosen, decisions
 
 
-def _search(low: int, high: int, good) -> int | None:
-    """The largest value in [low, high] for which the monotone `good` holds (None if none)."""
+def _search(low: int, high: int, good, guess: int | None = None) -> int | None:
+    """The largest value in [low, high] for which the monotone `good` holds (None if none).
+    `high` is tried first: it is the answer whenever the limit does not bind (a host with
+    memory to spare), one check instead of a bisection. A `guess` is checked with its
+    neighbour (good there and not one above, or not good there and good one below, settles
+    it: two checks), else it narrows the bisection."""
+    if low <= high and good(high):
+        return high
     best = None
+    high -= 1
+    if guess is not None and low <= guess <= high:
+        if good(guess):
+            best, low = guess, guess + 1
+            if low > high or not good(low):
+                return best
+            best, low = low, low + 1
+        else:
+            high = guess - 1
+            if high >= low and good(high):
+                return high
+            high -= 1
     while low <= high:
         middle = (low + high) // 2
         if good(middle):
@@ -301,15 +325,28 @@ def _fewest_offloaded_layers(inputs: EstimateInputs, measure: Measure, target: i
     current = inputs.with_(offload_params=True)
     layers = measure(inputs)[2]
     upper = min(layers, measure(current)[3]) if inputs.offload_params else layers
-    at = lambda resident: measure(current.with_(resident_layers=resident))
-    by_gpu = _search(0, upper, lambda r: at(r)[0] <= target)
+    plans: dict[int, EstimateInputs] = {}  # resident layers -> the plan measured: both bisections ask
+    known: dict[int, tuple[int, int, int, int]] = {}
+
+    def at(resident: int) -> tuple[int, int, int, int]:
+        if resident not in known:
+            plans[resident] = current.with_(resident_layers=resident)
+            known[resident] = measure(plans[resident])
+        return known[resident]
+
     # CPU use falls as more layers stay resident: the fewest resident the CPU allows.
     by_cpu = _search(0, upper, lambda r: at(upper - r)[1] <= limit)
     fewest = upper - by_cpu if by_cpu is not None else upper
+    # The GPU peak grows about linearly with the resident layers: the line through the ends
+    # (both measured by now) guesses where it crosses the target, and `_search` checks it.
+    guess = None
+    if 0 in known and upper in known and known[upper][0] > known[0][0]:
+        guess = (target - known[0][0]) * upper // (known[upper][0] - known[0][0])
+    by_gpu = _search(0, upper, lambda r: at(r)[0] <= target, guess)
     wanted = by_gpu if by_gpu is not None else 0  # every layer offloaded when none meets the target
     resident = max(wanted, fewest)
-    chosen = current.with_(resident_layers=resident)
-    return chosen, resident, at(resident)[0], fewest > wanted
+    at(resident)
+    return plans[resident], resident, known[resident][0], fewest > wanted
 
 
 def assumptions(inputs: EstimateInputs) -> dict[str, object]:
