@@ -338,11 +338,13 @@ def _fewest_offloaded_layers(inputs: EstimateInputs, measure: Measure, target: i
     by_cpu = _search(0, upper, lambda r: at(upper - r)[1] <= limit)
     fewest = upper - by_cpu if by_cpu is not None else upper
     # The GPU peak grows about linearly with the resident layers: the line through the ends
-    # (both measured by now) guesses where it crosses the target, and `_search` checks it.
+    # guesses where it crosses the target, and `_search` checks it. Both ends are measured
+    # anyway (the fewest resident above; the most is `_search`'s first check).
     guess = None
-    if 0 in known and upper in known and known[upper][0] > known[0][0]:
+    if at(upper)[0] > target and at(0)[0] <= target:
         guess = (target - known[0][0]) * upper // (known[upper][0] - known[0][0])
-    by_gpu = _search(0, upper, lambda r: at(r)[0] <= target, guess)
+    # The peak grows with the resident layers: none meets the target when even none resident does not.
+    by_gpu = _search(0, upper, lambda r: at(r)[0] <= target, guess) if at(0)[0] <= target else None
     wanted = by_gpu if by_gpu is not None else 0  # every layer offloaded when none meets the target
     resident = max(wanted, fewest)
     at(resident)
