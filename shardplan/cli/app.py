@@ -70,7 +70,8 @@ def command_names(argv: list[str]) -> list[str]:
 
 def _plans_only(argv: list[str]) -> bool:
     """Whether the command line runs a short-lived planning command (anything but `run`, which
-    trains): those run with the cyclic collector paused and skip its last pass at exit."""
+    trains): those run with the cyclic collector paused and end without the interpreter's
+    teardown (`_end_process`)."""
     return command_names(argv) != ["run"]
 
 
@@ -200,7 +201,7 @@ def _main(argv: list[str]) -> int:
         if exc.errno not in _WRITE_FAILURES:
             return _internal_error(exc, json_out)
         _quiet_stdout()  # the output is lost: only stderr can say so
-        return _fail([f"shardplan: could not write the output: {exc}"], EXIT_RUNTIME, False)
+        return _fail([_lost_output(exc)], EXIT_RUNTIME, False)
     except Exception as exc:  # an internal error: say so in one line, never a traceback
         return _internal_error(exc, json_out)
     return result if isinstance(result, int) else 0
@@ -209,6 +210,10 @@ def _main(argv: list[str]) -> int:
 # What a write to stdout raises when the output cannot be kept (a full disk, a quota, a file
 # too large, an I/O error), as against a program error.
 _WRITE_FAILURES = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+
+
+def _lost_output(exc: OSError) -> str:
+    return f"shardplan: could not write the output: {exc}"
 
 
 def _internal_error(exc: Exception, json_out: bool) -> int:
@@ -258,7 +263,7 @@ def _end_process(code: int) -> None:
 
                 code = EXIT_RUNTIME
                 try:
-                    sys.stderr.write(f"shardplan: could not write the output: {exc}\n")
+                    sys.stderr.write(_lost_output(exc) + "\n")
                     sys.stderr.flush()
                 except (OSError, ValueError, AttributeError):
                     pass

@@ -325,30 +325,33 @@ def _fewest_offloaded_layers(inputs: EstimateInputs, measure: Measure, target: i
     current = inputs.with_(offload_params=True)
     layers = measure(inputs)[2]
     upper = min(layers, measure(current)[3]) if inputs.offload_params else layers
-    plans: dict[int, EstimateInputs] = {}  # resident layers -> the plan measured: both bisections ask
-    known: dict[int, tuple[int, int, int, int]] = {}
+    measured: dict[int, tuple[EstimateInputs, tuple[int, int, int, int]]] = {}  # resident -> (plan, figures)
 
     def at(resident: int) -> tuple[int, int, int, int]:
-        if resident not in known:
-            plans[resident] = current.with_(resident_layers=resident)
-            known[resident] = measure(plans[resident])
-        return known[resident]
+        if resident not in measured:
+            plan = current.with_(resident_layers=resident)
+            measured[resident] = plan, measure(plan)
+        return measured[resident][1]
 
     # CPU use falls as more layers stay resident: the fewest resident the CPU allows.
     by_cpu = _search(0, upper, lambda r: at(upper - r)[1] <= limit)
     fewest = upper - by_cpu if by_cpu is not None else upper
-    # The GPU peak grows about linearly with the resident layers: the line through the ends
-    # guesses where it crosses the target, and `_search` checks it. Both ends are measured
-    # anyway (the fewest resident above; the most is `_search`'s first check).
-    guess = None
-    if at(upper)[0] > target and at(0)[0] <= target:
-        guess = (target - known[0][0]) * upper // (known[upper][0] - known[0][0])
-    # The peak grows with the resident layers: none meets the target when even none resident does not.
-    by_gpu = _search(0, upper, lambda r: at(r)[0] <= target, guess) if at(0)[0] <= target else None
+    # The GPU peak grows with the resident layers: all of them when the most meets the target,
+    # none when even none resident does not; between, about linearly, so the line through the
+    # two ends guesses where it crosses the target and `_search` checks the guess.
+    most, least = at(upper)[0], at(0)[0]
+    if most <= target:
+        by_gpu: int | None = upper
+    elif least > target:
+        by_gpu = None
+    else:
+        guess = (target - least) * upper // (most - least)
+        by_gpu = _search(0, upper, lambda r: at(r)[0] <= target, guess)  # its first check, the most, is known
     wanted = by_gpu if by_gpu is not None else 0  # every layer offloaded when none meets the target
     resident = max(wanted, fewest)
     at(resident)
-    return plans[resident], resident, known[resident][0], fewest > wanted
+    chosen, (peak, *_) = measured[resident]
+    return chosen, resident, peak, fewest > wanted
 
 
 def assumptions(inputs: EstimateInputs) -> dict[str, object]:

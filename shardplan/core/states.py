@@ -162,7 +162,7 @@ def _fsdp2_elements(params: tuple[LocalParam, ...], sharding: Sharding, eb: Elem
     therefore cannot be freed and its id reused while the entry lives."""
     key = (id(params), sharding, eb)
     found = _ELEMENTS.get(key)
-    if found is not None and found[0] is params:
+    if found is not None:
         return found[1]
     if len(_ELEMENTS) >= 4096:
         _ELEMENTS.clear()
