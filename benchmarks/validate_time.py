@@ -17,9 +17,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from time_references import (  # noqa: E402  (the same runs the tests check)
-    A100_80GB, NARAYANAN_TABLE_1, NARAYANAN_TABLE_2, korthikanti_table_5, narayanan_table_1, narayanan_table_2,
+    A100_80GB, NARAYANAN_TABLE_1, NARAYANAN_TABLE_2, TORCHTITAN_FSDP_TOKENS_PER_GPU, TORCHTITAN_H100,
+    korthikanti_table_5, narayanan_table_1, narayanan_table_2, torchtitan_fsdp,
 )
 
+from shardplan.core.hardware import TimeConstants  # noqa: E402
 from shardplan.core.step_time import step_time  # noqa: E402
 
 
@@ -60,6 +62,36 @@ def ranking_table() -> None:
         print(f"| {model} | {scheme} | {gpus} | {tflops} | {predicted:.0f} | {predicted / tflops - 1:+.1%} |")
 
 
+def torchtitan_ratio(constants: TimeConstants = TimeConstants()) -> tuple[float, float]:
+    """(predicted, measured) tokens/s per GPU on 128 GPUs over 8, torchtitan's FSDP2 runs."""
+    tokens = {gpus: 1 / step_time(torchtitan_fsdp(gpus), TORCHTITAN_H100, constants).step_seconds
+              for gpus in TORCHTITAN_FSDP_TOKENS_PER_GPU}
+    return tokens[128] / tokens[8], TORCHTITAN_FSDP_TOKENS_PER_GPU[128] / TORCHTITAN_FSDP_TOKENS_PER_GPU[8]
+
+
+def scaling_table() -> None:
+    print("\ntorchtitan Llama 3.1 8B, FSDP2, Tables 1 and 3 (tokens/s per GPU, 128 GPUs over 8)\n")
+    print("| | measured | predicted | error |")
+    print("|---|---:|---:|---:|")
+    predicted, measured = torchtitan_ratio()
+    print(f"| 128 / 8 GPUs | {measured:.3f} | {predicted:.3f} | {predicted / measured - 1:+.1%} |")
+
+
+def fit_overlap() -> None:
+    """`overlap_efficiency` over the runs whose sharded data parallelism overlaps its
+    collectives: Table 2's six ZeRO-3 runs and torchtitan's FSDP2 scaling ratio, together."""
+    zero3 = [run for run in narayanan_table_2() if "ZeRO-3" in run.name]
+    print("\n| overlap_efficiency | ZeRO-3 mean (max) | torchtitan ratio | all seven, mean |")
+    print("|---:|---:|---:|---:|")
+    for efficiency in (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 1.0):
+        rows = [abs(step_time(run.inputs, A100_80GB, dataclasses.replace(run.constants, overlap_efficiency=efficiency))
+                    .step_seconds / run.measured_seconds - 1) for run in zero3]
+        predicted, measured = torchtitan_ratio(TimeConstants(overlap_efficiency=efficiency))
+        ratio = predicted / measured - 1
+        print(f"| {efficiency} | {sum(rows) / len(rows):.1%} ({max(rows):.1%}) | {ratio:+.1%} | "
+              f"{(sum(rows) + abs(ratio)) / (len(rows) + 1):.1%} |")
+
+
 def fit() -> None:
     """The grid that chose the defaults (the optimum is flat; the defaults are its rounded centre)."""
     table_1, table_5 = narayanan_table_1(), korthikanti_table_5()
@@ -88,8 +120,10 @@ def main() -> None:
     tflops_table()
     seconds_table("Korthikanti et al. 2022, Table 5 (iteration seconds)", korthikanti_table_5())
     ranking_table()
+    scaling_table()
     if args.fit:
         fit()
+        fit_overlap()
 
 
 if __name__ == "__main__":

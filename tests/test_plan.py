@@ -440,12 +440,14 @@ def test_gpt_neox_20b_plan_is_found():
     space = Space(world=96, global_batch=1536, runnable=False, offload=False)
     era = dict(recompute="full", sequence_parallel=False, schedule="1f1b", cp=1)
     start = published.with_(degrees=Degrees(dp=96))
-    best = search(start, space, Fixed(**era), timer, top_k=5, **ranking)
-    assert best.plans and best.plans[0].seconds <= timer(published) * (1 + 1e-9)
-    assert all(p.inputs.zero_stage <= 1 for p in best.plans)  # DeepSpeed's pipeline engine: ZeRO 0 or 1
-    same = search(start, space, Fixed(tp=2, pp=4, **era), timer, top_k=1, **ranking)
-    in_top = any((p.inputs.degrees.tp, p.inputs.degrees.pp) == (2, 4) for p in best.plans)
-    assert in_top or same.plans[0].seconds <= 1.05 * best.plans[0].seconds
+    # DeepSpeed's pipeline engine runs ZeRO 0 or 1 only (GPT-NeoX ran no other stage): both.
+    best = sorted((plan for stage in (0, 1)
+                   for plan in search(start, space, Fixed(zero_stage=stage, **era), timer, top_k=5, **ranking).plans),
+                  key=lambda plan: plan.seconds)[:5]
+    assert best and best[0].seconds <= timer(published) * (1 + 1e-9)
+    same = search(start, space, Fixed(tp=2, pp=4, zero_stage=1, **era), timer, top_k=1, **ranking)
+    in_top = any((p.inputs.degrees.tp, p.inputs.degrees.pp) == (2, 4) for p in best)
+    assert in_top or same.plans[0].seconds <= 1.05 * best[0].seconds
 
 
 # Narayanan et al. 2021 Table 2, 175B: achieved teraFLOP/s per GPU of ZeRO-3 and PTD-P.

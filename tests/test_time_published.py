@@ -5,7 +5,8 @@ papers make between two plans on the same GPUs ordered the same way."""
 from __future__ import annotations
 
 import pytest
-from time_references import A100_80GB, korthikanti_table_5, narayanan_table_1, narayanan_table_2
+from time_references import (A100_80GB, TORCHTITAN_FSDP_TOKENS_PER_GPU, TORCHTITAN_H100, korthikanti_table_5,
+                             narayanan_table_1, narayanan_table_2, torchtitan_fsdp)
 
 from shardplan.core.step_time import step_time
 
@@ -78,3 +79,16 @@ def test_zero3_scaling_loss_is_predicted():
     runs = {run.name: run for run in narayanan_table_2()}
     seconds = [predicted(runs[f"175B ZeRO-3 {gpus} GPUs"]) * gpus for gpus in (384, 768, 1536)]
     assert seconds[0] < seconds[1] < seconds[2]  # GPU-seconds per iteration grow
+
+
+def test_torchtitan_fsdp_scaling_from_one_node_to_sixteen():
+    # torchtitan's Llama 3.1 8B benchmark, Tables 1 and 3 (tests/time_references.py): FSDP2 on
+    # 128 GPUs keeps 97.3% of the tokens/s per GPU of 8 GPUs in one node. The GPU's peak is
+    # unknown, so the ratio is the reference. Predicted: 0.827 (-15%; docs/time.md: FSDP2's
+    # prefetching hides more of the inter-node traffic than the overlap fitted on DeepSpeed's
+    # ZeRO-3 runs of 2021 says).
+    tokens = {gpus: 2 * 8192 / step_time(torchtitan_fsdp(gpus), TORCHTITAN_H100).step_seconds
+              for gpus in TORCHTITAN_FSDP_TOKENS_PER_GPU}
+    measured = TORCHTITAN_FSDP_TOKENS_PER_GPU[128] / TORCHTITAN_FSDP_TOKENS_PER_GPU[8]
+    assert tokens[128] < tokens[8]  # the published order: more GPUs, fewer tokens/s per GPU
+    assert abs(tokens[128] / tokens[8] / measured - 1) <= ROW_TOLERANCE

@@ -20,6 +20,9 @@ dropout run over it).
   selective recomputation; configurations from its Table 3 (as transcribed by NVIDIA's
   Calculon, calculon-ai/calculon validation/seqsel/tab5/*.json: microbatch 4 for 22B, 1
   otherwise; the interleaved schedule with 3 chunks for 175B and 530B).
+
+One reference is not Megatron-LM: torchtitan's FSDP2 runs of Llama 3.1 8B on 8 and 128 H100s
+(the end of this module), whose GPU peak is unknown, so only their ratio is used.
 """
 
 from __future__ import annotations
@@ -171,3 +174,34 @@ def narayanan_table_2() -> list[Run]:
         runs.append(Run("Narayanan et al. 2021, Table 2", f"{model} {scheme} {gpus} GPUs", inputs, constants,
                         seconds, gpus))
     return runs
+
+
+# torchtitan's Llama 3.1 benchmark (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md),
+# the two FSDP runs without torch.compile or Float8: Table 1 (8 GPUs, one node) and Table 3 (128
+# GPUs, 16 nodes), local batch 2, global batch 16 and 256, selective (operator-level)
+# checkpointing, sequence 8,192 (torchtitan's llama3_8b.toml of that date), the loss on fp32
+# logits; H100s with 96 GB HBM2e at 2.4 TB/s and 500 W, NVLink in the node, 400 Gb/s RDMA per GPU.
+# The authors do not know that GPU's peak (their footnote 2: between the SXM's and the NVL's),
+# so only the ratio of the two runs is a reference: 5,605 / 5,762 tokens/s per GPU.
+TORCHTITAN_FSDP_TOKENS_PER_GPU = {8: 5762, 128: 5605}
+TORCHTITAN_H100 = Hardware("h100-96gb-500w", peak_flops=989.4e12, peak_fp32_flops=67e12, memory_bandwidth=2.4e12,
+                           intra_node_bandwidth=450e9, inter_node_bandwidth=50e9, host_bandwidth=64e9,
+                           host_memory_bandwidth=614.4e9)  # presets/gpus/h100-sxm.toml, the benchmark's HBM2e
+
+
+def llama_3_8b() -> ModelShape:
+    """meta-llama/Meta-Llama-3-8B's config.json (presets/models/llama-3-8b.toml)."""
+    shape, problems = resolve_shape(dict(family="llama", num_layers=32, hidden_size=4096, num_heads=32,
+                                         num_kv_heads=8, ffn_hidden_size=14336, vocab_size=128256,
+                                         max_seq_len=8192, tie_embeddings=False))
+    assert not problems, problems
+    return shape
+
+
+def torchtitan_fsdp(gpus: int) -> EstimateInputs:
+    """torchtitan's FSDP2 run of Llama 3.1 8B on `gpus` H100s (above)."""
+    return EstimateInputs(
+        shape=llama_3_8b(), params=None, degrees=Degrees(dp=gpus), framework="fsdp2", zero_stage=3,
+        precision="bf16-mixed", seq_len=8192, micro_batch=2, num_microbatches=1, recompute="op",
+        attention="flash", loss="fp32", gpus_per_node=8,
+    )

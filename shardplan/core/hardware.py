@@ -113,8 +113,9 @@ class TimeConstants:
     # and HBM bandwidth from the compute (Calculon's A100 system charges 15% of the processor
     # to collectives, Isaev et al. 2023), and prefetching starts late. Of the shorter of the
     # two, this fraction hides. Fitted on the six ZeRO-3 runs of Narayanan et al. 2021,
-    # Table 2 (mean error 7.4%; 0.85 gives 8.8%, 0.5 gives 12.1%), the only published runs
-    # here whose time the overlap decides.
+    # Table 2 (mean error 7.4%; 0.85 gives 8.8%, 0.5 gives 12.1%). With torchtitan's FSDP2
+    # runs of Llama 3.1 8B on 8 and 128 GPUs added (their ratio; docs/time.md), the joint
+    # optimum is flat from 0.7 to 0.85 (8.5% to 8.3% mean): kept.
     overlap_efficiency: float = 0.70
     # Pinned host <-> device copies reach ~80% of the PCIe line rate (25 of 32 GB/s on Gen4).
     host_link_efficiency: float = 0.80
