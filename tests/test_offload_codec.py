@@ -1,10 +1,12 @@
 """The host-state codec against torchao: int8 codes equal to its `quantize_8bit_with_qmap`,
 bf16 stochastic rounding by the rule of its `_fp32_to_bf16_sr` (torchao/optim/quant_utils.py);
-and the host memory traffic the time model charges for it, counted on the codec's passes."""
+fp16's rounding against the neighbours torch's own cast and nextafter give; and the host
+memory traffic the time model charges for it, counted on the codec's passes."""
 
 from __future__ import annotations
 
 import re
+from concurrent.futures import Future
 
 import pytest
 
@@ -101,11 +103,130 @@ def test_bf16_rounding_is_the_seeds_whatever_the_threads():
     assert torch.equal(torch.random.get_rng_state(), state)
 
 
+def _fp16_neighbours(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp16 values just below and just above each fp32 value (both the value where fp16
+    holds it), by torch's own cast and nextafter."""
+    near = values.to(torch.float16)
+    toward = torch.where(near.float() > values, -torch.inf, torch.inf).to(torch.float16)
+    other = torch.where(near.float() == values, near, torch.nextafter(near, toward)).float()
+    return torch.minimum(near.float(), other), torch.maximum(near.float(), other)
+
+
+def _anchored(values: torch.Tensor) -> torch.Tensor:
+    """`values` in blocks whose first element is +-2^15, so every block's scale is 1 and the
+    stored codes are the fp16 rounding of the values themselves."""
+    blocks = values.view(-1, INT8_BLOCK - 1)
+    signs = torch.where(torch.arange(blocks.shape[0]) % 2 == 0, 1.0, -1.0).view(-1, 1)
+    return torch.cat([signs * codec.FP16_TOP, blocks], dim=1).view(-1)
+
+
+def _fp16_codes(values: torch.Tensor, seed: int) -> torch.Tensor:
+    state = StoredState(values.numel(), "fp16", "exp_avg")
+    state.encode(values, seed)
+    assert bool((state.scales == 1).all())
+    return state.codes
+
+
+def test_fp16_rounding_lands_on_a_neighbour():
+    """Over values spread across 60 binades, fp16's subnormals among them, both zeros, values
+    fp16 holds (and the fp32 values next to them) and +-2^15, across several chunks: each
+    value rounds to one of its two fp16 neighbours, and a value fp16 holds to itself, bit for
+    bit (the sign of zero included)."""
+    generator = torch.Generator().manual_seed(11)
+    count = 5 * CODEC_CHUNK // 2
+    sign = torch.where(torch.rand(count, generator=generator) < 0.5, -1.0, 1.0)
+    spread = sign * 2.0 ** (torch.rand(count, generator=generator) * 60 - 45)
+    patterns = torch.randint(-(1 << 15), 1 << 15, (count,), generator=generator, dtype=torch.int32)
+    held = patterns.to(torch.int16).view(torch.float16).float()
+    held = held[held.isfinite() & (held.abs() <= codec.FP16_TOP)]
+    beside = torch.cat([torch.nextafter(held, torch.tensor(end)) for end in (torch.inf, -torch.inf)])
+    edges = torch.tensor([0.0, -0.0, codec.FP16_TOP, -codec.FP16_TOP, 2.0**-14, -(2.0**-24), 2.0**-25, 65504 / 2])
+    values = torch.cat([spread, held, beside.clamp(-codec.FP16_TOP, codec.FP16_TOP), edges.repeat(1000)])
+    values = _anchored(values[:values.numel() // (INT8_BLOCK - 1) * (INT8_BLOCK - 1)])
+    assert values.numel() > 4 * CODEC_CHUNK and bool(((values.abs() < 2.0**-14) & (values != 0)).any())
+    rounded = _fp16_codes(values, seed=3)
+    low, high = _fp16_neighbours(values)
+    assert bool(((rounded.float() == low) | (rounded.float() == high)).all())
+    exact = values.to(torch.float16).float() == values
+    assert torch.equal(rounded[exact].view(torch.int16), values[exact].to(torch.float16).view(torch.int16))
+
+
+@pytest.mark.parametrize("value", [
+    1 + 2.0**-12, -1000.35, 30014.4, -0.7, 2.0**-14 + 0.5 * 2.0**-24,  # fp16 normals
+    3.3 * 2.0**-24, -700.6 * 2.0**-24, 2.0**-14 - 0.25 * 2.0**-24, 0.1 * 2.0**-24, -0.9 * 2.0**-24,  # subnormals
+])
+def test_fp16_rounding_is_unbiased(value):
+    """Over 100k draws of one value, normal or subnormal in fp16 (below its smallest
+    subnormal too): it rounds up with probability (x - low) / (high - low) and its mean is x,
+    each within five standard errors."""
+    x = torch.tensor(value, dtype=torch.float32)
+    draws = 400 * (INT8_BLOCK - 1)
+    rounded = _fp16_codes(_anchored(x.repeat(draws)), seed=21).view(-1, INT8_BLOCK)[:, 1:].double()
+    low, high = (bound.double() for bound in _fp16_neighbours(x.view(1)))
+    chance = float((x.double() - low) / (high - low))
+    assert 0 < chance < 1
+    spread = (chance * (1 - chance) / draws) ** 0.5
+    assert bool(((rounded == low) | (rounded == high)).all())
+    assert abs(float((rounded == high).double().mean()) - chance) < 5 * spread
+    assert abs(float(rounded.mean() - x.double())) < 5 * spread * float(high - low)
+
+
+def test_fp16_rounding_is_the_seeds_whatever_the_threads():
+    """Random bits come from one generator per chunk, seeded from (seed, chunk), its
+    subnormals' draws included: the same seed rounds alike with three threads (the ring of
+    random bits reused) or one, another seed differently; the process RNG is left as it was."""
+    generator = torch.Generator().manual_seed(2)
+    numel = 4 * CODEC_CHUNK + 2 * INT8_BLOCK
+    values = torch.randn(numel, generator=generator) * 2.0 ** (torch.randint(-50, 0, (numel,), generator=generator))
+    threads = torch.get_num_threads()
+    state = torch.random.get_rng_state()
+    stored = []
+    try:
+        for count, seed in ((3, 9), (1, 9), (3, 10)):
+            torch.set_num_threads(count)
+            store = StoredState(numel, "fp16", "exp_avg")
+            store.encode(values, seed)
+            stored.append(store)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(stored[0].codes.view(torch.int16), stored[1].codes.view(torch.int16))
+    assert torch.equal(stored[0].scales, stored[1].scales)
+    assert not torch.equal(stored[0].codes, stored[2].codes)
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_fp16_state_round_trips():
+    """Decoded values lie within one fp16 step (scaled) of the values stored, an all-zero
+    block decodes to zeros; with power-of-two scales (here 1) decode-then-encode gives back
+    the codes bit for bit, subnormals and the sign of zero included."""
+    generator = torch.Generator().manual_seed(4)
+    numel = 2 * CODEC_CHUNK + 3 * INT8_BLOCK
+    values = torch.randn(numel, generator=generator) * 10 ** (-6 * torch.rand(numel, generator=generator))
+    values[:INT8_BLOCK] = 0
+    state = StoredState(numel, "fp16", "exp_avg_sq")
+    state.encode(values, seed=5)
+    out = torch.empty(numel)
+    state.decode(out)
+    scale = state.scales.repeat_interleave(INT8_BLOCK)
+    assert bool(((out - values).abs() <= (2.0**-10 * values.abs() + 2.0**-24 * scale) * (1 + 2.0**-8)).all())
+    assert not bool(out[:INT8_BLOCK].any())
+    held = _anchored(torch.cat([values[INT8_BLOCK:], torch.tensor([0.0, -0.0] * 255)])[:(INT8_BLOCK - 1) * 8200])
+    first, again = (StoredState(held.numel(), "fp16", "exp_avg") for _ in range(2))
+    first.encode(held, seed=6)
+    out = torch.empty(held.numel())
+    first.decode(out)
+    again.encode(out, seed=7)
+    assert torch.equal(again.codes.view(torch.int16), first.codes.view(torch.int16))
+    assert torch.equal(again.scales, first.scales)
+
+
 class _Traffic(TorchDispatchMode):
     """Bytes each operation reads (its tensor inputs) and writes (its tensor outputs); views
-    move nothing, and an operation that only overwrites its first argument does not read it."""
+    and allocations move nothing, and an operation that only overwrites its first argument, or
+    the tensor given as `out`, does not read it."""
 
-    MOVES_NOTHING = re.compile(r"view|slice|detach|alias|select|expand|squeeze|as_strided|lift_fresh|aten\.t\.")
+    MOVES_NOTHING = re.compile(r"view|slice|detach|alias|select|expand|squeeze|as_strided|lift_fresh|aten\.t\.|"
+                               r"aten\.empty")
     ONLY_WRITES = re.compile(r"aten\.(copy_|random_|fill_|zero_|uniform_)\.")
 
     def __init__(self):
@@ -121,7 +242,8 @@ class _Traffic(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if not self.MOVES_NOTHING.search(str(func)):
             read = args[1:] if self.ONLY_WRITES.search(str(func)) else args
-            self.bytes += self.size(tree_flatten((read, kwargs or {}))[0]) + self.size(tree_flatten(out)[0])
+            given = {key: value for key, value in (kwargs or {}).items() if key != "out"}
+            self.bytes += self.size(tree_flatten((read, given))[0]) + self.size(tree_flatten(out)[0])
         return out
 
 
@@ -129,12 +251,17 @@ class _InThisThread:
     def map(self, fn, *iterables):
         return map(fn, *iterables)
 
+    def submit(self, fn, *args):
+        done = Future()
+        done.set_result(fn(*args))
+        return done
+
 
 @pytest.mark.parametrize("compression", ["bf16", "fp16", "int8"])
 def test_the_time_models_codec_bytes_are_the_codes_passes(compression, monkeypatch):
     """core/time_plan.py COMPRESSION_STEP_BYTES is what decoding and encoding both moments
     read and write per element, counted here operation by operation on the codec itself
-    (bf16's random bits drawn in this thread, so they count too), in a step after the first."""
+    (bf16's and fp16's random bits drawn in this thread, so they count too), in a step after the first."""
     monkeypatch.setattr(codec, "_pool", lambda: _InThisThread())
     numel = 2 * CODEC_CHUNK
     values = torch.randn(numel, generator=torch.Generator().manual_seed(3)) * 1e-3

@@ -30,6 +30,12 @@ from .terms import Term
 # table's int32 buckets (4), the gathered codes and cuts (1 + 4), the comparison (1), and on
 # decoding the fp32 chunk (4)), rounded up to a stated allowance.
 INT8_TEMPORARY = 32
+# Bytes per element the fp16 codec holds at once for the chunk it codes: its three chunk
+# buffers (absolute values, scaled values, carries: 4 + 4 + 4) and, where a chunk has fp16
+# subnormals, their exact rounding's mask, indices, values, units, integer parts and draws
+# (1 + 8 + 4 * 4 at most) (runtime/offload_codec.py `fp16_stochastic`), rounded up; decoding
+# holds less (the widened chunk and its product, 4 + 4).
+FP16_TEMPORARY = 40
 
 # Host memory of one training process beside its tensors: Python, torch and the CUDA, cuDNN,
 # cuBLAS and NCCL libraries mapped into it, the CUDA driver's host-side state, NCCL's host
@@ -116,7 +122,9 @@ def engine_buffers(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, deg
     - decompression: the fp32 moments of the largest group while it steps (compression);
     - the codec's temporaries, for one chunk of `CODEC_CHUNK` elements at a time: int8's
       (`INT8_TEMPORARY` bytes per element, an allowance), bf16's random bits (4 bytes per
-      element of a round of `ROUNDING_CHUNKS` chunks);
+      element of a round of `ROUNDING_CHUNKS` chunks), fp16's (`FP16_TEMPORARY`, an
+      allowance, and its random words drawn ahead: 2 bytes per element of up to
+      `ROUNDING_CHUNKS` chunks);
     - an fp32 copy of a group's gradients when they are 16-bit (the fused CPU AdamW kernel
       steps one dtype)."""
     on_device = [g for g in groups if not g.offloaded]
@@ -153,6 +161,12 @@ def engine_buffers(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, deg
         drawn = min(padded, ROUNDING_CHUNKS * CODEC_CHUNK)
         terms.append(Term("bf16 rounding's random bits", drawn * 4,
                           lambda: f"{drawn:,} elements of a round * 4 B (int32)"))
+    if inputs.compression == "fp16" and moments:
+        chunk = min(padded, CODEC_CHUNK)
+        ahead = min(-(-padded // CODEC_CHUNK), ROUNDING_CHUNKS)
+        terms.append(Term("fp16 rounding temporaries (allowance)", chunk * FP16_TEMPORARY + ahead * chunk * 2,
+                          lambda: f"{chunk:,} elements of a chunk * ({FP16_TEMPORARY} B + {ahead} chunks drawn "
+                                  f"ahead * 2 B)"))
     if eb.grads != FP32:
         terms.append(Term("fp32 copy of a group's gradients", biggest * FP32, lambda: f"{biggest:,} elements * {FP32} B"))
     return terms

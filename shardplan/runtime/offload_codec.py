@@ -23,16 +23,26 @@
   are 1e-9 after the first step's (1 - beta2) = 1e-3, below fp16's smallest subnormal, 6e-8,
   and a zero there turns the update m / (sqrt(v) + eps) into m / 1e-8): it is stored per
   block like int8, scaled so the block's absmax is 2^15 (torchao's fp8 optimizer states
-  scale per block the same way), then rounded stochastically, written here (torchao has no
-  fp16 rounding): towards the upper neighbour with probability (x - lower) / (upper - lower).
+  scale per block the same way; no value then exceeds fp16's range), then rounded
+  stochastically by the rule of `_fp32_to_bf16_sr` at fp16's width (torchao has no fp16
+  rounding): where fp16 is normal (|x| >= 2^-14) it keeps 10 of fp32's 23 mantissa bits, so
+  (bits + r) & 0xFFFFE000 with r uniform in [0, 2^13) rounds away from zero with probability
+  (the 13 dropped bits) / 2^13, that is up with probability (x - lower) / (upper - lower)
+  whatever the sign, to an fp32 value fp16 holds exactly. fp16's subnormals are 2^-24 apart
+  whatever x's exponent, so the few values below 2^-14 (found by one minimum over the chunk)
+  round again on that grid. The random bits come per chunk as bf16's, two elements' 13 bits
+  from one 31-bit draw, the pool drawing the next chunks' while the current one is rounded.
 
 Every codec works `CHUNK` elements at a time, so its temporaries are a few MiB that stay in
-the processor's caches and are reused, not fresh gigabytes per state and step.
+the processor's caches and are reused, not fresh gigabytes per state and step (fp16 also
+holds a half-chunk of random bits per thread).
 
 Stochastic rounding draws from generators of its own, seeded from (seed, rank, step, group,
 chunk): runs are reproducible and the training RNG is left untouched.
 A value already representable in 16 bits rounds to itself, so decode-then-encode keeps bf16
-and fp16 states bit-exact; int8 codes need not survive it, so checkpoints also keep the
+states bit-exact, and fp16 states whose scales are powers of two. Other fp16 codes need not
+survive it (a decoded value divided by its scale can come back an fp32 ulp off its code, which
+then rounds away with probability 2^-13), nor int8 codes, so checkpoints also keep the
 compressed store itself (runtime/checkpoint.py).
 """
 
@@ -53,6 +63,9 @@ SIGNED = {"exp_avg": True, "exp_avg_sq": False}  # the second moment is never ne
 FP16_TOP = 2.0**15  # where a block's absmax lands in fp16: a power of two, so scaling is exact
 TINY = 1e-30  # absmax floor of an all-zero block (its values encode to 0)
 KEEP_BF16 = -(1 << 16)  # 0xFFFF0000 as int32: the sign, exponent and 7 mantissa bits bf16 keeps
+FP16_DROPPED = (1 << 13) - 1  # the 13 low mantissa bits of fp32 that fp16 drops (23 - 10)
+KEEP_FP16 = ~FP16_DROPPED  # 0xFFFFE000 as int32: sign, exponent and the 10 mantissa bits fp16 keeps
+SUBNORMAL_KEY = 0x38800000 - 1  # the fp32 pattern of 2^-14, fp16's smallest normal, less one
 
 
 def padded(numel: int, compression: str) -> int:
@@ -173,21 +186,17 @@ class StoredState:
         if self.compression == "bf16":
             bf16_stochastic(values, self.codes, seed, bits)
             return
+        if self.compression == "fp16":
+            fp16_stochastic(values, self.codes, self.scales, seed)
+            return
         if self.compression not in BLOCKWISE:
             self.codes.copy_(values)
             return
         for start in range(0, values.numel(), CHUNK):
             stop = min(values.numel(), start + CHUNK)
             codes, scales = self._blocks(start, stop)
-            chunk = values[start:stop]
-            if self.compression == "int8":
-                scaled, found = _torchao().scale_tensor(chunk, INT8_BLOCK)
-                codes.copy_(code_table(self.signed).codes(scaled))
-            else:
-                blocked = chunk.view(-1, INT8_BLOCK)
-                found = blocked.abs().amax(dim=1).clamp(min=TINY) / FP16_TOP
-                generator = torch.Generator().manual_seed(chunk_seed(seed, start // CHUNK))
-                codes.view(-1, INT8_BLOCK).copy_(fp16_stochastic(blocked / found.view(-1, 1), generator))
+            scaled, found = _torchao().scale_tensor(values[start:stop], INT8_BLOCK)
+            codes.copy_(code_table(self.signed).codes(scaled))
             scales.copy_(found)
 
 
@@ -229,20 +238,62 @@ def bf16_stochastic(values: torch.Tensor, out: torch.Tensor, seed: int, bits: to
         out[base:stop].copy_(carried.view(torch.float32))  # exact: the dropped bits are zero
 
 
-def fp16_stochastic(values: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """fp32 -> fp16 rounding to either neighbour with probability proportional to nearness
-    (unbiased: E[round(x)] = x within fp16's range); values beyond it saturate."""
-    limit = torch.finfo(torch.float16).max
-    values = values.clamp(-limit, limit)
-    nearest = values.to(torch.float16)
-    above = nearest.float() >= values
-    toward = torch.where(above, torch.full_like(nearest, -torch.inf), torch.full_like(nearest, torch.inf))
-    other = torch.nextafter(nearest, toward)
-    low = torch.where(above, other, nearest).float()
-    high = torch.where(above, nearest, other).float()
-    gap = high - low
-    chance_high = torch.where(gap > 0, (values - low) / gap, torch.zeros_like(values))
-    draw = torch.rand(values.shape, generator=generator)
-    exact = nearest.float() == values
-    chosen = torch.where(draw < chance_high, high, low)
-    return torch.where(exact, nearest.float(), chosen).to(torch.float16)
+def fp16_stochastic(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, seed: int) -> None:
+    """Store the fp32 `values` as fp16 `codes` and one fp32 scale per block in `scales`
+    (module docstring), a chunk at a time. Each chunk's random bits come from its own
+    generator, which the pool runs as many chunks ahead as torch has threads, at most
+    `ROUNDING_CHUNKS` as bf16's rounds (a ring of half-chunk buffers), while this thread scales
+    and rounds: a 31-bit word gives two elements their 13 bits (bits 0-12 and 18-30)."""
+    numel = values.numel()
+    starts = range(0, numel, CHUNK)
+    width = min(numel, CHUNK)
+    ahead = min(len(starts), torch.get_num_threads(), ROUNDING_CHUNKS)
+    words = torch.empty(ahead, width // 2, dtype=torch.int32)
+    magnitude, scaled = torch.empty(width), torch.empty(width)
+    carried = torch.empty(width, dtype=torch.int32)
+
+    def fill(chunk: int) -> torch.Generator:
+        generator = torch.Generator().manual_seed(chunk_seed(seed, chunk))
+        half = (min(numel, starts[chunk] + CHUNK) - starts[chunk]) // 2
+        words[chunk % ahead, :half].random_(generator=generator)  # int32: 32 random bits mod 2^31
+        return generator
+
+    drawn = {chunk: _pool().submit(fill, chunk) for chunk in range(ahead)}
+    for chunk, start in enumerate(starts):
+        stop = min(numel, start + CHUNK)
+        size, half = stop - start, (stop - start) // 2
+        generator = drawn.pop(chunk).result()
+        word = words[chunk % ahead, :half]
+        torch.bitwise_and(word, FP16_DROPPED, out=carried[:half])
+        torch.bitwise_right_shift(word, 31 - 13, out=carried[half:size])
+        if chunk + ahead < len(starts):  # this slot's words are read: it takes a later chunk's
+            drawn[chunk + ahead] = _pool().submit(fill, chunk + ahead)
+        blocked = values[start:stop].view(-1, INT8_BLOCK)
+        found = torch.abs(blocked, out=magnitude[:size].view(-1, INT8_BLOCK)).amax(dim=1)
+        found = found.clamp_(min=TINY).div_(FP16_TOP)
+        torch.div(blocked, found.view(-1, 1), out=scaled[:size].view(-1, INT8_BLOCK))
+        pattern = scaled[:size].view(torch.int32)
+        rounded = carried[:size].add_(pattern).bitwise_and_(KEEP_FP16)
+        codes[start:stop].copy_(rounded.view(torch.float32))  # exact where |x| >= 2^-14
+        # The key, x's pattern less one with the sign bit cleared: |x|'s pattern less one where
+        # x != 0, the top for zeros (-0.0's pattern, the lowest int32, wraps there; were it
+        # kept, fp16_subnormals would round it to -0.0 all the same).
+        key = torch.sub(pattern, 1, out=magnitude[:size].view(torch.int32)).bitwise_and_(0x7FFFFFFF)
+        if int(key.amin()) < SUBNORMAL_KEY:
+            fp16_subnormals(scaled[:size], codes[start:stop], key, generator)
+        scales[start // INT8_BLOCK:stop // INT8_BLOCK].copy_(found)
+
+
+def fp16_subnormals(scaled: torch.Tensor, codes: torch.Tensor, key: torch.Tensor, generator: torch.Generator) -> None:
+    """Round again the `scaled` values fp16 holds as subnormals (0 < |x| < 2^-14: `key` below
+    SUBNORMAL_KEY), 2^-24 apart where the carry assumed fp32's finer spacing: |x| * 2^24
+    (exact) to an integer, up with probability its fraction, then back by 2^-24 (exact) with
+    x's sign. The chunk's generator draws on, torch.rand's multiples of 2^-24: exact chances
+    from |x| >= 2^-24 on (the fraction is a multiple of 2^-23 there); below, the chance is
+    rounded up to a multiple of 2^-24."""
+    where = (key < SUBNORMAL_KEY).nonzero().squeeze(1)
+    value = scaled[where]
+    units = value.abs().mul_(2.0**24)
+    whole = units.floor()
+    up = torch.rand(units.shape, generator=generator) < units.sub_(whole)
+    codes[where] = whole.add_(up).mul_(2.0**-24).copysign_(value).to(torch.float16)
