@@ -39,6 +39,7 @@ def build_app(modules: list[str]) -> typer.Typer:
         no_args_is_help=True,
         add_completion=True,  # --install-completion / --show-completion
         pretty_exceptions_enable=False,
+        rich_markup_mode="markdown",
         context_settings={"help_option_names": ["-h", "--help"]},
     )
     app.callback()(_root)
