@@ -48,6 +48,8 @@ FILE_CASES = [
     ("missing_hf_config", '[model]\nhf_config = "nope.json"\n', [], "model.hf_config: 'nope.json': no such file"),
     ("missing_data", '[data]\npath = "tokens.bin"\n', [], "data.path: 'tokens.bin': no such file"),
     ("json_in_toml_name", '{"parallel": {"dp": 2}}', [], "invalid TOML"),
+    # tomllib parses nested arrays recursively: RecursionError, not TOMLDecodeError
+    ("toml_deep", "x = " + "[" * 100000, [], "invalid TOML: nested too deeply"),
     ("binary_garbage", bytes(range(256)) * 8, [], "binary file"),
     ("not_utf8", b"[model]\npreset = \"\xff\xfe\"\n", [], "not UTF-8"),
     ("bad_world_flag", "", ["--world", "0"], "--world"),
@@ -86,6 +88,9 @@ HF_CASES = [
      '"num_attention_heads": 2, "intermediate_size": 8, "vocab_size": 10}', "hidden_size: expected a positive integer"),
     ("hf_missing", '{"model_type": "llama"}', "num_hidden_layers: required"),
     ("hf_not_json", "model_type = 'llama'", "invalid JSON"),
+    ("hf_no_architecture", '{"architectures": []}', "model_type: required (supported: gpt2"),
+    ("hf_architecture_not_a_name", '{"model_type": "llama", "architectures": [5]}',
+     "architectures: expected a list of model class names (strings), got [5]"),
     # Bounds of a shape written in the job file apply to a config.json too, named by its keys.
     ("hf_zero_layers", '{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 0, '
      '"num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100}', "num_hidden_layers: expected a positive"),
@@ -207,12 +212,55 @@ OWN_ARGUMENT_CASES = [
                                                                     "models, not mixture-of-experts layers"),
     (["presets", "llama-3-9b"], "no preset named 'llama-3-9b'"),
     (["run", "tiny-gpt2-cpu", "--resume"], "--resume: the job has no [checkpoint] dir to resume from"),
+    # Paths `run` writes or reads are checked before torchrun starts, not after the training.
+    (["run", "tiny-gpt2-cpu", "--report", "/nonexistent-dir/x.json"],
+     "--report: /nonexistent-dir/x.json: no such directory: /nonexistent-dir"),
+    (["run", "tiny-gpt2-cpu", "--report", "."], "--report: .: is a directory, not a file"),
+    (["run", "tiny-gpt2-cpu", "--resume=/nonexistent-dir/ckpt"], "--resume: /nonexistent-dir/ckpt is not a checkpoint folder"),
 ]
 
 
 @pytest.mark.parametrize("argv, needle", OWN_ARGUMENT_CASES, ids=[" ".join(c[0])[:60] for c in OWN_ARGUMENT_CASES])
 def test_own_argument_corpus(argv, needle):
     _check(run_cli(*argv), needle)
+
+
+def test_run_refuses_an_incomplete_checkpoint_before_starting(tmp_path):
+    # A folder without the checkpoint's meta file: the workers' own test (checkpoint.find).
+    folder = tmp_path / "step-00000004.partial"
+    folder.mkdir()
+    _check(run_cli("run", "tiny-gpt2-cpu", f"--resume={folder}"), "is incomplete (written by a run that stopped")
+
+
+def test_run_refuses_a_report_it_cannot_create(tmp_path):
+    import os
+
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        if os.access(folder, os.W_OK):
+            pytest.skip("this user writes into read-only folders (root)")
+        _check(run_cli("run", "tiny-gpt2-cpu", "--report", str(folder / "r.json")), "permission denied")
+    finally:
+        folder.chmod(0o755)
+
+
+@pytest.mark.parametrize("text", ['{"architectures": []}', '{"model_type": null, "architectures": [5]}'])
+def test_hf_config_given_as_the_job_with_bad_architectures(text, write):
+    # A config.json given where a job is expected is read through its architectures too.
+    result = run_cli("validate", write("f.json", text))
+    _check(result, "model_type: required")
+    assert "internal error" not in result.err and "(5)" not in result.err, result.err
+
+
+@pytest.mark.parametrize("suffix, text", [("toml", "[parallel]\ndp = 2\n"), ("json", '{"parallel": {"dp": 2}}')])
+def test_a_byte_order_mark_is_accepted(suffix, text, write):
+    # Windows editors write UTF-8 with a BOM; tomllib and json reject it, shardplan drops it.
+    path = write(f"job.{suffix}", b"\xef\xbb\xbf" + text.encode())
+    result = run_cli("validate", path)
+    assert result.code == 0, result.err
+    assert "world 2 = dp 2" in result.out
 
 
 def test_run_refuses_a_shared_norm_before_starting(write):

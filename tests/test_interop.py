@@ -253,6 +253,8 @@ def test_deepspeed_bad_input(write, text, message):
     ("[parallel]\ndp = 2\n", "is a shardplan job file already"),
     ("[server]\nport = 1\n", "TOML without torchtitan's tables"),
     ("name: x\nitems: [1, 2\n", "invalid YAML"),
+    ("a: " + "[" * 100_000 + "\n", "invalid YAML: nested too deeply"),
+    ("distributed_type: FSDP\nnum_processes: 8\nnum_processes: 16\n", "num_processes: given twice (lines 2 and 3)"),
     ("just: yaml\n", "not a DeepSpeed config (JSON)"),
     (b"\x00\x01", "is a binary file"),
 ])
@@ -429,6 +431,44 @@ def test_torchtitan_round_trip(write, name):
         assert mine.get(key) == value, key
 
 
+def test_torchtitan_round_trips_single_rank_offload(write, tmp_path):
+    """gpt2-xl-offload-a100-40gb (ZeRO-3 offload on one GPU): torchtitan applies FSDP, and
+    enable_cpu_offload with it, only when data_parallel_shard_degree or context_parallel_degree
+    is above 1 (torchtitan/distributed/parallel_dims.py `fsdp_enabled`,
+    llama3/infra/parallelize.py). The export says so instead of writing an offload torchtitan
+    would not do, and importing it gives back a job that validates, every key that was not
+    named in a note equal to the preset's."""
+    from shardplan.io.job import load_job
+
+    out = str(tmp_path / "tt.toml")
+    result = run_cli("export", "gpt2-xl-offload-a100-40gb", "--to", "torchtitan", "-o", out)
+    assert result.code == 0, result.err
+    noted = {line.split(": ")[1] for line in result.err_lines if line.startswith("export: ")}
+    assert {"offload", "zero.stage"} <= noted, result.err
+    config = tomllib.loads(open(out).read())
+    assert config["training"]["enable_cpu_offload"] is False
+    assert config["parallelism"]["data_parallel_shard_degree"] == 1
+    back = run_cli("import", out, "--set", "model.preset=gpt2-xl")
+    assert back.code == 0, back.err
+    job = tomllib.loads(back.out)
+    preset = load_job("gpt2-xl-offload-a100-40gb").job.model_dump()
+    for table in ("parallel", "zero", "offload", "train"):
+        for key, value in job.get(table, {}).items():
+            if table in noted or f"{table}.{key}" in noted:
+                continue
+            assert value == preset[table][key], f"{table}.{key}"
+    assert job["parallel"]["dp"] == 1 and job["train"]["activation_checkpointing"] == "full"
+    assert run_cli("validate", write("job.toml", back.out)).code == 0
+
+
+def test_torchtitan_offload_without_fsdp_is_said(write):
+    text = "[parallelism]\ndata_parallel_shard_degree = 1\n[training]\nenable_cpu_offload = true\n"
+    result = run_cli("import", write("tt.toml", text), "--set", "model.preset=llama-3-8b")
+    assert result.code == 0, result.err
+    assert any(":4: training.enable_cpu_offload: torchtitan offloads only under FSDP" in line
+               for line in result.err_lines), result.err
+
+
 def test_torchtitan_default_split_is_read(write):
     """Without module_fqns_per_model_part torchtitan splits the layers itself: Interleaved1F1B
     defaults to 2 stages per rank, embedding and head weigh one layer each
@@ -540,6 +580,15 @@ def test_accelerate_bad_input(write):
     assert ":3: num_processes: 16 processes do not fill 3 machines evenly" in result.err
     result = run_cli("import", write("acc.yaml", "distributed_type: TPU_POD\nnum_processes: 8\n"))
     assert result.code == 2 and ":1: distributed_type: must be one of" in result.err
+    # Sizes that do not multiply to num_processes: accelerate rejects them
+    # (ParallelismConfig._validate_accelerator); dp_shard_size is never dropped for dp = 64 / tp.
+    text = ("distributed_type: FSDP\nnum_machines: 8\nnum_processes: 64\nparallelism_config:\n"
+            "  parallelism_config_dp_replicate_size: 1\n  parallelism_config_dp_shard_size: 2\n"
+            "  parallelism_config_tp_size: 8\n")
+    result = run_cli("import", write("acc.yaml", text), "--set", "model.preset=llama-2-70b")
+    assert result.code == 2, result.err
+    assert (":6: parallelism_config.parallelism_config_dp_shard_size: dp_replicate 1 * dp_shard 2 * tp 8 * cp 1 "
+            "= 16 does not match num_processes (64)") in result.err
 
 
 def test_json_key_lines():

@@ -35,6 +35,40 @@ def launched(write, plan: str, monkeypatch):
     return env, args, load_job(path).job
 
 
+def accepted_by_accelerator(num_processes: int) -> None:
+    """`ParallelismConfig()` from the worker's environment passes the validation `Accelerator`
+    runs on it (accelerate/parallelism_config.py, `_validate_accelerator`: total_size must equal
+    num_processes) for an FSDP2 accelerator of that many processes."""
+    from types import SimpleNamespace
+
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DistributedType
+
+    config = ParallelismConfig()
+    accelerator = SimpleNamespace(multi_device=True, num_processes=num_processes, is_fsdp2=True,
+                                  distributed_type=DistributedType.FSDP)
+    config._validate_accelerator(accelerator)  # raises ValueError on a mismatch
+    assert config.total_size == num_processes
+
+
+def test_accelerate_takes_a_pipeline_plan(write, monkeypatch):
+    """llama-2-70b-3d (dp 2 x tp 8 x pp 4): accelerate has no pipeline parallel, so the 64
+    processes' ParallelismConfig must still multiply to 64 (it wrote dp_shard 2 x tp 8 = 16)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    out = write("x", "").replace("x", "accelerate.yaml")
+    result = run_cli("export", "llama-2-70b-3d", "--to", "accelerate", "-o", out)
+    assert result.code == 0, result.err
+    assert "export: parallel.pp: accelerate has no pipeline parallel: the 4 stages' ranks are written as data " \
+           "parallel (8 data-parallel ranks of 64 processes)" in result.err_lines
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", out, "train.py"]))
+    for key, value in prepare_multi_gpu_env(args).items():
+        monkeypatch.setenv(key, value)
+    assert args.num_processes == 64
+    accepted_by_accelerator(64)
+
+
 @pytest.mark.parametrize("plan", sorted(PLANS))
 def test_accelerate_reads_the_exported_config(write, plan, monkeypatch):
     env, args, job = launched(write, plan, monkeypatch)
@@ -43,6 +77,8 @@ def test_accelerate_reads_the_exported_config(write, plan, monkeypatch):
     assert args.num_processes == world
     mixed = {"bf16-mixed": "bf16", "bf16": "bf16", "fp16-mixed": "fp16", "fp32": "no"}[train.precision]
     assert env["ACCELERATE_MIXED_PRECISION"] == mixed
+    if "PARALLELISM_CONFIG_DP_SHARD_SIZE" in env:  # accelerate's own check of the sizes at Accelerator()
+        accepted_by_accelerator(args.num_processes)
     if par.pp > 1:  # accelerate has no pipeline parallel: the export names it on stderr
         return
     if zero.stage == 0 and par.tp == 1 and par.cp == 1:

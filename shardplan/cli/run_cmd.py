@@ -77,6 +77,68 @@ def _require_torch(job) -> None:
                           for name, key in lacking])
 
 
+def _check_report_path(report: str | None) -> None:
+    """`--report` is written by rank 0 after the last step: a path it cannot write would
+    lose the whole run, so it is checked before anything starts."""
+    if report is None:
+        return
+    path = Path(report)
+    parent = path.parent
+    if path.is_dir():
+        why = "is a directory, not a file"
+    elif not parent.exists():
+        why = f"no such directory: {parent}"
+    elif not parent.is_dir():
+        why = f"{parent} is not a directory"
+    elif path.exists() and not os.access(path, os.W_OK):
+        why = "permission denied"
+    elif not path.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        why = f"permission denied: cannot create files in {parent}"
+    else:
+        return
+    raise InputError(Problem("--report", f"{report}: {why}"))
+
+
+def _check_resume_path(resume: str | None) -> None:
+    """`--resume=PATH` names a checkpoint folder: the workers' own test (runtime/checkpoint.py
+    `find`), run here before torchrun starts them."""
+    if resume is None or resume == "latest":
+        return
+    if not Path(resume).is_dir():  # find's first test, without importing torch for it
+        raise InputError(Problem("--resume", f"{resume} is not a checkpoint folder"))
+    from ..runtime.checkpoint import find  # imports torch: `run` has it (checked before)
+    from ..spec.errors import RunFailure
+
+    try:
+        find(Path("."), resume)
+    except RunFailure as exc:
+        raise InputError(Problem("--resume", str(exc).removeprefix("checkpoint: "))) from None
+
+
+def _nf4_shard_group(resolved) -> list[Problem]:
+    """torchao's NF4 weights reach FSDP2 as three all-gather inputs (codes, scalers, scale
+    factors; NF4Tensor.fsdp_pre_all_gather); FSDP2 skips the all-gather on a shard group of
+    one rank and hands the subclass only the first (torch/distributed/fsdp/_fully_shard/
+    _fsdp_param_group.py, `wait_for_unshard`, world_size == 1), so NF4Tensor.fsdp_post_all_gather
+    fails at the first step. ZeRO 0 shards over one rank (a (dp, 1) mesh, runtime/parallel.py),
+    as do stages 2 and 3 with one data-parallel rank."""
+    job = resolved.job
+    if job.lora is None or job.lora.base_dtype != "nf4" or job.parallel.tp > 1 or job.parallel.pp > 1:
+        return []  # tp and pp with NF4 are refused already (runtime/capabilities.py)
+    from ..core.layout import Layout, shard_group_size
+
+    par = job.parallel
+    shards = 1
+    if job.zero.stage >= 2:
+        shards = shard_group_size(Layout(resolved.degrees, par.order, job.cluster.gpus_per_node), job.zero.hybrid)
+    if shards > 1:
+        return []
+    why = "zero.stage 0 shards over one rank" if job.zero.stage < 2 else "the shard group is one rank"
+    return [Problem("lora.base_dtype", f"torchao's NF4 weights need an FSDP2 shard group of 2 or more ranks "
+                                       f"(zero.stage 2 or 3 with dp * cp >= 2); {why}: QLoRA here is estimated, "
+                                       "not executed by `run`")]
+
+
 def _worker_args(file: str, flags: PlanFlags, options: dict) -> list[str]:
     """The command line each torchrun worker runs: the same job, flags and outputs."""
     args = [file]
@@ -260,6 +322,8 @@ def run(
     require_supported(resolved)
     _require_torch(resolved.job)
     if not under_torchrun():
+        _check_report_path(report)  # before torchrun starts: not after the whole run
+        _check_resume_path(resume)
         world = resolved.world
         if nproc is not None and nproc != world:
             raise InputError(Problem("--nproc", f"{nproc} workers, but {resolved.degrees.arithmetic()}"))

@@ -27,6 +27,9 @@ _HEADER = re.compile(r"^\s*\[\s*([A-Za-z0-9_.\-\"' ]+?)\s*\]\s*(#.*)?$")
 _KEY = re.compile(r"^\s*([A-Za-z0-9_\-]+(?:\s*\.\s*[A-Za-z0-9_\-]+)*)\s*=")
 _TOML_POSITION = re.compile(r"\s*\(at line (\d+), column \d+\)\s*$")
 _TOML_EOF = re.compile(r"\s*\(at end of document\)\s*$")
+# Editors on Windows (Notepad, PowerShell's `Out-File -Encoding utf8`) start UTF-8 files with a
+# byte order mark, which tomllib and json reject; it carries nothing, so it is dropped.
+_BOM = "\ufeff"
 
 
 @dataclass
@@ -85,12 +88,13 @@ def _read_text(path: Path, shown: str) -> str:
     if b"\x00" in raw:
         raise fail("is a binary file, not TOML or JSON")
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8").removeprefix(_BOM)
     except UnicodeDecodeError as exc:
         raise fail(f"is not UTF-8 text (invalid byte at offset {exc.start})") from None
 
 
 def parse_toml(text: str, shown: str) -> Document:
+    text = text.removeprefix(_BOM)
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -102,10 +106,13 @@ def parse_toml(text: str, shown: str) -> Document:
             message = message[: position.start()]
         message = _TOML_EOF.sub("", message)
         raise InputError(Problem("", f"invalid TOML: {message}", file=shown, line=line)) from None
+    except RecursionError:  # tomllib parses nested arrays and inline tables recursively
+        raise InputError(Problem("", "invalid TOML: nested too deeply", file=shown)) from None
     return Document(shown, data, toml_key_lines(text))
 
 
 def parse_json(text: str, shown: str) -> Document:
+    text = text.removeprefix(_BOM)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -35,6 +35,27 @@ def looks_like_hf_config(data: dict) -> bool:
     return marked and not any(isinstance(data.get(table), dict) for table in TABLES)
 
 
+def architectures_problem(data: dict, file: str) -> Problem | None:
+    """`architectures` is what `PretrainedConfig` writes: a list of model class names
+    (`["LlamaForCausalLM"]`), or null; anything else is no config.json we can trust."""
+    value = data.get("architectures")
+    if value is None or (isinstance(value, list) and all(isinstance(a, str) and a for a in value)):
+        return None
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    return Problem("architectures", f"expected a list of model class names (strings), got {shown}", file=file)
+
+
+def model_kind(data: dict) -> str | None:
+    """What model a config.json describes, for messages: its model_type, else its first
+    architecture, else None."""
+    if isinstance(data.get("model_type"), str) and data["model_type"]:
+        return data["model_type"]
+    names = data.get("architectures")
+    if isinstance(names, list) and names and isinstance(names[0], str) and names[0]:
+        return names[0]
+    return None
+
+
 def config_key(family: str, key: str) -> str:
     """The config.json key of a shape key (for messages about a config.json)."""
     if family == "gpt2" and key in _GPT2_KEYS:
@@ -69,12 +90,13 @@ class _Reader:
 def shape_from_hf_config(config: dict, file: str) -> dict:
     """The inline `[model]` table (family and sizes) equivalent to a config.json."""
     model_type = config.get("model_type")
+    bad_names = architectures_problem(config, file)
     if model_type not in SUPPORTED:
-        raise InputError(Problem(
-            "model_type",
-            f"{model_type!r} is not supported (supported: {', '.join(SUPPORTED)})",
-            file=file,
-        ))
+        said = "required" if model_type is None else f"{model_type!r} is not supported"
+        problem = Problem("model_type", f"{said} (supported: {', '.join(SUPPORTED)})", file=file)
+        raise InputError([p for p in (bad_names, problem) if p])
+    if bad_names:
+        raise InputError(bad_names)
     r = _Reader(config, file)
     if model_type == "gpt2":
         hidden = r.get("n_embd", "hidden_size")

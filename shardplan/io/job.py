@@ -21,7 +21,7 @@ from ..spec.errors import InputError, Problem
 from ..spec.job import JobSpec
 from ..spec.model import ModelShape, ModelSpec, resolve_shape
 from .files import Document, read_document
-from .hf_config import config_key, looks_like_hf_config, read_hf_config
+from .hf_config import config_key, looks_like_hf_config, model_kind, read_hf_config
 from .overrides import Override, apply_overrides
 from .presets import find_preset, list_presets
 from .problems import did_you_mean, problems_from_validation
@@ -83,8 +83,9 @@ def hf_config_as_job(doc: Document) -> tuple[Document, list[Problem]]:
     if not doc.path or not looks_like_hf_config(doc.data):
         return doc, []
     name = Path(doc.path).name
-    kind = doc.data.get("model_type") or doc.data["architectures"][0]
-    note = Problem("", f"a Hugging Face config.json ({kind}): planned as the model of a job with default "
+    kind = model_kind(doc.data)
+    what = f"a Hugging Face config.json ({kind})" if kind else "a Hugging Face config.json"
+    note = Problem("", f"{what}: planned as the model of a job with default "
                        f"tables, as [model] hf_config = {name!r} would", severity="note", file=doc.path)
     return Document(doc.path, {"model": {"hf_config": doc.path}}), [note]  # as given: relative to here
 

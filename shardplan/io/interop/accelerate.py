@@ -15,6 +15,8 @@ FSDP2 only).
 
 from __future__ import annotations
 
+import math
+
 from ...spec.job import FSDP_STAGE_NAMES
 from .common import Exported, Imported, Note, Plan, Reader, unexpressed
 
@@ -66,10 +68,14 @@ def to_accelerate(plan: Plan) -> Exported:
         else:
             fsdp_config["fsdp_auto_wrap_policy"] = "TRANSFORMER_BASED_WRAP"
         config["fsdp_config"] = fsdp_config
-        shard = plan.shard_group // par.cp if zero.hybrid else par.dp
+        # accelerate has no pipeline parallel: num_processes is the whole world, so the
+        # pipeline stages' ranks join data parallel (ParallelismConfig's sizes must multiply
+        # to num_processes, `_validate_accelerator`): more replicas under hybrid sharding,
+        # more shard ranks otherwise.
+        shard = plan.shard_group // par.cp if zero.hybrid else par.dp * par.pp
         if zero.hybrid or par.tp > 1 or par.cp > 1:
             config["parallelism_config"] = {
-                "parallelism_config_dp_replicate_size": par.dp // shard,
+                "parallelism_config_dp_replicate_size": par.dp * par.pp // shard,
                 "parallelism_config_dp_shard_size": shard,
                 "parallelism_config_tp_size": par.tp,
                 "parallelism_config_cp_size": par.cp,
@@ -92,6 +98,10 @@ def to_accelerate(plan: Plan) -> Exported:
         if train.activation_checkpointing != "none":
             notes.append(Note("train.activation_checkpointing", "without FSDP accelerate's config has no "
                                                                 "activation checkpointing (enable it in the model)"))
+    if par.pp > 1:
+        notes.append(Note("parallel.pp", f"accelerate has no pipeline parallel: the {par.pp} stages' ranks are "
+                                         f"written as data parallel ({par.dp * par.pp} data-parallel ranks of "
+                                         f"{plan.world} processes)"))
     if par.micro_batch_size > 1 or par.num_microbatches > 1:
         notes.append(Note("parallel.num_microbatches", "accelerate takes batch size and gradient accumulation in the "
                                                        "training script (Accelerator(gradient_accumulation_steps=...)); "
@@ -143,6 +153,14 @@ def from_accelerate(data: dict) -> Imported:
         tp, cp = sizes["tp"] or 1, sizes["cp"] or 1
         replicate = sizes["dp_replicate"]
         node = processes // machines
+        total = math.prod(size or 1 for size in sizes.values())
+        if total != 1 and total != processes:  # sizes all 1: accelerate replicates over every process
+            given = [name for name, size in sizes.items() if size is not None]
+            where = reader.key(f"parallelism_config_{'dp_shard' if 'dp_shard' in given else given[0]}_size")
+            product = " * ".join(f"{name} {size or 1}" for name, size in sizes.items())
+            out.problem(where, f"{product} = {total} does not match num_processes ({processes}); accelerate "
+                               "rejects it (ParallelismConfig: total_size must equal num_processes)")
+            return out
         if replicate and replicate > 1 and sizes["dp_shard"] and sizes["dp_shard"] * tp * cp != node:
             out.note(reader.key("parallelism_config_dp_shard_size"),
                      f"{sizes['dp_shard']} shard ranks: shardplan's hybrid sharding shards over one node's "

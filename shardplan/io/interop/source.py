@@ -85,24 +85,32 @@ def yaml_document(text: str, shown: str) -> Document:
     """Parse YAML with PyYAML's safe loader, keeping the line of every mapping key."""
     import yaml  # imported here: planning commands never pay for it
 
+    lines: dict[str, int] = {}
+
+    def walk(current, prefix: str) -> None:
+        """Every mapping key's line; a key given twice in one mapping is refused (PyYAML
+        keeps the last silently, so one of the two settings would be lost)."""
+        if isinstance(current, yaml.MappingNode):
+            for key, value in current.value:
+                dotted = f"{prefix}.{key.value}" if prefix else str(key.value)
+                if dotted in lines:
+                    raise InputError(Problem(dotted, f"given twice (lines {lines[dotted]} and "
+                                                     f"{key.start_mark.line + 1})", file=shown,
+                                             line=key.start_mark.line + 1))
+                lines[dotted] = key.start_mark.line + 1
+                walk(value, dotted)
+
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
+        walk(node, "")
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise InputError(Problem("", f"invalid YAML: {problem}", file=shown,
                                  line=mark.line + 1 if mark else None)) from None
-    lines: dict[str, int] = {}
-
-    def walk(current, prefix: str) -> None:
-        if isinstance(current, yaml.MappingNode):
-            for key, value in current.value:
-                dotted = f"{prefix}.{key.value}" if prefix else str(key.value)
-                lines.setdefault(dotted, key.start_mark.line + 1)
-                walk(value, dotted)
-
-    walk(node, "")
+    except RecursionError:
+        raise InputError(Problem("", "invalid YAML: nested too deeply", file=shown)) from None
     return Document(shown, data if isinstance(data, dict) else {"": data}, lines)
 
 

@@ -166,6 +166,14 @@ def _training(plan: Plan, notes: list[Note]) -> dict:
             notes.append(Note("train.precision", "torchtitan mixes precision with bfloat16 only; fp16-mixed "
                                                  "written as bfloat16"))
     offloading = (off.params, off.grads, off.optimizer)
+    _, shard = _dp_degrees(plan)
+    if off.params and not _fsdp_applied(shard, par.cp):
+        # torchtitan hands enable_cpu_offload to apply_fsdp only; without FSDP it would just
+        # build the model on the CPU (torchtitan/train.py, init_device) and never move it.
+        training["enable_cpu_offload"] = False
+        notes.append(Note("offload", f"torchtitan offloads to the CPU only under FSDP, {_NO_FSDP}; "
+                                     "written as enable_cpu_offload = false"))
+        return training
     training["enable_cpu_offload"] = off.params
     if any(offloading) and not all(offloading):
         notes.append(Note("offload", "torchtitan's enable_cpu_offload moves parameters, gradients and optimizer "
@@ -176,17 +184,35 @@ def _training(plan: Plan, notes: list[Note]) -> dict:
     return training
 
 
+# torchtitan/distributed/parallel_dims.py: `fsdp_enabled` is dp_shard > 1 or cp > 1, and
+# llama3/infra/parallelize.py applies FSDP (with enable_cpu_offload's CPUOffloadPolicy) only then.
+_NO_FSDP = "which it applies only with data_parallel_shard_degree or context_parallel_degree above 1"
+
+
+def _fsdp_applied(shard: int, cp: int) -> bool:
+    """Whether torchtitan wraps the model in FSDP for these degrees."""
+    return shard > 1 or cp > 1
+
+
+def _dp_degrees(plan: Plan) -> tuple[int, int]:
+    """(data_parallel_replicate_degree, data_parallel_shard_degree) of the plan."""
+    par, zero = plan.job.parallel, plan.job.zero
+    if zero.stage == 0:
+        return par.dp, 1
+    if zero.hybrid:
+        shard = max(1, plan.shard_group // par.cp)
+        return par.dp // shard, shard
+    return 1, par.dp
+
+
 def _parallelism(plan: Plan, notes: list[Note]) -> dict:
     job = plan.job
     par, zero = job.parallel, job.zero
-    if zero.stage == 0:
-        replicate, shard = par.dp, 1
-    elif zero.hybrid:
-        shard = max(1, plan.shard_group // par.cp)
-        replicate = par.dp // shard
-    else:
-        replicate, shard = 1, par.dp
-    if zero.stage == 1:
+    replicate, shard = _dp_degrees(plan)
+    if zero.stage > 0 and not _fsdp_applied(shard, par.cp):
+        notes.append(Note("zero.stage", f"torchtitan shards with FSDP, {_NO_FSDP}; ZeRO-{zero.stage} over "
+                                        f"{shard} data-parallel rank is written as no sharding"))
+    elif zero.stage == 1:
         notes.append(Note("zero.stage", "torchtitan's FSDP2 cannot shard optimizer states alone (ZeRO-1); "
                                         "written as stage 2 (gradients sharded too)"))
     if zero.stage == 0 and par.cp > 1:
@@ -384,7 +410,11 @@ def _read_training(training: Reader, out: Imported, degrees: dict) -> None:
         out.set("train.precision", "bf16-mixed", training.key("mixed_precision_param"))
     elif param == "float32":
         out.set("train.precision", "fp32", training.key("mixed_precision_param"))
-    if training.bool("enable_cpu_offload"):
+    offload = training.bool("enable_cpu_offload")
+    if offload and not _fsdp_applied(degrees["data_parallel_shard_degree"], degrees["context_parallel_degree"]):
+        out.note(training.key("enable_cpu_offload"), f"torchtitan offloads only under FSDP, {_NO_FSDP}: "
+                                                     "read as no offload")
+    elif offload:
         for key in ("params", "grads", "optimizer"):
             out.set(f"offload.{key}", True, training.key("enable_cpu_offload"))
         out.set("offload.gpu_param_budget", 0, training.key("enable_cpu_offload"))  # every layer
