@@ -117,22 +117,6 @@ def test_run_refuses_before_starting(flags, needle):
     assert result.code == 2 and needle in result.err, result.err
 
 
-# torchao's NF4Tensor gives FSDP2 three all-gather inputs; FSDP2 skips the all-gather on a
-# shard group of one rank and passes only the first, so NF4Tensor.fsdp_post_all_gather fails
-# at step 1 (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, world_size == 1).
-# tiny-gpt2's linears are 16,384 elements: one whole 64 * 256 block, so only the shard group
-# refuses them.
-@pytest.mark.parametrize("flags, needle", [
-    (["--dp", "1", "--nproc", "1", "--set", "cluster.gpus_per_node=1"], "the shard group is one rank"),
-    (["--zero", "0"], "zero.stage 0 shards over one rank"),
-])
-def test_run_refuses_qlora_on_a_one_rank_shard_group(flags, needle):
-    result = run_cli("run", "tiny-gpt2-cpu", "--set", "lora.rank=4", "--set", "lora.base_dtype=nf4", *flags)
-    assert result.code == 2, result.err
-    assert "lora.base_dtype: torchao's NF4 weights need an FSDP2 shard group of 2 or more ranks" in result.err
-    assert needle in result.err and len(result.err_lines) == 1, result.err
-
-
 def test_run_names_a_missing_library(monkeypatch):
     import importlib.util
 

@@ -291,3 +291,116 @@ def test_the_search_leaves_the_garbage_collector_as_it_found_it(enabled):
         assert gc.isenabled() is enabled
     finally:
         (gc.enable if was else gc.disable)()
+
+
+FIXED_BATCH = "[parallel]\ndp = 8\nmicro_batch_size = 1\nnum_microbatches = 1\n"
+
+
+@pytest.mark.parametrize("extra,text,message", [
+    # Every factor of the batch fixed, to another product: said at once (it searched 64x
+    # the batch's worth of batches before, and never ended on a large one).
+    (("--gpus", "8", "--global-batch", "512"), JOB + FIXED_BATCH,
+     "parallel.dp = 8 x parallel.micro_batch_size = 1 x parallel.num_microbatches = 1 (8 sequences per step), "
+     "which is not the global batch of 512 sequences"),
+    (("--gpus", "8", "--global-batch", str(2**40)), JOB + FIXED_BATCH, "(--global-batch 8)"),
+    # The micro batch and the microbatches leave 3 data-parallel ranks, which 8 GPUs cannot hold.
+    (("--gpus", "8", "--global-batch", "6"), JOB + "[parallel]\nmicro_batch_size = 1\nnum_microbatches = 2\n",
+     "leaves 3 data-parallel ranks"),
+    # A pipeline of 8 stages and 4 microbatches splits no batch.
+    (("--gpus", "8", "--global-batch", "64"), JOB + "[parallel]\npp = 8\nnum_microbatches = 4\n",
+     "a pipeline of 8 stages needs at least 8 microbatches"),
+])
+def test_fixed_keys_no_batch_can_keep(write, extra, text, message):
+    test_bad_input(write, extra, text, message)
+
+
+def test_fixed_keys_of_a_preset_and_another_batch():
+    """The job preset fixes dp 8 x micro batch 1 x 1 microbatch: another batch is bad input at once."""
+    result = run_cli("plan", "llama-3-8b-h100", "--global-batch", "65536")
+    assert result.code == 2, result.err
+    assert result.err_lines == [result.err_lines[0]] and "--global-batch 8" in result.err
+
+
+def test_a_batch_that_splits_is_found_with_bounded_work(write, monkeypatch):
+    """An interleaved pipeline of 8 stages fixed at 12 microbatches splits no batch: the note
+    says so after arithmetic on each structure, not a search of 64 times the batch's batches."""
+    import shardplan.io.plan_search as plan_search
+
+    job = write("job.toml", JOB + '[parallel]\npp = 8\nnum_microbatches = 12\npipeline_schedule = "interleaved-1f1b"\n')
+    calls = []
+    real = plan_search.candidates
+    monkeypatch.setattr(plan_search, "candidates", lambda *a: calls.append(a[1].global_batch) or real(*a))
+    result = run_cli("plan", job, "--gpus", "8", "--global-batch", str(12 * 2**20))
+    assert result.code == 1, result.err
+    assert f"nor one up to {64 * 12 * 2**20}" in result.err
+    assert len(calls) <= plan_search.SPLIT_TRIES
+
+
+def test_what_it_would_take_stays_in_the_supported_world(write, monkeypatch):
+    """Nothing fits: the worlds tried for more GPUs stop at the largest supported world
+    (it tried 64 times the GPUs, past it, and failed with exit 2)."""
+    import shardplan.io.plan_search as plan_search
+
+    monkeypatch.setattr(plan_search, "MAX_WORLD_SIZE", 32, raising=False)
+    worlds = []
+    real = plan_search.search
+    monkeypatch.setattr(plan_search, "search", lambda base, space, *a, **k: worlds.append(space.world) or
+                        real(base, space, *a, **k))
+    job = write("job.toml", JOB)
+    result = run_cli("plan", job, "--gpus", "8", "--global-batch", "8", "--set", "cluster.gpu_memory=2GiB")
+    assert result.code == 1, result.err
+    assert max(worlds) == 32
+    assert "not even 32 GPUs (the most that can be planned: 32 at most)" in result.err
+
+
+class _OsWith:
+    """The os module with some functions replaced, for io/writing.py alone."""
+
+    def __init__(self, **replaced):
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+
+@pytest.mark.parametrize("where", ["missing", "folder", "empty", "read-only"])
+def test_write_path_checked_before_the_search(job, tmp_path, monkeypatch, where):
+    """`--write` to a path that cannot be written: exit 2 in one line before the search, and
+    with --json one document, the error."""
+    import shardplan.io.plan_search as plan_search
+    import shardplan.io.writing as writing
+
+    target = {"missing": str(tmp_path / "no" / "best.toml"), "folder": str(tmp_path), "empty": "",
+              "read-only": str(tmp_path / "best.toml")}[where]
+    if where == "read-only":  # root writes anywhere: the check asks os.access
+        monkeypatch.setattr(writing, "os", _OsWith(access=lambda path, mode: False))
+    monkeypatch.setattr(plan_search, "run_plan_search", lambda *a, **k: pytest.fail("searched"))
+    result = run_cli("plan", job, *ARGS, "--write", target)
+    assert result.code == 2, result.err
+    assert len(result.err_lines) == 1 and result.err_lines[0].startswith("--write: ")
+    doc = run_cli("plan", job, *ARGS, "--write", target, "--json")
+    assert doc.code == 2 and json.loads(doc.out)["error"]["exit_code"] == 2
+
+
+def test_write_failing_midway_keeps_the_old_file(job, tmp_path, monkeypatch):
+    """A full disk during `--write`: exit 3 naming the file, the old file as it was, no
+    temporary file left, and with --json one document."""
+    import errno
+
+    import shardplan.io.writing as writing
+
+    out = tmp_path / "best.toml"
+    out.write_text("old\n")
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(writing, "os", _OsWith(write=full))
+    for extra in ((), ("--json",)):
+        result = run_cli("plan", job, *ARGS, "--write", str(out), *extra)
+        assert result.code == 3, result.err
+        assert result.err_lines == [f"shardplan: could not write {out}: [Errno 28] No space left on device"]
+        if extra:
+            assert json.loads(result.out)["error"]["exit_code"] == 3
+        assert out.read_text() == "old\n"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["best.toml", "job.toml"]

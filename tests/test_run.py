@@ -262,6 +262,9 @@ FINETUNE = [
     # (id, [lora] table or None, micro batch, flags); each step trains on 8 sequences
     ("dp2-zero3-lora", LORA, 4, ["--dp", "2"]),
     ("dp2-zero3-qlora", dict(rank=16, base_dtype="nf4"), 4, ["--dp", "2"]),
+    # One rank: FSDP2 would skip the all-gather NF4Tensor needs; the NF4 weights are left out
+    # of it, whole (runtime/parallel.py kept_whole).
+    ("dp1-qlora", dict(rank=16, base_dtype="nf4"), 8, ["--dp", "1"]),
     ("dp2-zero3-adamw8bit", None, 4, ["--dp", "2", "--set", "train.optimizer=adamw8bit"]),
     # Tensor parallel splits the adapters with their linears (B of q/v/up, A of o/down).
     ("tp2-zero3-lora", LORA, 8, ["--tp", "2"]),

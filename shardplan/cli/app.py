@@ -13,7 +13,6 @@ completion).
 from __future__ import annotations
 
 import atexit
-import errno
 import gc
 import os
 import sys
@@ -198,18 +197,15 @@ def _main(argv: list[str]) -> int:
         _quiet_stdout()
         return 0
     except OSError as exc:
-        if exc.errno not in _WRITE_FAILURES:
+        from ..io.writing import WRITE_FAILURES  # what a write that cannot be kept raises
+
+        if exc.errno not in WRITE_FAILURES:
             return _internal_error(exc, json_out)
         _quiet_stdout()  # the output is lost: only stderr can say so
         return _fail([_lost_output(exc)], EXIT_RUNTIME, False)
     except Exception as exc:  # an internal error: say so in one line, never a traceback
         return _internal_error(exc, json_out)
     return result if isinstance(result, int) else 0
-
-
-# What a write to stdout raises when the output cannot be kept (a full disk, a quota, a file
-# too large, an I/O error), as against a program error.
-_WRITE_FAILURES = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
 
 
 def _lost_output(exc: OSError) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -16,6 +15,7 @@ from ..io.interop import TARGETS
 from ..io.interop.common import Plan
 from ..io.job import ResolvedJob
 from ..io.problems import did_you_mean
+from ..io.writing import write_text
 from ..render.output import emit_diagnostics, emit_json
 from ..spec.errors import InputError, PlanError, Problem
 from .options import JsonFlag, PlanFlags, plan_flags
@@ -35,12 +35,10 @@ def plan_of(resolved: ResolvedJob) -> Plan:
     return Plan(job, resolved.shape, group, nodes)
 
 
-def write_output(path: str, text: str) -> None:
-    """Write `text` to `path`; an unwritable path is bad input, in one line."""
-    try:
-        Path(path).write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise InputError(Problem("", f"cannot write: {exc.strerror or exc}", file=path)) from None
+def write_output(path: str, text: str, flag: str = "--output") -> None:
+    """Write `text` to `path` whole, or leave what was there: an unwritable path is bad input
+    (exit 2), a write that fails on the way exit 3, each in one line (io/writing.py)."""
+    write_text(path, text, flag)
 
 
 @plan_flags

@@ -3,7 +3,6 @@ the plans that fit, fastest first."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -37,15 +36,20 @@ def plan(
     """Search the plans that fit, fastest first: degrees, sharding, recomputation, micro
     batches, schedule and offload; keys the job gives stay fixed."""
     from ..io.plan_search import run_plan_search
+    from ..io.writing import check_writable
     from ..render.output import emit_diagnostics, emit_json, stdout_console
     from ..render.plan import plan_document, print_plans
 
     if gpus is not None and nodes is not None:
         raise InputError(Problem("--gpus", "give --gpus or --nodes, not both"))
+    if write is not None:  # a path that cannot be written fails now, not after the search
+        check_writable(write, "--write")
     resolved = flags.load(file, warn_only=_searched)
     emit_diagnostics(p for p in resolved.warnings if not _searched(p))
     outcome = run_plan_search(resolved, gpus=gpus, nodes=nodes, global_batch=global_batch, top=top,
                               progress=not json_out, overrides=flags.overrides())
+    if outcome.found and write is not None:  # before the output: a failed write prints one document, the error
+        outcome.write_best(write, "--write")
     if json_out:
         emit_json(plan_document(outcome))
     else:
@@ -53,8 +57,7 @@ def plan(
     if not outcome.found:
         emit_diagnostics(outcome.miss_lines())
         raise typer.Exit(EXIT_INFEASIBLE)
-    if write:
-        outcome.write_best(Path(write))
+    if write is not None:
         emit_diagnostics([f"wrote the best plan to {write}"])
 
 

@@ -115,30 +115,6 @@ def _check_resume_path(resume: str | None) -> None:
         raise InputError(Problem("--resume", str(exc).removeprefix("checkpoint: "))) from None
 
 
-def _nf4_shard_group(resolved) -> list[Problem]:
-    """torchao's NF4 weights reach FSDP2 as three all-gather inputs (codes, scalers, scale
-    factors; NF4Tensor.fsdp_pre_all_gather); FSDP2 skips the all-gather on a shard group of
-    one rank and hands the subclass only the first (torch/distributed/fsdp/_fully_shard/
-    _fsdp_param_group.py, `wait_for_unshard`, world_size == 1), so NF4Tensor.fsdp_post_all_gather
-    fails at the first step. ZeRO 0 shards over one rank (a (dp, 1) mesh, runtime/parallel.py),
-    as do stages 2 and 3 with one data-parallel rank."""
-    job = resolved.job
-    if job.lora is None or job.lora.base_dtype != "nf4" or job.parallel.tp > 1 or job.parallel.pp > 1:
-        return []  # tp and pp with NF4 are refused already (runtime/capabilities.py)
-    from ..core.layout import Layout, shard_group_size
-
-    par = job.parallel
-    shards = 1
-    if job.zero.stage >= 2:
-        shards = shard_group_size(Layout(resolved.degrees, par.order, job.cluster.gpus_per_node), job.zero.hybrid)
-    if shards > 1:
-        return []
-    why = "zero.stage 0 shards over one rank" if job.zero.stage < 2 else "the shard group is one rank"
-    return [Problem("lora.base_dtype", f"torchao's NF4 weights need an FSDP2 shard group of 2 or more ranks "
-                                       f"(zero.stage 2 or 3 with dp * cp >= 2); {why}: QLoRA here is estimated, "
-                                       "not executed by `run`")]
-
-
 def _worker_args(file: str, flags: PlanFlags, options: dict) -> list[str]:
     """The command line each torchrun worker runs: the same job, flags and outputs."""
     args = [file]

@@ -119,10 +119,9 @@ def schedule(
     except ScheduleInputError as exc:
         raise InputError(_problem(exc.field, exc.message, from_file)) from None
     if svg is not None:
-        try:
-            svg.write_text(schedule_svg(plan), encoding="utf-8")
-        except OSError as exc:
-            raise InputError(Problem("--svg", f"cannot write {str(svg)!r}: {exc.strerror or exc}")) from None
+        from ..io.writing import write_text
+
+        write_text(str(svg), schedule_svg(plan), "--svg")
     if json_out:
         emit_json(schedule_document(plan))
     else:

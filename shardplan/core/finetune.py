@@ -72,9 +72,10 @@ def frozen_terms(rp: RankParams, lora: LoraPlan, degree: int, resident: int,
 
 
 def _gathered(p: LocalParam, lora: LoraPlan, degree: int, compute: int) -> int:
-    """Bytes of a frozen tensor all-gathered for compute by FSDP2."""
+    """Bytes of a frozen tensor all-gathered for compute by FSDP2. NF4 weights on a shard group
+    of one rank are left out of FSDP2 whole (runtime/parallel.py `kept_whole`): nothing gathered."""
     if stores_nf4(p.info, lora):
-        return nf4_sharded_bytes(p.padded_shard_numel(degree)) * degree
+        return nf4_sharded_bytes(p.padded_shard_numel(degree)) * degree if degree > 1 else 0
     return p.padded_shard_numel(degree) * degree * compute
 
 

@@ -20,7 +20,9 @@ from pathlib import Path
 from ..core.degrees import Degrees
 from ..core.estimate_inputs import EstimateInputs, inputs_from_job
 from ..core.memory import Estimate, estimate_memory, resolve_offload
-from ..core.search import Fixed, Group, SearchResult, Space, candidates, search
+from ..core.search import (Fixed, Group, SearchResult, Space, candidates, degree_options, schedule_options,
+                           search)
+from ..spec.common import MAX_WORLD_SIZE
 from ..spec.errors import InputError, Problem
 from ..spec.units import format_bytes
 from .files import read_document
@@ -80,7 +82,13 @@ class PlanOutcome:
         lines += [f"plan: {note}" for note in self.notes]
         return lines
 
-    def write_best(self, path: Path) -> None:
+    def write_best(self, path: Path | str, flag: str = "--write") -> None:
+        """The best plan as a job file, written whole or not at all (io/writing.py)."""
+        from .writing import write_text
+
+        write_text(str(path), self.best_job_text(), flag)
+
+    def best_job_text(self) -> str:
         import tomli_w
 
         best = self.entries[0]
@@ -89,7 +97,7 @@ class PlanOutcome:
         d = best.inputs.degrees
         header = (f"# shardplan plan: the fastest of the plans that fit {self.world} GPUs: dp {d.dp} x tp {d.tp} "
                   f"x pp {d.pp} x cp {d.cp}, {best.timing.step_seconds:.3f} s per step\n")
-        path.write_text(header + tomli_w.dumps(data), encoding="utf-8")
+        return header + tomli_w.dumps(data)
 
 
 def _fit_cluster(data: dict, world: int, gpus_per_node: int) -> None:
@@ -140,17 +148,33 @@ def _check_fixed(fixed: Fixed, world: int, batch: int) -> None:
         raise InputError(Problem("parallel", f"the job fixes {given} ({product} GPUs), which {world} GPUs cannot hold: "
                                              "leave them out of the job to let the plan choose them, or plan for "
                                              f"a multiple of {product} GPUs"))
+    if fixed.pp is not None and fixed.num_microbatches is not None and fixed.num_microbatches < fixed.pp > 1:
+        raise InputError(Problem("parallel", f"the job fixes parallel.pp = {fixed.pp} x parallel.num_microbatches = "
+                                             f"{fixed.num_microbatches}, and a pipeline of {fixed.pp} stages needs at "
+                                             f"least {fixed.pp} microbatches: leave them out of the job to let the plan "
+                                             "choose them"))
     per_step = [(f"parallel.{key} = {value}", value) for key, value in
                 (("dp", fixed.dp), ("micro_batch_size", fixed.micro_batch), ("num_microbatches", fixed.num_microbatches))
                 if value is not None]
     share = 1
     for _, value in per_step:
         share *= value
+    given = " x ".join(text for text, _ in per_step)
+    if len(per_step) == 3 and share != batch:
+        raise InputError(Problem("parallel", f"the job fixes {given} ({share} sequences per step), which is not the "
+                                             f"global batch of {batch} sequences: leave them out of the job to let the "
+                                             f"plan choose them, or give that batch (--global-batch {share})"))
     if per_step and batch % share:
-        given = " x ".join(text for text, _ in per_step)
         raise InputError(Problem("parallel", f"the job fixes {given}, which does not divide the global batch of "
                                              f"{batch} sequences: leave them out of the job to let the plan choose "
                                              "them, or give a global batch they divide (--global-batch)"))
+    if fixed.dp is None and fixed.micro_batch is not None and fixed.num_microbatches is not None:
+        dp = batch // share  # the data-parallel degree the batch then asks for
+        if world % dp:
+            raise InputError(Problem("parallel", f"the job fixes {given}, which leaves {dp} data-parallel ranks for "
+                                                 f"the global batch of {batch} sequences, and {dp} does not divide "
+                                                 f"{world} GPUs: leave them out of the job to let the plan choose them, "
+                                                 "or give a global batch that makes a divisor of the GPUs (--global-batch)"))
 
 
 class _Progress:
@@ -282,15 +306,31 @@ def _run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None,
     return outcome
 
 
+# Batches `_batch_that_splits` tries with a search of the structures, at most: each costs no
+# more than the search that found no split.
+SPLIT_TRIES = 16
+
+
 def _batch_that_splits(base: EstimateInputs, space: Space, fixed: Fixed, timer, ranking: dict) -> list[str]:
     """No plan splits the global batch (every data-parallel rank takes whole sequences, a
     pipeline of pp stages needs at least pp microbatches): the nearest larger batch that a
     plan splits, up to 64 times the batch, and whether a plan of it fits (if not, what would
-    make one fit at it). More GPUs only make the split harder."""
+    make one fit at it). More GPUs only make the split harder.
+
+    Each structure's nearest larger batch is arithmetic (`_next_split`); the candidates check
+    only those, in increasing order and at most SPLIT_TRIES of them: bounded work, whatever
+    the batch."""
     given = space.global_batch
     head = (f"no plan of {space.world} GPUs splits a global batch of {given} (each data-parallel rank takes "
             "whole sequences; a pipeline of pp stages needs at least pp microbatches)")
-    for batch in range(given + 1, 64 * given + 1):
+    limit = 64 * given
+    nearest = set()
+    for degrees in degree_options(base.shape, space, fixed, base.seq_len, base.lora):
+        for schedule, _, _ in schedule_options(base.shape, degrees.pp, space, fixed):
+            batch = _next_split(given, degrees.dp, degrees.pp, schedule, space, fixed)
+            if batch is not None and batch <= limit:
+                nearest.add(batch)
+    for batch in sorted(nearest)[:SPLIT_TRIES]:
         larger = replace(space, global_batch=batch)
         if not any(True for _ in candidates(base, larger, fixed, Counter())):
             continue
@@ -298,12 +338,39 @@ def _batch_that_splits(base: EstimateInputs, space: Space, fixed: Fixed, timer, 
             return [f"{head}: with a global batch of {batch} (--global-batch {batch}) a plan fits"]
         return ([f"{head}: a global batch of {batch} splits, but no plan of it fits; at that batch:"]
                 + _what_it_would_take(base, larger, fixed, timer, ranking))
-    return [f"{head}, nor one up to {64 * given}: plan fewer GPUs (--gpus)"]
+    return [f"{head}, nor one up to {limit}: plan fewer GPUs (--gpus)"]
+
+
+def _next_split(given: int, dp: int, pp: int, schedule: str, space: Space, fixed: Fixed) -> int | None:
+    """The least global batch above `given` that dp ranks of a pp-stage `schedule` split
+    (core/search.py `batch_options`: dp divides it; micro batch x microbatches makes each
+    rank's share; a pipeline takes at least pp microbatches, interleaved 1F1B a multiple of
+    pp), or None if no batch does."""
+    least = pp if pp > 1 else 1  # microbatches
+    step = pp if pp > 1 and schedule == "interleaved-1f1b" else 1
+
+    def up(n: int) -> int:  # the least allowed number of microbatches >= n
+        return -(-max(n, least) // step) * step
+
+    mbs, m = fixed.micro_batch, fixed.num_microbatches
+    if m is not None and (m < least or m % step):
+        return None
+    if mbs is not None and m is not None:
+        return dp * mbs * m if dp * mbs * m > given else None
+    if mbs is not None:  # microbatches free
+        return dp * mbs * up(given // (dp * mbs) + 1)
+    if m is not None:  # micro batch free, at most the search's largest
+        size = given // (dp * m) + 1
+        return dp * m * size if size <= space.max_microbatch else None
+    # Both free: micro batch 1 gives the most microbatches, and a micro batch > 1 splits a
+    # share only when 1 does (interleaved: pp divides share / mbs, so it divides the share).
+    return dp * up(given // dp + 1)
 
 
 def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer, ranking: dict) -> list[str]:
     """Nothing fits: what would, at this global batch. Offload first when the job's strategy
-    forbids it (the same GPUs), then the fewest GPUs, up to 64 times as many."""
+    forbids it (the same GPUs), then the fewest GPUs, up to 64 times as many and never more than
+    the largest supported world."""
     notes = []
 
     def searched(inputs: EstimateInputs, world: int, dp_fixed: bool) -> SearchResult:
@@ -314,15 +381,19 @@ def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer,
     if base.strategy == "conservative" and fixed.offload is None and space.offload:
         if searched(base.with_(strategy="balanced"), space.world, True).plans:
             notes.append(f'with offload (--set offload.strategy=balanced) a plan fits {space.world} GPUs')
+    worlds = [space.world * factor for factor in (2, 4, 8, 16, 32, 64) if space.world * factor <= MAX_WORLD_SIZE]
+    if not worlds:
+        return notes + [f"more GPUs cannot be planned ({space.world} GPUs is over half the largest supported world, "
+                        f"{MAX_WORLD_SIZE}): lower the sequence length, or plan a smaller model"]
     unsplit = True  # no larger world splits the global batch either
-    for factor in (2, 4, 8, 16, 32, 64):
-        world = space.world * factor
+    for world in worlds:
         result = searched(base, world, False)
         if result.plans:
             return notes + [f"with {world} GPUs (--gpus {world}) a plan fits at this global batch"]
         unsplit = unsplit and result.batch_unsplit()
     if unsplit:
-        return notes + [f"more GPUs do not help: no plan of {2 * space.world} to {64 * space.world} GPUs splits a "
+        return notes + [f"more GPUs do not help: no plan of {worlds[0]} to {worlds[-1]} GPUs splits a "
                         f"global batch of {space.global_batch} (raise --global-batch)"]
-    return notes + [f"not even {64 * space.world} GPUs fit this global batch: lower the sequence length, "
+    most = f" (the most that can be planned: {MAX_WORLD_SIZE} at most)" if len(worlds) < 6 else ""
+    return notes + [f"not even {worlds[-1]} GPUs{most} fit this global batch: lower the sequence length, "
                     "or plan a smaller model"]

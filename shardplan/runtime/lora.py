@@ -5,7 +5,9 @@
   the base. The model is then materialized a block at a time (runtime/model.py); each block's
   frozen base is stored as the plan says (bf16, or torchao's NF4Tensor for the layer linears,
   as torchtune's QLoRA does) just before `fully_shard` shards it. torchao's NF4Tensor
-  implements FSDP2's all-gather hooks, so FSDP2 shards and gathers it as 4-bit codes.
+  implements FSDP2's all-gather hooks, so FSDP2 shards and gathers it as 4-bit codes; on a
+  shard group of one rank FSDP2 skips those hooks' all-gather, and the NF4 weights stay out
+  of it, whole (runtime/parallel.py `kept_whole`).
 - torchao's AdamW8bit keeps block-wise 8-bit moments (Dettmers et al. 2022).
 
 The libraries are the `finetune` extra; `run` checks they are installed before starting

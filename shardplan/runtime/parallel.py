@@ -38,7 +38,7 @@ from ..core.offload import frees_device_grads
 from ..core.precision import MIXED
 from ..spec.job import LoraSpec
 from .dist import Runtime
-from .lora import adamw8bit_class, cast_frozen, store_base, with_adapters
+from .lora import adamw8bit_class, cast_frozen, is_quantized, store_base, with_adapters
 from .model import materialize
 from .offload import EngineConfig, HostOptimizer, OptimizerSet
 
@@ -139,7 +139,8 @@ def apply_fsdp(model: nn.Module, runtime: Runtime, plan: ParallelPlan) -> None:
             store_base(block, plan.lora, in_layers=True)
         offloaded = plan.offload_params and index >= plan.resident_layers
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
-                    offload_policy=offload if offloaded else OffloadPolicy())
+                    offload_policy=offload if offloaded else OffloadPolicy(),
+                    ignored_params=kept_whole(block, plan, dp_mesh, runtime.device))
     for name, child in model.named_children():
         if name != "layers":
             materialize(child, plan.seed, prefix=f"{name}.", tied_head=plan.tied_head)
@@ -156,6 +157,34 @@ def apply_fsdp(model: nn.Module, runtime: Runtime, plan: ParallelPlan) -> None:
             block.set_modules_to_forward_prefetch(following)
         if preceding:
             block.set_modules_to_backward_prefetch(preceding)
+
+
+def kept_whole(block: nn.Module, plan: ParallelPlan, dp_mesh, device: torch.device) -> set[nn.Parameter]:
+    """QLoRA's NF4 weights on a shard group of one rank (ZeRO 0's (dp, 1) mesh, or one
+    data-parallel rank), moved to `device` and left out of FSDP2 (`ignored_params`): FSDP2
+    skips the all-gather on one rank and hands torchao's NF4Tensor only the first of its three
+    all-gather inputs (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, world_size
+    == 1), which NF4Tensor.fsdp_post_all_gather cannot unpack. One rank holds the whole weight
+    either way; frozen, it has no gradient to reduce, and its linear dequantizes it to the
+    input's dtype, which the block's mixed-precision policy still casts. Each inner tensor
+    keeps only its own storage, as FSDP2's shards do (core/finetune.py `frozen_bytes`):
+    `to_nf4` leaves a single quantization factor a view of its (1, 256) column's storage."""
+    if plan.lora is None or plan.lora.base_dtype != "nf4" or dp_mesh.size(dp_mesh.ndim - 1) > 1:
+        return set()
+    kept = set()
+    for module in block.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not is_quantized(param):
+                continue
+            if param.device != device:  # fully_shard moves only the parameters it manages
+                param = nn.Parameter(param.to(device), requires_grad=False)
+                setattr(module, name, param)
+            for inner in param.__tensor_flatten__()[0]:
+                data = getattr(param, inner)
+                if data.untyped_storage().nbytes() > data.numel() * data.element_size():
+                    setattr(param, inner, data.clone())
+            kept.add(param)
+    return kept
 
 
 def apply_ddp(model: nn.Module, runtime: Runtime) -> nn.Module:

@@ -1,0 +1,137 @@
+"""Files the commands write (`plan --write`, `export -o`, `import -o`, `schedule --svg`): the
+path checked before the work, and a write that never leaves a file half-written.
+
+A regular file (or a new one) is written to a temporary file beside it, then renamed over
+it: a failed write leaves the old file as it was and no temporary file behind. A target that
+is not a regular file (`/dev/stdout`, a pipe, `/dev/full`) is written directly. A path that
+cannot be written (no such folder, a folder, no permission) is bad input, exit 2; a write
+that fails on the way (a full disk, a quota, a file too large) is exit 3, as an output to
+stdout that cannot be written is (cli/app.py)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+
+from ..spec.errors import EXIT_RUNTIME, InputError, Problem, ShardplanError
+
+# What a write raises when the output cannot be kept, as against a path that cannot be
+# written at all (the same errors cli/app.py reads as a lost stdout).
+WRITE_FAILURES = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+
+
+# Paths that name a process's streams (`/dev/stdout` may lead to a regular file the shell
+# redirected it to, which a rename must not replace): written directly.
+_STREAMS = ("/dev/", "/proc/")
+
+
+class WriteFailure(ShardplanError):
+    """The output file could not be written to the end: exit 3, in one line."""
+
+    exit_code = EXIT_RUNTIME
+
+    def __init__(self, path: str, exc: OSError):
+        super().__init__(f"shardplan: could not write {path}: {exc}")
+
+
+def _unwritable(path: str, flag: str, reason: str) -> InputError:
+    return InputError(Problem(flag, f"cannot write {path!r}: {reason}"))
+
+
+def _failed(path: str, flag: str, exc: OSError) -> ShardplanError:
+    if exc.errno in WRITE_FAILURES:
+        return WriteFailure(path, exc)
+    return _unwritable(path, flag, exc.strerror or str(exc))
+
+
+def check_writable(path: str, flag: str) -> None:
+    """Bad input, before any work, if `path` names no file this process can write: empty,
+    a folder, in a folder that does not exist or that it may not write in, or a file it may
+    not write."""
+    if not path:
+        raise InputError(Problem(flag, "needs a file name (got an empty one)"))
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:  # a path through a file (ENOTDIR), too long, a loop
+        raise _unwritable(path, flag, exc.strerror or str(exc)) from None
+    if mode is not None:
+        if stat.S_ISDIR(mode):
+            raise _unwritable(path, flag, os.strerror(errno.EISDIR))
+        if not os.access(path, os.W_OK):
+            raise _unwritable(path, flag, os.strerror(errno.EACCES))
+        return
+    folder = os.path.dirname(os.path.realpath(path))
+    if not os.path.isdir(folder):
+        raise _unwritable(path, flag, os.strerror(errno.ENOENT if not os.path.exists(folder) else errno.ENOTDIR))
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise _unwritable(path, flag, os.strerror(errno.EACCES))
+
+
+def write_text(path: str, text: str, flag: str) -> None:
+    """Write `text` (UTF-8) to `path` whole, or leave what was there (see the module)."""
+    check_writable(path, flag)
+    data = text.encode("utf-8")
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    if (mode is not None and not stat.S_ISREG(mode)) or os.path.abspath(path).startswith(_STREAMS):
+        _write_directly(path, data, flag)
+        return
+    target = os.path.realpath(path)  # through a link: the file it names, the link kept
+    folder, name = os.path.split(target)
+    try:
+        temp, fd = _temporary(folder, name)
+    except OSError as exc:
+        if mode is not None and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            # A file it may write in a folder it may not add to: written in place.
+            _write_directly(path, data, flag)
+            return
+        raise _failed(path, flag, exc) from None
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if mode is not None:
+                os.fchmod(fd, stat.S_IMODE(mode))  # the file keeps its permissions
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp, target)
+    except OSError as exc:
+        _remove(temp)
+        raise _failed(path, flag, exc) from None
+    except BaseException:
+        _remove(temp)
+        raise
+
+
+def _temporary(folder: str, name: str) -> tuple[str, int]:
+    """A new file beside the target, created with the permissions a new file gets (the umask
+    applies); hidden, and named after the target."""
+    while True:
+        temp = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.tmp")
+        try:
+            return temp, os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+
+
+def _write_directly(path: str, data: bytes, flag: str) -> None:
+    try:
+        with open(path, "wb") as out:
+            out.write(data)
+    except OSError as exc:
+        raise _failed(path, flag, exc) from None
+
+
+def _remove(temp: str) -> None:
+    try:
+        os.unlink(temp)
+    except OSError:
+        pass
