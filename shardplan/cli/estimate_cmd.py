@@ -11,7 +11,7 @@ from ..core.memory import cpu_limit, estimate_memory
 from ..io.job import ResolvedJob
 from ..render.output import emit_diagnostics, emit_json, stdout_console
 from ..spec.errors import EXIT_INFEASIBLE, InputError, Problem
-from .options import JsonFlag, PlanFlags, plan_flags
+from .options import JsonFlag, PlanFlags, WorldOption, plan_flags
 
 
 def limits_known(resolved: ResolvedJob) -> bool:
@@ -37,7 +37,7 @@ def step_time_of(resolved: ResolvedJob, inputs):
 def estimate(
     file: Annotated[Optional[str], typer.Argument(help="job file (TOML/JSON) or job preset name")] = None,
     explain: Annotated[bool, typer.Option("--explain", help="print every formula with its numbers")] = False,
-    world: Annotated[Optional[int], typer.Option("--world", min=1, help="world size the job must fill")] = None,
+    world: WorldOption = None,
     json_out: JsonFlag = False,
     *,
     flags: PlanFlags,

@@ -19,7 +19,7 @@ from ..render.output import emit_diagnostics, emit_json
 from ..spec.errors import InputError, Problem
 from ..spec.model import SHAPE_KEYS, SOURCE_KEYS
 from .export_cmd import write_output
-from .options import JsonFlag, PlanFlags, plan_flags
+from .options import JsonFlag, PlanFlags, WorldOption, plan_flags
 
 # Tables in the order a person reads a job file.
 _TABLE_ORDER = ("model", "parallel", "zero", "offload", "train", "lora", "data", "checkpoint", "cluster")
@@ -74,7 +74,7 @@ def job_text(tables: dict, source: str, fmt: str) -> str:
 def import_config(
     file: Annotated[str, typer.Argument(help="a DeepSpeed config JSON, torchtitan job config TOML or accelerate config YAML")],
     output: Annotated[Optional[str], typer.Option("-o", "--output", help="write the job file here (default: stdout)")] = None,
-    world: Annotated[Optional[int], typer.Option("--world", min=1, help="world size the job must fill")] = None,
+    world: WorldOption = None,
     json_out: JsonFlag = False,
     *,
     flags: PlanFlags,

@@ -15,7 +15,7 @@ from ..render.output import write_document
 from ..render.output import emit_diagnostics, stdout_console
 from ..spec.errors import Problem
 from ..spec.job import JobSpec
-from .options import JsonFlag, PlanFlags, plan_flags
+from .options import JsonFlag, PlanFlags, WorldOption, plan_flags
 
 # Job-file fields whose cross-field rules do not move a rank: the pipeline schedule, the
 # training step, ZeRO/offload and run-time settings. A job that breaks only those still has
@@ -50,7 +50,7 @@ def layout(
         typer.Option("--order", help="rank order, fastest axis first, e.g. tp-cp-dp-pp (sets parallel.order)"),
     ] = None,
     rank: Annotated[Optional[int], typer.Option("--rank", help="show one rank: coordinates, node, groups")] = None,
-    world: Annotated[Optional[int], typer.Option("--world", min=1, help="world size the job must fill")] = None,
+    world: WorldOption = None,
     json_out: JsonFlag = False,
     *,
     flags: PlanFlags,

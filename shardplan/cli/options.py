@@ -14,11 +14,15 @@ from typing import TYPE_CHECKING, Annotated, Callable, List, Optional
 import typer
 
 from ..io.overrides import SHORTCUTS, collect_overrides, parse_value
+from ..spec.common import MAX_WORLD_SIZE
 
 if TYPE_CHECKING:
     from ..io.job import ResolvedJob
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="print one JSON document on stdout")]
+# The world size a job must fill, within the largest one the degrees allow (spec/common.py).
+WorldOption = Annotated[Optional[int], typer.Option("--world", min=1, max=MAX_WORLD_SIZE,
+                                                    help="world size the job must fill")]
 
 _FLAG_HELP = {
     "dp": "data-parallel degree",

@@ -11,7 +11,7 @@ from ..io.job import ResolvedJob
 from ..render.output import emit_diagnostics, emit_json, emit_line, error_document
 from ..render.summary import job_summary_line
 from ..spec.errors import EXIT_BAD_INPUT, InputError
-from .options import JsonFlag, PlanFlags, plan_flags
+from .options import JsonFlag, PlanFlags, WorldOption, plan_flags
 
 
 def _summary(resolved: ResolvedJob) -> dict:
@@ -31,7 +31,7 @@ def _summary(resolved: ResolvedJob) -> dict:
 @plan_flags
 def validate(
     files: Annotated[List[str], typer.Argument(help="job, model or cluster files (TOML or JSON), or job preset names")],
-    world: Annotated[Optional[int], typer.Option("--world", min=1, help="world size the job must fill")] = None,
+    world: WorldOption = None,
     json_out: JsonFlag = False,
     *,
     flags: PlanFlags,
