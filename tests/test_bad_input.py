@@ -214,8 +214,8 @@ OWN_ARGUMENT_CASES = [
     (["run", "tiny-gpt2-cpu", "--resume"], "--resume: the job has no [checkpoint] dir to resume from"),
     # Paths `run` writes or reads are checked before torchrun starts, not after the training.
     (["run", "tiny-gpt2-cpu", "--report", "/nonexistent-dir/x.json"],
-     "--report: /nonexistent-dir/x.json: no such directory: /nonexistent-dir"),
-    (["run", "tiny-gpt2-cpu", "--report", "."], "--report: .: is a directory, not a file"),
+     "--report: cannot write '/nonexistent-dir/x.json': No such file or directory"),
+    (["run", "tiny-gpt2-cpu", "--report", "."], "--report: cannot write '.': Is a directory"),
     (["run", "tiny-gpt2-cpu", "--resume=/nonexistent-dir/ckpt"], "--resume: /nonexistent-dir/ckpt is not a checkpoint folder"),
 ]
 
@@ -241,7 +241,7 @@ def test_run_refuses_a_report_it_cannot_create(tmp_path):
     try:
         if os.access(folder, os.W_OK):
             pytest.skip("this user writes into read-only folders (root)")
-        _check(run_cli("run", "tiny-gpt2-cpu", "--report", str(folder / "r.json")), "permission denied")
+        _check(run_cli("run", "tiny-gpt2-cpu", "--report", str(folder / "r.json")), "Permission denied")
     finally:
         folder.chmod(0o755)
 

@@ -35,12 +35,6 @@ def plan_of(resolved: ResolvedJob) -> Plan:
     return Plan(job, resolved.shape, group, nodes)
 
 
-def write_output(path: str, text: str, flag: str = "--output") -> None:
-    """Write `text` to `path` whole, or leave what was there: an unwritable path is bad input
-    (exit 2), a write that fails on the way exit 3, each in one line (io/writing.py)."""
-    write_text(path, text, flag)
-
-
 @plan_flags
 def export(
     file: Annotated[Optional[str], typer.Argument(help="job file (TOML/JSON) or job preset name")] = None,
@@ -66,7 +60,7 @@ def export(
     exported = getattr(module, f"to_{target}")(plan_of(resolved))
     text = module.dumps(exported.config)
     if output:
-        write_output(output, text)
+        write_text(output, text, "--output")
     if json_out:
         config = {"args": exported.config} if isinstance(exported.config, list) else exported.config
         emit_json({"target": target, "file": output, "config": config,

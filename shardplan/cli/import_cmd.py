@@ -15,10 +15,10 @@ from ..io.interop.source import FORMATS, read_source
 from ..io.job import resolve_document
 from ..io.overrides import apply_overrides
 from ..io.presets import find_preset
+from ..io.writing import write_text
 from ..render.output import emit_diagnostics, emit_json
 from ..spec.errors import InputError, Problem
 from ..spec.model import SHAPE_KEYS, SOURCE_KEYS
-from .export_cmd import write_output
 from .options import JsonFlag, PlanFlags, WorldOption, plan_flags
 
 # Tables in the order a person reads a job file.
@@ -112,7 +112,7 @@ def import_config(
     tables = built.data
     text = job_text(tables, file, fmt)
     if output:
-        write_output(output, text)
+        write_text(output, text, "--output")
     if json_out:
         emit_json({"format": fmt, "file": output, "job": tables,
                    "notes": [{"path": n.path, "line": doc.line_of(n.path), "message": n.message}

@@ -79,24 +79,11 @@ def _require_torch(job) -> None:
 
 def _check_report_path(report: str | None) -> None:
     """`--report` is written by rank 0 after the last step: a path it cannot write would
-    lose the whole run, so it is checked before anything starts."""
-    if report is None:
-        return
-    path = Path(report)
-    parent = path.parent
-    if path.is_dir():
-        why = "is a directory, not a file"
-    elif not parent.exists():
-        why = f"no such directory: {parent}"
-    elif not parent.is_dir():
-        why = f"{parent} is not a directory"
-    elif path.exists() and not os.access(path, os.W_OK):
-        why = "permission denied"
-    elif not path.exists() and not os.access(parent, os.W_OK | os.X_OK):
-        why = f"permission denied: cannot create files in {parent}"
-    else:
-        return
-    raise InputError(Problem("--report", f"{report}: {why}"))
+    lose the whole run, so it is checked before anything starts (io/writing.py)."""
+    if report is not None:
+        from ..io.writing import check_writable
+
+        check_writable(report, "--report")
 
 
 def _check_resume_path(resume: str | None) -> None:

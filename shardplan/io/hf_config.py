@@ -41,8 +41,10 @@ def architectures_problem(data: dict, file: str) -> Problem | None:
     value = data.get("architectures")
     if value is None or (isinstance(value, list) and all(isinstance(a, str) and a for a in value)):
         return None
-    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-    return Problem("architectures", f"expected a list of model class names (strings), got {shown}", file=file)
+    from .problems import shown_value
+
+    return Problem("architectures", f"expected a list of model class names (strings), got {shown_value(value)}",
+                   file=file)
 
 
 def model_kind(data: dict) -> str | None:

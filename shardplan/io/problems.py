@@ -29,7 +29,8 @@ def did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _shown(value: object) -> str:
+def shown_value(value: object) -> str:
+    """A value as a message quotes it: its repr, cut at 60 characters."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -94,15 +95,15 @@ def problem_from_error(root: type[BaseModel], err: dict) -> Problem:
     if kind == "missing":
         return Problem(path, "required")
     if kind in _EXPECTED:
-        return Problem(path, f"expected {_EXPECTED[kind]}, got {_type_name(value)} {_shown(value)}")
+        return Problem(path, f"expected {_EXPECTED[kind]}, got {_type_name(value)} {shown_value(value)}")
     if kind in _BOUNDS:
         symbol, key = _BOUNDS[kind]
-        return Problem(path, f"must be {symbol} {ctx.get(key)} (got {_shown(value)})")
+        return Problem(path, f"must be {symbol} {ctx.get(key)} (got {shown_value(value)})")
     if kind == "literal_error":
         expected = ctx.get("expected", "")
         choices = [c.strip().strip("'") for c in expected.replace(" or ", ", ").split(",")]
         hint = did_you_mean(str(value), choices) if isinstance(value, str) else ""
-        return Problem(path, f"must be one of {expected} (got {_shown(value)}){hint}")
+        return Problem(path, f"must be one of {expected} (got {shown_value(value)}){hint}")
     message = str(err.get("msg", "invalid"))
     for prefix in ("Value error, ", "Assertion failed, "):
         if message.startswith(prefix):
