@@ -244,9 +244,7 @@ def _end_process(code: int) -> None:
     run_handlers = getattr(atexit, "_run_exitfuncs", None)  # CPython: what a normal exit calls
     if run_handlers is not None:
         run_handlers()
-    for stream in (sys.stdout, sys.stderr):
-        if stream is None:  # the process was started with the descriptor closed
-            continue
+    for stream in (sys.stdout, sys.stderr):  # never None: `main` gave closed ones devnull
         try:
             stream.flush()
         except BrokenPipeError:  # the reader left: as a broken pipe during the command
@@ -261,6 +259,6 @@ def _end_process(code: int) -> None:
                 try:
                     sys.stderr.write(_lost_output(exc) + "\n")
                     sys.stderr.flush()
-                except (OSError, ValueError, AttributeError):
+                except (OSError, ValueError):
                     pass
     os._exit(code if isinstance(code, int) and 0 <= code <= 255 else 1)

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from .deepspeed import SUB_GROUP_SIZE, flat_groups, ordered_params, pinned_bytes
 from .estimate_inputs import EstimateInputs
-from .offload import CODE_BYTES, CODEC_CHUNK, INT8_BLOCK, MOMENTS, ROUNDING_CHUNKS, frees_device_grads
+from .offload import (CODE_BYTES, CODEC_CHUNK, INT8_BLOCK, MOMENTS, ROUNDING_CHUNKS, frees_device_grads,
+                      rounding_elements)
 from .precision import FP32, ElementBytes
 from .stages import RankParams, chunk_size
 from .states import HOST_GRADS, MASTER, HostGroup
@@ -158,7 +159,7 @@ def engine_buffers(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, deg
         terms.append(Term("int8 quantisation temporaries (allowance)", chunk * INT8_TEMPORARY,
                           lambda: f"{chunk:,} elements of a chunk * {INT8_TEMPORARY} B"))
     if inputs.compression == "bf16" and moments:
-        drawn = min(padded, ROUNDING_CHUNKS * CODEC_CHUNK)
+        drawn = rounding_elements(padded)
         terms.append(Term("bf16 rounding's random bits", drawn * 4,
                           lambda: f"{drawn:,} elements of a round * 4 B (int32)"))
     if inputs.compression == "fp16" and moments:

@@ -55,7 +55,7 @@ from functools import lru_cache
 import torch
 
 from ..core.offload import CODEC_CHUNK as CHUNK
-from ..core.offload import INT8_BLOCK, ROUNDING_CHUNKS
+from ..core.offload import INT8_BLOCK, ROUNDING_CHUNKS, rounding_elements
 
 SIGNED = {"exp_avg": True, "exp_avg_sq": False}  # the second moment is never negative
 
@@ -215,7 +215,7 @@ def rounding_bits(numel: int) -> torch.Tensor:
     """The int32 buffer of one round's random bits for tensors of up to `numel` elements. The
     offload engine keeps one (core/host.py counts it): a fresh one per state and group costs
     the kernel a page fault per 4 KiB, a quarter of the rounding's time on a 2-core host."""
-    return torch.empty(min(numel, ROUNDING_CHUNKS * CHUNK), dtype=torch.int32)
+    return torch.empty(rounding_elements(numel), dtype=torch.int32)
 
 
 def bf16_stochastic(values: torch.Tensor, out: torch.Tensor, seed: int, bits: torch.Tensor | None = None) -> None:
@@ -224,7 +224,7 @@ def bf16_stochastic(values: torch.Tensor, out: torch.Tensor, seed: int, bits: to
     (`rounding_bits`; a new one when not given), the carry and the truncation in torch's own
     parallel kernels."""
     numel = values.numel()
-    width = min(numel, ROUNDING_CHUNKS * CHUNK)
+    width = rounding_elements(numel)
     bits = (bits if bits is not None else rounding_bits(numel))[:width]
 
     def fill(start: int, base: int) -> None:
