@@ -136,7 +136,7 @@ def apply_fsdp(model: nn.Module, runtime: Runtime, plan: ParallelPlan) -> None:
     for index, (key, block) in enumerate(model.layers.items()):
         materialize(block, plan.seed, prefix=f"layers.{key}.")
         if plan.lora is not None:
-            store_base(block, plan.lora, in_layers=True)
+            store_base(block, plan.lora, in_layers=True, device=runtime.device)
         offloaded = plan.offload_params and index >= plan.resident_layers
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
                     offload_policy=offload if offloaded else OffloadPolicy(),
