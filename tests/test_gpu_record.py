@@ -81,15 +81,16 @@ def test_the_ladder_prints_the_recorded_table():
 
 
 # Fine-tuning on the same H100 (docs/validation.md, "Fine-tuning on one GPU";
-# benchmarks/data/gpu-finetune-h100.json): QLoRA of Llama-3 8B at micro batch 1, 4 and 18,
-# the tests/test_run_gpu.py LoRA, QLoRA, AdamW8bit and fp16 host-state plans.
+# benchmarks/data/gpu-finetune-h100.json): QLoRA of Llama-3 8B at micro batch 1, 4 and 18 and
+# of Llama-3 70B at micro batch 1, the tests/test_run_gpu.py LoRA, QLoRA, AdamW8bit and fp16 host-state plans.
 FINETUNE = json.loads((ROOT / "benchmarks" / "data" / "gpu-finetune-h100.json").read_text())
 
 
 def test_the_finetune_record_covers_qlora_at_full_scale():
-    assert FINETUNE["device"].startswith("NVIDIA H100") and len(FINETUNE["runs"]) == 7
-    assert sum('preset = "llama-3-8b"' in r["job"] and 'base_dtype = "nf4"' in r["job"]
-               for r in FINETUNE["runs"].values()) == 3
+    assert FINETUNE["device"].startswith("NVIDIA H100") and len(FINETUNE["runs"]) == 8
+    for preset, runs in (("llama-3-8b", 3), ("llama-3-70b", 1)):
+        assert sum(f'preset = "{preset}"' in r["job"] and 'base_dtype = "nf4"' in r["job"]
+                   for r in FINETUNE["runs"].values()) == runs
 
 
 @pytest.mark.parametrize("name", list(FINETUNE["runs"]))

@@ -54,3 +54,33 @@ def test_forward_gives_logits():
     shape, model = build(FAMILIES["llama"])
     tokens = torch.randint(0, shape.vocab_size, (2, 16))
     assert model(tokens).shape == (2, 16, shape.vocab_size)
+
+
+def test_large_tensors_are_drawn_in_chunks_alike_on_any_thread_count():
+    """runtime/model.py draws a tensor above DRAW_CHUNK elements a chunk at a time, each chunk
+    from its own generator, on the process's torch threads: the values depend on the seed and
+    shape alone (not on the threads that drew them), follow normal(0, INIT_STD), differ from
+    chunk to chunk, and a tensor at or below the chunk draws what one generator gives."""
+    from shardplan.runtime.model import DRAW_CHUNK, INIT_STD, _drawn_in_chunks, _name_seed, init_parameter
+
+    shape = (3, DRAW_CHUNK // 2 + 5)  # a chunk and a half, the last chunk short
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _drawn_in_chunks(shape, 7)
+        torch.set_num_threads(2)
+        two = _drawn_in_chunks(shape, 7)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    assert abs(one.mean().item()) < 1e-4 and one.std().item() == pytest.approx(INIT_STD, rel=1e-3)
+    flat = one.view(-1)
+    assert not torch.equal(flat[:1000], flat[DRAW_CHUNK:DRAW_CHUNK + 1000])
+    assert not torch.equal(one, _drawn_in_chunks(shape, 8))
+    small = torch.empty(64, 64)
+    init_parameter(small, "layers.0.attn.q_proj.weight", 3)
+    generator = torch.Generator().manual_seed(_name_seed(3, "layers.0.attn.q_proj.weight"))
+    assert torch.equal(small, torch.randn(64, 64, generator=generator) * INIT_STD)
+    large = torch.empty(shape)
+    init_parameter(large, "layers.0.mlp.up_proj.weight", 3)
+    assert torch.equal(large, _drawn_in_chunks(shape, _name_seed(3, "layers.0.mlp.up_proj.weight")))

@@ -10,6 +10,7 @@ pipeline stage is the full model with the other stages' parts removed and names 
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn as nn
@@ -22,6 +23,9 @@ from .capabilities import unbuildable
 
 # Weight initialisation of GPT-2 / Megatron-LM: normal(0, 0.02), biases zero, norms one.
 INIT_STD = 0.02
+# Tensors above this many elements are drawn a chunk at a time, in parallel (`_drawn_in_chunks`);
+# every tensor of the tiny CPU models is below it.
+DRAW_CHUNK = 1 << 22
 ROPE_THETA = 10000.0  # RoPE base frequency (Su et al. 2021); no parameters depend on it
 NORM_EPS = 1e-5
 
@@ -250,8 +254,10 @@ def init_parameter(param: torch.Tensor, name: str, seed: int) -> None:
     generator = torch.Generator().manual_seed(_name_seed(seed, name))
     if ".lora_A." in name:
         full = nn.init.kaiming_uniform_(torch.empty(tuple(param.shape)), a=math.sqrt(5), generator=generator)
-    else:
+    elif math.prod(param.shape) <= DRAW_CHUNK:
         full = torch.randn(tuple(param.shape), generator=generator) * INIT_STD
+    else:
+        full = _drawn_in_chunks(tuple(param.shape), _name_seed(seed, name))
     if isinstance(param, DTensor):
         shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
         full = full[tuple(slice(start, start + size) for start, size in zip(offset, shape))]
@@ -279,6 +285,27 @@ def materialize(module: nn.Module, seed: int, prefix: str = "", tied_head: bool 
         if tied_head and full_name.replace(CHECKPOINT_PREFIX, "") == "lm_head.weight":
             full_name = "embed.weight"
         init_parameter(params[name], full_name, seed)
+
+
+def _drawn_in_chunks(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """A large tensor's normal draws, each `DRAW_CHUNK` elements from its own generator (seeded
+    by the tensor's seed and the chunk's index), drawn by the process's torch threads at once:
+    a CPU generator is one serial stream (about 110M values a second), so one generator per
+    tensor took minutes for a model of tens of billions of parameters. The values depend on
+    the tensor's name and shape alone, as before, so every rank and layout agrees."""
+    full = torch.empty(shape)
+    flat = full.view(-1)
+
+    def draw(index: int) -> None:
+        part = flat[index * DRAW_CHUNK:(index + 1) * DRAW_CHUNK]
+        generator = torch.Generator().manual_seed((seed * 1_000_003 + index) % (2**61 - 1))
+        torch.randn(part.shape, generator=generator, out=part)
+        part.mul_(INIT_STD)
+
+    chunks = -(-flat.numel() // DRAW_CHUNK)
+    with ThreadPoolExecutor(max_workers=max(1, min(torch.get_num_threads(), chunks))) as pool:
+        list(pool.map(draw, range(chunks)))
+    return full
 
 
 def _name_seed(seed: int, name: str) -> int:
