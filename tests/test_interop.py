@@ -133,7 +133,7 @@ def test_export_megatron_arguments(write):
 @pytest.mark.parametrize("bad,message", [
     (["--to", "deepspeeed"], "--to: must be one of deepspeed, torchtitan, accelerate, megatron"),
     (["--to", "deepspeeed"], "did you mean 'deepspeed'"),
-    ([], "--to: must be one of"),
+    ([], "--to: required: the target format, one of deepspeed, torchtitan, accelerate, megatron"),
 ])
 def test_export_bad_target(write, bad, message):
     result = run_cli("export", write("job.toml", PLANS["zero3_dp8"]), *bad)
@@ -220,9 +220,22 @@ def test_deepspeed_batch_needs_dp(write):
     result = run_cli("import", path)
     assert result.code == 2
     assert result.err_lines == [f"{path}:1: train_batch_size: with train_micro_batch_size_per_gpu but not "
-                                "gradient_accumulation_steps the number of GPUs decides the rest: give --dp"]
+                                "gradient_accumulation_steps the number of GPUs decides the rest: give --dp or --world"]
     job, _ = imported(path, "--dp", "8")
     assert job["parallel"] == {"dp": 8, "micro_batch_size": 2, "num_microbatches": 4}  # 64 / (2 * 8)
+    # --world gives dp as DeepSpeed derives it: the world over the model-parallel degrees
+    # (deepspeed/runtime/config.py `_set_batch_related_parameters` with the data-parallel
+    # world size): 16 GPUs at tp 2 are 8 data-parallel ranks.
+    job, _ = imported(path, "--world", "16", "--tp", "2")
+    assert job["parallel"] == {"dp": 8, "micro_batch_size": 2, "num_microbatches": 4, "tp": 2}
+    alone = write("alone.json", json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}))
+    job, _ = imported(alone, "--world", "8")
+    assert job["parallel"] == {"dp": 8, "micro_batch_size": 4, "num_microbatches": 2}
+    three = write("three.json", json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4,
+                                            "gradient_accumulation_steps": 2}))
+    result = run_cli("import", three, "--world", "16")
+    assert result.code == 2 and result.err_lines == [
+        f"{three}:1: train_batch_size: 64 = 4 * 2 * 8 GPUs, but --world 16 / tp x pp x cp 1 makes dp 16"]
 
 
 @pytest.mark.parametrize("text,message", [
@@ -489,6 +502,19 @@ def test_torchtitan_shard_degree_left_over(write):
     result = run_cli("import", path, "--set", "model.preset=llama-3-8b")
     assert result.code == 0
     assert any("-1 takes the ranks left over" in line and ":2:" in line for line in result.err_lines)
+    # --world: the shard degree is what the world leaves over tp x pp x cp and the replicate
+    # degree (torchtitan/distributed/parallel_dims.py, ParallelDims._validate: dp_shard = -1
+    # becomes world_size // (dp_replicate * cp * tp * pp)); --tp replaces the file's degree.
+    job, _ = imported(path, "--world", "16", "--set", "model.preset=llama-3-8b")
+    assert (job["parallel"]["dp"], job["parallel"]["tp"]) == (8, 2)
+    job, _ = imported(path, "--world", "16", "--tp", "4", "--set", "model.preset=llama-3-8b")
+    assert (job["parallel"]["dp"], job["parallel"]["tp"]) == (4, 4)
+    hybrid = write("hsdp.toml", text + "data_parallel_replicate_degree = 2\n")
+    job, _ = imported(hybrid, "--world", "16", "--set", "model.preset=llama-3-8b")
+    assert job["parallel"]["dp"] == 8 and job["zero"]["hybrid"] is True
+    result = run_cli("import", write("odd.toml", text + "data_parallel_replicate_degree = 3\n"), "--world", "16",
+                     "--set", "model.preset=llama-3-8b")
+    assert result.code == 2 and "3 does not divide --world 16 / tp x pp x cp 2 makes dp 8" in result.err
 
 
 def test_torchtitan_unknown_flavor_is_said(write):

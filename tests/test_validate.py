@@ -142,6 +142,25 @@ def test_flags_override_the_file(write):
     assert result.json["files"][0]["params"] == 7_500_000_000
 
 
+def test_problems_of_set_values_name_the_flag(write):
+    """A problem inside a value --set gave (an item of its list), or in a table --set created,
+    is the flag's, not the file's; a list's type and length are said in words."""
+    path = write("job.toml", LLAMA3 + '[lora]\nrank = 8\ntargets = ["q_proj"]\n')
+    cases = [
+        ("paralel.dp=2", "--set: paralel: unknown table (did you mean 'parallel'?)"),
+        ('lora.targets=["q_proj", "bogus"]', "--set: lora.targets.1: must be one of 'q_proj', 'k_proj', 'v_proj', "
+                                             "'o_proj', 'gate_proj', 'up_proj' or 'down_proj' (got 'bogus')"),
+        ("lora.targets=5", "--set: lora.targets: expected a list, got an integer 5"),
+        ("lora.targets=[]", "--set: lora.targets: must hold at least 1 item (got [])"),
+    ]
+    for expression, message in cases:
+        result = run_cli("validate", path, "--set", expression)
+        assert result.code == 2 and errors(result) == [message], (expression, result.err)
+    # The same item written in the file is the file's, at its line.
+    bad = write("bad.toml", LLAMA3 + '[lora]\nrank = 8\ntargets = ["q_proj", "bogus"]\n')
+    assert errors(run_cli("validate", bad))[0].startswith(f"{bad}:5: lora.targets.1: must be one of")
+
+
 def test_json_document(write):
     good = write("good.toml", LLAMA3)
     bad = write("bad.toml", "[parallel]\ntp = 0\n")

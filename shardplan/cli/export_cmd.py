@@ -38,7 +38,7 @@ def plan_of(resolved: ResolvedJob) -> Plan:
 @plan_flags
 def export(
     file: Annotated[Optional[str], typer.Argument(help="job file (TOML/JSON) or job preset name")] = None,
-    to: Annotated[str, typer.Option("--to", help=f"target format: {', '.join(TARGETS)}")] = "",
+    to: Annotated[str, typer.Option("--to", help=f"target format (required): {', '.join(TARGETS)}")] = "",
     output: Annotated[Optional[str], typer.Option("-o", "--output", help="write the config here (default: stdout)")] = None,
     json_out: JsonFlag = False,
     *,
@@ -51,9 +51,10 @@ def export(
     stderr, one line each.
     """
     target = to.strip().lower()
+    if not target:
+        raise InputError(Problem("--to", f"required: the target format, one of {', '.join(TARGETS)}"))
     if target not in TARGETS:
-        hint = did_you_mean(target, TARGETS) if target else ""
-        raise InputError(Problem("--to", f"must be one of {', '.join(TARGETS)} (got {to!r}){hint}"))
+        raise InputError(Problem("--to", f"must be one of {', '.join(TARGETS)} (got {to!r}){did_you_mean(target, TARGETS)}"))
     resolved = flags.load(file)
     emit_diagnostics(resolved.warnings)
     module = importlib.import_module(f"..io.interop.{target}", __package__)

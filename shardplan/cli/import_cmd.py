@@ -43,20 +43,44 @@ def _model_layers(overrides: list[tuple[str, object]], preset: str | None) -> in
     return layers if isinstance(layers, int) else None
 
 
-def convert(fmt: str, data: dict, overrides: list[tuple[str, object]]) -> Imported:
-    """Run the importer of `fmt` with what the command line already decides."""
+def _model_parallel(fmt: str, data: dict, given: dict[str, object]) -> int:
+    """tp x pp x cp as the source and the command line set them: torchtitan's
+    [parallelism] degrees, DeepSpeed's tensor_parallel.autotp_size (its pipeline and sequence
+    parallel are set up in code), each replaced by --tp, --pp, --cp."""
+    section = {"torchtitan": "parallelism", "deepspeed": "tensor_parallel"}[fmt]
+    table = data.get(section) if isinstance(data.get(section), dict) else {}
+    keys = {"torchtitan": {"tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree",
+                           "cp": "context_parallel_degree"},
+            "deepspeed": {"tp": "autotp_size"}}[fmt]
+    product = 1
+    for degree in ("tp", "pp", "cp"):
+        value = given.get(f"parallel.{degree}", table.get(keys.get(degree, ""), 1))
+        product *= value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
+    return product
+
+
+def convert(fmt: str, data: dict, overrides: list[tuple[str, object]], world: int | None = None) -> Imported:
+    """Run the importer of `fmt` with what the command line already decides. Without --dp,
+    --world gives the data-parallel size as DeepSpeed and torchtitan derive it: the world
+    over tp x pp x cp."""
     given = dict(overrides)
     dp = given.get("parallel.dp") if isinstance(given.get("parallel.dp"), int) else None
+    said = ""
+    if dp is None and world is not None and fmt in ("deepspeed", "torchtitan"):
+        model_parallel = _model_parallel(fmt, data, given)
+        if world % model_parallel == 0:
+            dp = world // model_parallel
+            said = f"--world {world} / tp x pp x cp {model_parallel} makes dp {dp}"
     model_given = any(path.split(".")[1] in (*SOURCE_KEYS, *SHAPE_KEYS) for path in given if path.startswith("model."))
     if fmt == "deepspeed":
         from ..io.interop.deepspeed import from_deepspeed
 
-        return from_deepspeed(data, dp)
+        return from_deepspeed(data, dp, said)
     if fmt == "torchtitan":
         from ..io.interop.torchtitan import from_torchtitan, model_preset
 
         layers = _model_layers(overrides, None if model_given else model_preset(data))
-        return from_torchtitan(data, dp, layers, model_given)
+        return from_torchtitan(data, dp, layers, model_given, said)
     from ..io.interop.accelerate import from_accelerate
 
     return from_accelerate(data)
@@ -87,7 +111,7 @@ def import_config(
     """
     fmt, doc = read_source(file)
     overrides = flags.overrides()
-    imported = convert(fmt, doc.data, overrides)
+    imported = convert(fmt, doc.data, overrides, world)
 
     def located(problem: Problem) -> Problem:
         return problem.at(file, doc.line_of(problem.path) if problem.path else None)

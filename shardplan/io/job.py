@@ -173,13 +173,30 @@ def external_worlds(job: JobSpec, world: int | None, env: Mapping[str, str]) -> 
 def _locate(problems: list[Problem], doc: Document, flagged: dict[str, str]) -> list[Problem]:
     located = []
     for problem in problems:
+        flag = _flag_of(problem.path, doc, flagged) if problem.path else None
         if problem.file:
             located.append(problem)
-        elif problem.path in flagged:
-            located.append(problem.at(flagged[problem.path]))
+        elif flag is not None:
+            located.append(problem.at(flag))
         else:
             located.append(problem.at(doc.path or None, doc.line_of(problem.path) if problem.path else None))
     return located
+
+
+def _flag_of(path: str, doc: Document, flagged: dict[str, str]) -> str | None:
+    """The flag a problem at `path` comes from: the one that set `path`, or a value it holds
+    (`lora.targets.1` of `--set lora.targets=[...]`), or the table it created (`paralel` of
+    `--set paralel.dp=2`, when the file has no such table); else None (the file's)."""
+    if path in flagged:
+        return flagged[path]
+    for key, flag in flagged.items():
+        if path.startswith(key + "."):
+            return flag
+    if path not in doc.lines:
+        for key, flag in flagged.items():
+            if key.startswith(path + "."):
+                return flag
+    return None
 
 
 def load_job(

@@ -15,7 +15,7 @@ _TYPE_NAMES = {
 }
 _EXPECTED = {
     "int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
-    "string_type": "a string", "model_type": "a table", "dict_type": "a table",
+    "string_type": "a string", "model_type": "a table", "dict_type": "a table", "list_type": "a list",
 }
 _BOUNDS = {
     "greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"),
@@ -99,6 +99,10 @@ def problem_from_error(root: type[BaseModel], err: dict) -> Problem:
     if kind in _BOUNDS:
         symbol, key = _BOUNDS[kind]
         return Problem(path, f"must be {symbol} {ctx.get(key)} (got {shown_value(value)})")
+    if kind in ("too_short", "too_long"):
+        bound, word = ("min_length", "at least") if kind == "too_short" else ("max_length", "at most")
+        count = ctx.get(bound)
+        return Problem(path, f"must hold {word} {count} item{'s' if count != 1 else ''} (got {shown_value(value)})")
     if kind == "literal_error":
         expected = ctx.get("expected", "")
         choices = [c.strip().strip("'") for c in expected.replace(" or ", ", ").split(",")]

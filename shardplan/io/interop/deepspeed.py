@@ -116,13 +116,15 @@ _AUTO = "'auto' is filled in by the Hugging Face Trainer; not read"
 _OFFLOAD_DEVICES = ("cpu", "nvme", "none")
 
 
-def from_deepspeed(data: dict, dp: int | None = None) -> Imported:
-    """Job tables from a DeepSpeed config. `dp`: the data-parallel size given on the command
-    line (a DeepSpeed config names no world size; with all three batch keys it follows)."""
+def from_deepspeed(data: dict, dp: int | None = None, dp_said: str = "") -> Imported:
+    """Job tables from a DeepSpeed config. `dp`: the data-parallel size the command line
+    gives (--dp, or --world over the model-parallel degrees, as DeepSpeed derives it; a
+    DeepSpeed config names no world size; with all three batch keys it follows), `dp_said`
+    how a message names it."""
     out = Imported()
     out.set("zero.framework", "deepspeed", "")
     top = Reader(data, "", out)
-    _batch(top, out, dp)
+    _batch(top, out, dp, dp_said or f"--dp {dp}")
     _zero(top, out)
     _precision(top, out)
     _optimizer(top, out)
@@ -149,7 +151,7 @@ def from_deepspeed(data: dict, dp: int | None = None) -> Imported:
     return out
 
 
-def _batch(top: Reader, out: Imported, dp: int | None) -> None:
+def _batch(top: Reader, out: Imported, dp: int | None, dp_said: str) -> None:
     """Micro batch, accumulation and dp from DeepSpeed's rule: train_batch_size =
     micro_batch * accumulation * data-parallel size, any two given (config.py,
     `_set_batch_related_parameters`)."""
@@ -170,7 +172,7 @@ def _batch(top: Reader, out: Imported, dp: int | None) -> None:
             return
         found = total // (micro * steps)
         if dp is not None and dp != found:
-            out.problem("train_batch_size", f"{total} = {micro} * {steps} * {found} GPUs, but --dp is {dp}")
+            out.problem("train_batch_size", f"{total} = {micro} * {steps} * {found} GPUs, but {dp_said}")
             return
         dp = found
         out.set("parallel.dp", dp, "train_batch_size")
@@ -179,7 +181,7 @@ def _batch(top: Reader, out: Imported, dp: int | None) -> None:
             given = "train_micro_batch_size_per_gpu" if micro else "gradient_accumulation_steps"
             out.problem("train_batch_size", f"with {given} but not "
                         f"{'gradient_accumulation_steps' if micro else 'train_micro_batch_size_per_gpu'} the number "
-                        "of GPUs decides the rest: give --dp")
+                        "of GPUs decides the rest: give --dp or --world")
             return
         other = micro or steps
         if total % (other * dp):
@@ -188,7 +190,7 @@ def _batch(top: Reader, out: Imported, dp: int | None) -> None:
         micro, steps = (micro, total // (micro * dp)) if micro else (total // (steps * dp), steps)
     elif total:
         if dp is None:
-            out.problem("train_batch_size", "alone, it is divided over the GPUs: give --dp")
+            out.problem("train_batch_size", "alone, it is divided over the GPUs: give --dp or --world")
             return
         if total % dp:
             out.problem("train_batch_size", f"{total} is not divisible by dp ({dp})")
@@ -198,6 +200,8 @@ def _batch(top: Reader, out: Imported, dp: int | None) -> None:
         micro, steps = micro or 1, steps or 1
     else:
         return
+    if dp is not None and "dp" not in out.tables.get("parallel", {}):
+        out.set("parallel.dp", dp, "")  # the command line's (--world's) data-parallel size
     micro_key = "train_micro_batch_size_per_gpu" if values.get("train_micro_batch_size_per_gpu") else "train_batch_size"
     steps_key = "gradient_accumulation_steps" if values.get("gradient_accumulation_steps") else micro_key
     out.set("parallel.micro_batch_size", micro, micro_key)

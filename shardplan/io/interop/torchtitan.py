@@ -251,10 +251,12 @@ def model_preset(data: dict) -> str | None:
 
 
 def from_torchtitan(data: dict, dp: int | None = None, num_layers: int | None = None,
-                    model_given: bool = False) -> Imported:
+                    model_given: bool = False, dp_said: str = "") -> Imported:
     """Job tables from a torchtitan job config; keys it leaves out take torchtitan's
     defaults. `dp`: the data-parallel size from the command line (needed when
-    data_parallel_shard_degree is -1, "the ranks left over"); `num_layers`: the model's
+    data_parallel_shard_degree is -1, "the ranks left over": --dp, or --world over the
+    model-parallel degrees, as torchtitan's ParallelDims derives it), `dp_said` how a message
+    names it; `num_layers`: the model's
     layers, for torchtitan's own stage split; `model_given`: the command line names the
     model, so the config's [model] is not read."""
     out = Imported()
@@ -275,7 +277,7 @@ def from_torchtitan(data: dict, dp: int | None = None, num_layers: int | None = 
         out.set("train.lr", lr, opt.key("lr"))
     opt.unread("not read: no effect on memory")
     par = Reader(tables["parallelism"], "parallelism", out)
-    degrees = _read_degrees(par, out, dp)
+    degrees = _read_degrees(par, out, dp, dp_said)
     _read_training(Reader(tables["training"], "training", out), out, degrees)
     _read_pipeline(par, out, degrees, num_layers)
     par.unread()
@@ -331,7 +333,7 @@ def _read_model(model: Reader, out: Imported) -> None:
     model.unread("not read: no effect on the plan")
 
 
-def _read_degrees(par: Reader, out: Imported, dp: int | None) -> dict:
+def _read_degrees(par: Reader, out: Imported, dp: int | None, dp_said: str) -> dict:
     values = {}
     for key, default in (("data_parallel_replicate_degree", 1), ("data_parallel_shard_degree", -1),
                          ("tensor_parallel_degree", 1), ("pipeline_parallel_degree", 1),
@@ -345,10 +347,10 @@ def _read_degrees(par: Reader, out: Imported, dp: int | None) -> dict:
     if shard == -1:
         if dp is None:
             out.note(par.key("data_parallel_shard_degree"), "-1 takes the ranks left over, which the config does "
-                                                            "not say: give --dp (read as 1 shard rank)")
+                                                            "not say: give --dp or --world (read as 1 shard rank)")
             shard = 1
         elif dp % replicate:
-            out.problem(par.key("data_parallel_replicate_degree"), f"{replicate} does not divide --dp {dp}")
+            out.problem(par.key("data_parallel_replicate_degree"), f"{replicate} does not divide {dp_said or f'--dp {dp}'}")
             shard = 1
         else:
             shard = dp // replicate
