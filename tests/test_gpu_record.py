@@ -82,15 +82,19 @@ def test_the_ladder_prints_the_recorded_table():
 
 # Fine-tuning on the same H100 (docs/validation.md, "Fine-tuning on one GPU";
 # benchmarks/data/gpu-finetune-h100.json): QLoRA of Llama-3 8B at micro batch 1, 4 and 18 and
-# of Llama-3 70B at micro batch 1, the tests/test_run_gpu.py LoRA, QLoRA, AdamW8bit and fp16 host-state plans.
+# of Llama-3 70B at micro batch 1, LLaMA 65B at 512 tokens, the tests/test_run_gpu.py LoRA, QLoRA, AdamW8bit and fp16 host-state plans.
 FINETUNE = json.loads((ROOT / "benchmarks" / "data" / "gpu-finetune-h100.json").read_text())
 
 
 def test_the_finetune_record_covers_qlora_at_full_scale():
-    assert FINETUNE["device"].startswith("NVIDIA H100") and len(FINETUNE["runs"]) == 8
+    assert FINETUNE["device"].startswith("NVIDIA H100") and len(FINETUNE["runs"]) == 9
     for preset, runs in (("llama-3-8b", 3), ("llama-3-70b", 1)):
         assert sum(f'preset = "{preset}"' in r["job"] and 'base_dtype = "nf4"' in r["job"]
                    for r in FINETUNE["runs"].values()) == runs
+    # LLaMA 65B at 512 tokens: small activations beside the adapters' gradients, so the peak
+    # is backward through the sweep's last layer (core/estimate.py last_layer_backward).
+    assert sum("hidden_size = 8192" in r["job"] and "ffn_hidden_size = 22016" in r["job"]
+               for r in FINETUNE["runs"].values()) == 1
 
 
 @pytest.mark.parametrize("name", list(FINETUNE["runs"]))
@@ -98,11 +102,12 @@ def test_estimate_holds_to_the_measured_finetune_runs(name, tmp_path):
     record = FINETUNE["runs"][name]
     device = estimate_of(record, tmp_path)
     measured = record["ranks"][0]["measured"]
-    # The allocated peak: measured -1.7% to +0.7% (docs/validation.md); held here to 2.5%.
+    # The allocated peak: measured -1.7% to +0.7% (docs/validation.md); held here to 2%.
+    # The LLaMA 65B run was -2.3% before the estimate counted the sweep's last layer, -0.3% with it.
     peak = device.gpu["total"] - allowance(device.terms["gpu.buffers"])
-    assert peak == pytest.approx(measured["peak_device"], rel=0.025)
+    assert peak == pytest.approx(measured["peak_device"], rel=0.02)
     # Saved activations (LoRA's inputs and dropout masks at CUDA's 1 byte): measured within 0.15%.
-    assert device.gpu["activations"] == pytest.approx(measured["activations"], rel=0.01)
+    assert device.saved_activations == pytest.approx(measured["activations"], rel=0.01)
     # The NF4 base (codes, block scales, their quantized scales), the adapters, their
     # gradients and AdamW (or 8-bit AdamW, or fp16 host) states, by placement, to the byte.
     for kind in ("params", "grads", "optimizer"):

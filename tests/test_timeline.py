@@ -128,6 +128,73 @@ def test_peak_is_the_largest_moment_and_transients_do_not_coexist():
     assert not any(label.startswith("recomputed layer") for label in labels)
 
 
+LLAMA_65B_QLORA = """
+[model]
+family = "llama"
+num_layers = 80
+hidden_size = 8192
+num_heads = 64
+num_kv_heads = 64
+ffn_hidden_size = 22016
+vocab_size = 32000
+max_seq_len = 2048
+[parallel]
+dp = 1
+micro_batch_size = {mbs}
+num_microbatches = {m}
+[train]
+seq_len = {seq}
+precision = "bf16"
+activation_checkpointing = "full"
+[lora]
+rank = 64
+targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+base_dtype = "nf4"
+[offload]
+strategy = "conservative"
+"""
+
+
+def test_backward_peaks_at_whichever_end_of_the_sweep_holds_more(write):
+    """Backward frees a layer's saved activations and leaves its gradients behind: the moment
+    is the sweep's first layer (every layer's activations) or its last (every other layer's
+    gradients), whichever holds more. QLoRA of LLaMA 65B at 512 tokens (docs/finetune.md's job)
+    peaked at the last on an H100: allocated 44,879,813,632 B, 1.05 GB above backward through
+    the first layer (benchmarks/data/gpu-finetune-h100.json)."""
+    def backward(mbs, m, seq):
+        result = run_cli("estimate", write("job.toml", LLAMA_65B_QLORA.format(mbs=mbs, m=m, seq=seq)),
+                         "--json", "--explain")
+        device = result.json["devices"][0]
+        return device, {t["label"]: t["bytes"] for kind in device["terms"] for t in device["terms"][kind]}
+
+    device, terms = backward(1, 1, 512)
+    assert device["peak_moment"] == BACKWARD
+    layer_grads = 1_599_078_400  # 80 layers of rank-64 adapters, bf16: 799,539,200 * 2 B
+    assert terms["layers grads produced before the sweep's last layer"] == layer_grads - layer_grads // 80
+    per_layer = 512 * 8192 * 2  # full recomputation keeps each layer's bf16 input: 2sbh (Korthikanti et al. 2022)
+    assert terms["layers of stage 0: the layer in backward (the sweep's last; the others freed)"] == per_layer
+    # The planner's figure is the explained estimate's, to the byte.
+    assert device["moments"][BACKWARD] == result_moment(write, 1, 1, 512)
+    # At 4,096 tokens the activations outweigh the gradients: the first layer's end.
+    device, terms = backward(1, 1, 2048 * 2)
+    assert not any("sweep's last" in label for label in terms)
+    # Accumulating microbatches keep every gradient through backward: no sweep to walk.
+    device, terms = backward(1, 2, 512)
+    assert not any("sweep's last" in label for label in terms)
+
+
+def result_moment(write, mbs, m, seq) -> int:
+    from shardplan.core.estimate import rank_coordinates
+    from shardplan.core.estimate_inputs import inputs_from_job
+    from shardplan.core.figures import rank_figures
+    from shardplan.core.memory import estimate_memory
+    from shardplan.io.job import load_job
+
+    resolved = load_job(write("job.toml", LLAMA_65B_QLORA.format(mbs=mbs, m=m, seq=seq)), [], env={})
+    inputs = estimate_memory(inputs_from_job(resolved.job, resolved.shape, True)).inputs
+    return rank_figures(inputs, rank_coordinates(inputs, 0)).moments[BACKWARD]
+
+
 def test_pinned_allocations_round_to_powers_of_two():
     # torch 2.13 ATen/core/CachingHostAllocator.h: "Round up the allocation to the nearest
     # power of two"; 41,106,276,352 B (GPT-2 10B's fp32 partition) takes 64 GiB.

@@ -422,6 +422,46 @@ def _backward_activations(activations: list[Term], act: ActivationShape | None, 
     return kept
 
 
+# The GPU gradients of the layers whose parameters stay on the GPU (core/states.py's "layers"
+# group; under LoRA the adapters', named so by `_with_frozen`).
+LAYER_GRADS = ("layers grads", "adapters, layers grads")
+
+
+def layer_grads_bytes(grads: tuple[Term, ...] | list[Term]) -> int:
+    return sum(t.bytes for t in grads if t.label in LAYER_GRADS)
+
+
+def last_layer_backward(inputs: EstimateInputs, rp: RankParams, resident: int, layer_grads: int, per_layer: int,
+                        grads_in_backward: int) -> tuple[int, int] | None:
+    """(saved activation bytes freed, gradient bytes produced) when backward reaches the last
+    layer of its sweep (the rank's first), if that moment holds more than backward through its
+    first: else None. Backward frees each layer's saved activations as it goes and leaves each
+    layer's gradients behind (FSDP2 reduce-scatters them into `.grad`), so what is alive in it
+    is linear in the layers done, largest at one end of the sweep: at its start every layer's
+    activations, at its end every other layer's gradients. Gradients that are alive all
+    through backward (microbatches accumulating, DDP's buckets) leave only the start. Found
+    where activations are small beside the gradients: QLoRA of LLaMA 65B at 512 tokens on an
+    H100 peaked there, 2.3% above backward through the first layer (docs/validation.md)."""
+    if (inputs.framework != "fsdp2" or inputs.num_microbatches > 1 or grads_in_backward or layer_grads == 0
+            or len(rp.chunk_layers) != 1 or resident < 2):
+        return None
+    produced = layer_grads - layer_grads // resident
+    freed = (rp.num_layers - 1) * per_layer
+    return (freed, produced) if produced > freed else None
+
+
+def _at_last_layer(in_backward: list[Term], sweep: tuple[int, int], per_layer: int,
+                   resident: int) -> tuple[list[Term], tuple[Term, ...]]:
+    """The backward moment's activations and gradients at the sweep's last layer."""
+    freed, produced = sweep
+    kept = [Term(f"{t.label}: the layer in backward (the sweep's last; the others freed)", t.bytes - freed,
+                 lambda: f"{per_layer:,} B of one layer") if t.label.startswith("layers of stage") else t
+            for t in in_backward]
+    done = Term("layers grads produced before the sweep's last layer", produced,
+                lambda: f"{resident - 1} of {resident} layers' gradients")
+    return kept, (done,)
+
+
 @dataclass(frozen=True)
 class RankParts:
     """One rank's terms, grouped so that every moment is a sum of parts: what the explained
@@ -503,9 +543,16 @@ def rank_parts(inputs: EstimateInputs, at: Coordinates) -> RankParts:
     in_backward = _backward_activations(activations, act, rp.has_head, head_held)
     extra = _transients(inputs, act, rp.has_head, head_held)
     buffers_at = {m: tuple(memory.buffers_at[m]) + tuple(extra[m]) for m in MOMENTS}
+    grads_at = {m: tuple(memory.grads_at[m]) for m in MOMENTS}
+    if act is not None:
+        per_layer = _layer_bytes(act)
+        sweep = last_layer_backward(inputs, rp, resident, layer_grads_bytes(grads_at[BACKWARD_END]), per_layer,
+                                    _bytes(grads_at[BACKWARD]))
+        if sweep is not None:
+            in_backward, grads_at[BACKWARD] = _at_last_layer(in_backward, sweep, per_layer, resident)
     return RankParts(
         gpu={k: tuple(memory.gpu[k]) for k in KINDS}, cpu={k: tuple(memory.cpu[k]) for k in KINDS},
-        grads_at={m: tuple(memory.grads_at[m]) for m in MOMENTS}, buffers_at=buffers_at,
+        grads_at=grads_at, buffers_at=buffers_at,
         activations=tuple(activations), in_backward=tuple(in_backward),
         moments=_present(inputs, rp.has_head and act is not None),
         host=tuple(host) + tuple(checkpoint_staging(inputs, rp, degree)),

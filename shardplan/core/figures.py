@@ -30,6 +30,8 @@ from .estimate import (
     _recompute_terms,
     _torch_or_paper,
     held_at_peak,
+    last_layer_backward,
+    layer_grads_bytes,
     resident_layers,
     shard_degree,
     torch_or_paper_states,
@@ -39,7 +41,7 @@ from .host import checkpoint_staging, rank_host, startup_host
 from .precision import element_bytes
 from .degrees import Degrees
 from .stages import RankParams
-from .timeline import BACKWARD, FORWARD, LOSS, MOMENTS
+from .timeline import BACKWARD, BACKWARD_END, FORWARD, LOSS, MOMENTS
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,8 @@ def _framework(inputs: EstimateInputs, rp: RankParams, degree: int, resident: in
     fixed = _sum(memory.gpu["params"]) + _sum(memory.gpu["optimizer"])
     grads = {m: _sum(memory.grads_at[m]) for m in MOMENTS}
     buffers = {m: _sum(memory.buffers_at[m]) for m in MOMENTS}
-    return fixed, grads, buffers, _sum(host) + _sum(checkpoint_staging(inputs, rp, degree))
+    return (fixed, grads, buffers, _sum(host) + _sum(checkpoint_staging(inputs, rp, degree)),
+            layer_grads_bytes(memory.grads_at[BACKWARD_END]))
 
 
 # What `_framework_key` sets to fixed values, beside the degrees (pipelined or not) and the
@@ -121,27 +124,35 @@ def _act_sums(act: ActivationShape) -> tuple[int, int, int, int, int, int]:
 
 
 def _framework_part(inputs: EstimateInputs, at: Coordinates):
-    """(element bytes, rank parameters, the framework's byte totals, start-up host bytes)."""
+    """(element bytes, rank parameters, resident layers, the framework's byte totals, start-up
+    host bytes)."""
     eb = element_bytes(inputs.framework, inputs.precision, inputs.optimizer)
     rp = _rank_params(inputs, at)
     degree = shard_degree(inputs)
     resident = resident_layers(rp, eb, inputs, degree)
-    return eb, rp, _framework(_framework_key(inputs), rp, degree, resident), _sum(startup_host(inputs, rp, eb))
+    return eb, rp, resident, _framework(_framework_key(inputs), rp, degree, resident), _sum(startup_host(inputs, rp, eb))
 
 
 def rank_host_figures(inputs: EstimateInputs, at: Coordinates) -> tuple[int, int]:
     """The rank's host bytes (training, start-up) of `rank_figures`, without its GPU moments:
     the host does not hold activations."""
-    _, _, framework, startup = _framework_part(inputs, at)
+    _, _, _, framework, startup = _framework_part(inputs, at)
     return framework[3], startup
 
 
 def rank_figures(inputs: EstimateInputs, at: Coordinates) -> RankFigures:
     """The numbers `rank_estimate(inputs, at, ...)` reports, without its terms."""
-    eb, rp, (fixed, grads, buffers, host), startup = _framework_part(inputs, at)
-    saved, in_backward, extra, has_loss = (0, 0, _NO_EXTRA, False) if inputs.shape is None else _activation_part(
-        _activation_shape(inputs, eb), inputs.schedule, inputs.degrees.pp, inputs.num_microbatches, inputs.virtual,
+    eb, rp, resident, (fixed, grads, buffers, host, layer_grads), startup = _framework_part(inputs, at)
+    act = None if inputs.shape is None else _activation_shape(inputs, eb)
+    saved, in_backward, extra, has_loss = (0, 0, _NO_EXTRA, False) if act is None else _activation_part(
+        act, inputs.schedule, inputs.degrees.pp, inputs.num_microbatches, inputs.virtual,
         at.pp_rank, rp.chunk_layers, rp.has_head, inputs.framework == "deepspeed")
+    if act is not None:
+        sweep = last_layer_backward(inputs, rp, resident, layer_grads, _layer_bytes(act), grads[BACKWARD])
+        if sweep is not None:
+            freed, produced = sweep
+            in_backward -= freed
+            grads = {**grads, BACKWARD: produced}
     totals = {}
     moments = PRESENT[has_loss, inputs.num_microbatches > 1]
     for name in moments:

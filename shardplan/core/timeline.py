@@ -13,7 +13,9 @@ Moments, in the order a step visits them:
 - `loss`: (last pipeline stage) the start of backward through the loss and the output head:
   logits, log-probabilities and their gradients;
 - `backward`: backward through a transformer layer: its recomputed activations, its gathered
-  parameters and its gradients before they are reduced;
+  parameters and its gradients before they are reduced; the sweep's first layer (every
+  layer's activations still saved) or, where that holds more, its last (every other layer's
+  gradients produced: core/estimate.py `last_layer_backward`);
 - `backward end`: every gradient produced, the activations of this microbatch freed (only
   shown when gradients are not already alive during backward);
 - `step`: the optimizer step with its temporaries; activations are freed.
