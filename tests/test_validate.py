@@ -161,6 +161,21 @@ def test_problems_of_set_values_name_the_flag(write):
     assert errors(run_cli("validate", bad))[0].startswith(f"{bad}:5: lora.targets.1: must be one of")
 
 
+def test_many_unknown_keys_are_counted_after_the_first_twenty(write):
+    """Each of the first 20 unknown keys is named with its hint; the rest are counted per
+    table (a file of 30,000 took 5.6 s to hint one by one, and printed 30,000 lines)."""
+    text = LLAMA3 + "[parallel]\n" + "".join(f"k{i} = 1\n" for i in range(30))
+    path = write("job.toml", text)
+    problems = run_cli("validate", path, "--json").json["files"][0]["problems"]
+    assert len(problems) == 21
+    assert problems[0]["path"] == "parallel.k0" and problems[0]["message"].startswith("unknown key (known: dp,")
+    assert problems[-1] == {"file": path, "line": 3, "path": "parallel", "severity": "error",
+                            "message": "and 10 more unknown keys"}
+    top = write("top.toml", "".join(f"x{i} = 1\n" for i in range(21)) + LLAMA3)
+    result = run_cli("validate", top)
+    assert result.code == 2 and result.err_lines[-1] == f"{top}: and 1 more unknown key at the top level"
+
+
 def test_json_document(write):
     good = write("good.toml", LLAMA3)
     bad = write("bad.toml", "[parallel]\ntp = 0\n")

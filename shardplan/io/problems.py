@@ -115,5 +115,23 @@ def problem_from_error(root: type[BaseModel], err: dict) -> Problem:
     return Problem(path, message)
 
 
+# Unknown keys reported one by one, each with its hint (a close match costs a difflib search
+# over every key of every table); the rest are counted per table. A file of 30,000 unknown keys
+# took 5.6 s to validate with every one hinted, and printed 30,000 lines.
+MAX_UNKNOWN_KEYS = 20
+
+
 def problems_from_validation(root: type[BaseModel], exc: ValidationError) -> list[Problem]:
-    return [problem_from_error(root, err) for err in exc.errors(include_url=False)]
+    problems, unknown, more = [], 0, {}
+    for err in exc.errors(include_url=False):
+        if err.get("type") == "extra_forbidden":
+            unknown += 1
+            if unknown > MAX_UNKNOWN_KEYS:
+                parent = ".".join(str(p) for p in tuple(err.get("loc", ()))[:-1])
+                more[parent] = more.get(parent, 0) + 1
+                continue
+        problems.append(problem_from_error(root, err))
+    for parent, count in more.items():
+        where = "" if parent else " at the top level"
+        problems.append(Problem(parent, f"and {count:,} more unknown key{'s' if count != 1 else ''}{where}"))
+    return problems
