@@ -236,6 +236,18 @@ def test_deepspeed_batch_needs_dp(write):
     result = run_cli("import", three, "--world", "16")
     assert result.code == 2 and result.err_lines == [
         f"{three}:1: train_batch_size: 64 = 4 * 2 * 8 GPUs, but --world 16 / tp x pp x cp 1 makes dp 16"]
+    # Batch keys the Hugging Face Trainer fills in ("auto") leave dp to --world alone.
+    auto = write("auto.json", json.dumps(dict.fromkeys(("train_batch_size", "train_micro_batch_size_per_gpu",
+                                                        "gradient_accumulation_steps"), "auto")))
+    job, _ = imported(auto, "--world", "8", "--set", "model.preset=llama-3-8b")
+    assert job["parallel"]["dp"] == 8
+    # A world the model-parallel degrees do not divide is said as such.
+    result = run_cli("import", path, "--world", "9", "--tp", "2")
+    assert result.code == 2 and result.err_lines == [
+        "--world: 9 is not a multiple of tp x pp x cp = 2 (the config's degrees and the command line's)"]
+    result = run_cli("import", path, "--world", "24", "--tp", "2")
+    assert result.err_lines == [f"{path}:1: train_batch_size: 64 is not divisible by 2 * dp "
+                                "(--world 24 / tp x pp x cp 2 makes dp 12)"]
 
 
 @pytest.mark.parametrize("text,message", [

@@ -183,6 +183,30 @@ def test_backward_peaks_at_whichever_end_of_the_sweep_holds_more(write):
     assert not any("sweep's last" in label for label in terms)
 
 
+def test_zero2_blocks_resharded_in_backward_are_not_counted_at_the_sweeps_end(write):
+    """ZeRO-2 keeps every block gathered from forward into backward; backward reshards each
+    after its own (torch/distributed/fsdp/_fully_shard: reshard_after_backward, True by
+    default), so at the sweep's last layer one block is gathered. Where the resharded blocks
+    outweigh the gradients left behind (full training of Llama-3 8B at 1,024 tokens: 13 GiB of
+    gathered bf16 blocks against 3.1 GiB of sharded gradients) the first layer's end stays."""
+    result = run_cli("estimate", "llama-3-8b-h100", "--zero", "2", "--set", "train.seq_len=1024", "--json", "--explain")
+    moments = {m["name"]: m for m in result.json["devices"][0].get("moment_terms", [])}
+    labels = {t["label"] for kind in result.json["devices"][0]["terms"] for t in result.json["devices"][0]["terms"][kind]}
+    assert not any("sweep's last" in label or "resharded" in label for label in labels), moments
+    assert result.json["devices"][0]["peak_moment"] == LOSS
+    # QLoRA at ZeRO-2 on one rank gathers the adapters and norms (NF4 stays whole), in bf16
+    # under bf16-mixed, while their gradients are fp32: the gradients win, and the gathered
+    # blocks count one block at the sweep's end.
+    text = LLAMA_65B_QLORA.format(mbs=1, m=1, seq=512).replace('"bf16"', '"bf16-mixed"') + "[zero]\nstage = 2\n"
+    device = run_cli("estimate", write("job.toml", text), "--json", "--explain").json["devices"][0]
+    terms = {t["label"]: t["bytes"] for kind in device["terms"] for t in device["terms"][kind]}
+    assert device["peak_moment"] == BACKWARD
+    # One layer: 9,994,240 adapter elements (799,539,200 / 80) and two norms of 8,192, in bf16.
+    block = (9_994_240 + 2 * 8192) * 2
+    assert terms["unsharded block parameters: the block in backward (the others resharded)"] == block
+    assert terms["layers grads produced before the sweep's last layer"] == 79 * 9_994_240 * 4
+
+
 def result_moment(write, mbs, m, seq) -> int:
     from shardplan.core.estimate import rank_coordinates
     from shardplan.core.estimate_inputs import inputs_from_job

@@ -68,9 +68,11 @@ def convert(fmt: str, data: dict, overrides: list[tuple[str, object]], world: in
     said = ""
     if dp is None and world is not None and fmt in ("deepspeed", "torchtitan"):
         model_parallel = _model_parallel(fmt, data, given)
-        if world % model_parallel == 0:
-            dp = world // model_parallel
-            said = f"--world {world} / tp x pp x cp {model_parallel} makes dp {dp}"
+        if world % model_parallel:
+            raise InputError(Problem("--world", f"{world} is not a multiple of tp x pp x cp = {model_parallel} "
+                                                "(the config's degrees and the command line's)"))
+        dp = world // model_parallel
+        said = f"--world {world} / tp x pp x cp {model_parallel} makes dp {dp}"
     model_given = any(path.split(".")[1] in (*SOURCE_KEYS, *SHAPE_KEYS) for path in given if path.startswith("model."))
     if fmt == "deepspeed":
         from ..io.interop.deepspeed import from_deepspeed

@@ -431,35 +431,50 @@ def layer_grads_bytes(grads: tuple[Term, ...] | list[Term]) -> int:
     return sum(t.bytes for t in grads if t.label in LAYER_GRADS)
 
 
+def kept_blocks_bytes(inputs: EstimateInputs, buffers_in_backward) -> int:
+    """The blocks FSDP2 keeps gathered from forward into backward at ZeRO-2
+    (reshard_after_forward=False), which backward reshards one by one (reshard_after_backward,
+    torch's default): their bytes, 0 at the other stages (one block and its prefetch)."""
+    if inputs.framework != "fsdp2" or inputs.zero_stage != 2:
+        return 0
+    return sum(t.bytes for t in buffers_in_backward if t.label == "unsharded block parameters")
+
+
 def last_layer_backward(inputs: EstimateInputs, rp: RankParams, resident: int, layer_grads: int, per_layer: int,
-                        grads_in_backward: int) -> tuple[int, int] | None:
-    """(saved activation bytes freed, gradient bytes produced) when backward reaches the last
-    layer of its sweep (the rank's first), if that moment holds more than backward through its
-    first: else None. Backward frees each layer's saved activations as it goes and leaves each
-    layer's gradients behind (FSDP2 reduce-scatters them into `.grad`), so what is alive in it
-    is linear in the layers done, largest at one end of the sweep: at its start every layer's
-    activations, at its end every other layer's gradients. Gradients that are alive all
-    through backward (microbatches accumulating, DDP's buckets) leave only the start. Found
-    where activations are small beside the gradients: QLoRA of LLaMA 65B at 512 tokens on an
-    H100 peaked there, 2.3% above backward through the first layer (docs/validation.md)."""
+                        grads_in_backward: int, kept_blocks: int = 0) -> tuple[int, int, int] | None:
+    """(saved activation bytes freed, gathered block bytes freed, gradient bytes produced) when
+    backward reaches the last layer of its sweep (the rank's first), if that moment holds more
+    than backward through its first: else None. Backward frees each layer's saved activations
+    as it goes (and, at ZeRO-2, each block's gathered parameters: `kept_blocks`) and leaves
+    each layer's gradients behind (FSDP2 reduce-scatters them into `.grad`), so what is alive
+    in it is linear in the layers done, largest at one end of the sweep: at its start every
+    layer's activations, at its end every other layer's gradients. Gradients that are alive
+    all through backward (microbatches accumulating, DDP's buckets) leave only the start.
+    Found where activations are small beside the gradients: QLoRA of LLaMA 65B at 512 tokens
+    on an H100 peaked there, 2.3% above backward through the first layer (docs/validation.md)."""
     if (inputs.framework != "fsdp2" or inputs.num_microbatches > 1 or grads_in_backward or layer_grads == 0
             or len(rp.chunk_layers) != 1 or resident < 2):
         return None
     produced = layer_grads - layer_grads // resident
     freed = (rp.num_layers - 1) * per_layer
-    return (freed, produced) if produced > freed else None
+    blocks_freed = kept_blocks - kept_blocks // rp.num_layers
+    return (freed, blocks_freed, produced) if produced > freed + blocks_freed else None
 
 
-def _at_last_layer(in_backward: list[Term], sweep: tuple[int, int], per_layer: int,
-                   resident: int) -> tuple[list[Term], tuple[Term, ...]]:
-    """The backward moment's activations and gradients at the sweep's last layer."""
-    freed, produced = sweep
+def _at_last_layer(in_backward: list[Term], buffers: tuple[Term, ...], sweep: tuple[int, int, int], per_layer: int,
+                   resident: int, layers: int) -> tuple[list[Term], tuple[Term, ...], tuple[Term, ...]]:
+    """The backward moment's activations, gradients and buffers at the sweep's last layer."""
+    freed, blocks_freed, produced = sweep
     kept = [Term(f"{t.label}: the layer in backward (the sweep's last; the others freed)", t.bytes - freed,
                  lambda: f"{per_layer:,} B of one layer") if t.label.startswith("layers of stage") else t
             for t in in_backward]
     done = Term("layers grads produced before the sweep's last layer", produced,
                 lambda: f"{resident - 1} of {resident} layers' gradients")
-    return kept, (done,)
+    if blocks_freed:
+        buffers = tuple(Term(f"{t.label}: the block in backward (the others resharded)", t.bytes - blocks_freed,
+                             lambda t=t: f"{t.bytes // layers:,} B of one of {layers} blocks")
+                        if t.label == "unsharded block parameters" else t for t in buffers)
+    return kept, (done,), buffers
 
 
 @dataclass(frozen=True)
@@ -547,9 +562,10 @@ def rank_parts(inputs: EstimateInputs, at: Coordinates) -> RankParts:
     if act is not None:
         per_layer = _layer_bytes(act)
         sweep = last_layer_backward(inputs, rp, resident, layer_grads_bytes(grads_at[BACKWARD_END]), per_layer,
-                                    _bytes(grads_at[BACKWARD]))
+                                    _bytes(grads_at[BACKWARD]), kept_blocks_bytes(inputs, buffers_at[BACKWARD]))
         if sweep is not None:
-            in_backward, grads_at[BACKWARD] = _at_last_layer(in_backward, sweep, per_layer, resident)
+            in_backward, grads_at[BACKWARD], buffers_at[BACKWARD] = _at_last_layer(
+                in_backward, buffers_at[BACKWARD], sweep, per_layer, resident, rp.num_layers)
     return RankParts(
         gpu={k: tuple(memory.gpu[k]) for k in KINDS}, cpu={k: tuple(memory.cpu[k]) for k in KINDS},
         grads_at=grads_at, buffers_at=buffers_at,

@@ -30,6 +30,7 @@ from .estimate import (
     _recompute_terms,
     _torch_or_paper,
     held_at_peak,
+    kept_blocks_bytes,
     last_layer_backward,
     layer_grads_bytes,
     resident_layers,
@@ -77,7 +78,7 @@ def _framework(inputs: EstimateInputs, rp: RankParams, degree: int, resident: in
     grads = {m: _sum(memory.grads_at[m]) for m in MOMENTS}
     buffers = {m: _sum(memory.buffers_at[m]) for m in MOMENTS}
     return (fixed, grads, buffers, _sum(host) + _sum(checkpoint_staging(inputs, rp, degree)),
-            layer_grads_bytes(memory.grads_at[BACKWARD_END]))
+            layer_grads_bytes(memory.grads_at[BACKWARD_END]), kept_blocks_bytes(inputs, memory.buffers_at[BACKWARD]))
 
 
 # What `_framework_key` sets to fixed values, beside the degrees (pipelined or not) and the
@@ -142,17 +143,18 @@ def rank_host_figures(inputs: EstimateInputs, at: Coordinates) -> tuple[int, int
 
 def rank_figures(inputs: EstimateInputs, at: Coordinates) -> RankFigures:
     """The numbers `rank_estimate(inputs, at, ...)` reports, without its terms."""
-    eb, rp, resident, (fixed, grads, buffers, host, layer_grads), startup = _framework_part(inputs, at)
+    eb, rp, resident, (fixed, grads, buffers, host, layer_grads, kept_blocks), startup = _framework_part(inputs, at)
     act = None if inputs.shape is None else _activation_shape(inputs, eb)
     saved, in_backward, extra, has_loss = (0, 0, _NO_EXTRA, False) if act is None else _activation_part(
         act, inputs.schedule, inputs.degrees.pp, inputs.num_microbatches, inputs.virtual,
         at.pp_rank, rp.chunk_layers, rp.has_head, inputs.framework == "deepspeed")
     if act is not None:
-        sweep = last_layer_backward(inputs, rp, resident, layer_grads, _layer_bytes(act), grads[BACKWARD])
+        sweep = last_layer_backward(inputs, rp, resident, layer_grads, _layer_bytes(act), grads[BACKWARD], kept_blocks)
         if sweep is not None:
-            freed, produced = sweep
+            freed, blocks_freed, produced = sweep
             in_backward -= freed
             grads = {**grads, BACKWARD: produced}
+            buffers = {**buffers, BACKWARD: buffers[BACKWARD] - blocks_freed}
     totals = {}
     moments = PRESENT[has_loss, inputs.num_microbatches > 1]
     for name in moments:

@@ -192,11 +192,21 @@ def _flag_of(path: str, doc: Document, flagged: dict[str, str]) -> str | None:
     for key, flag in flagged.items():
         if path.startswith(key + "."):
             return flag
-    if path not in doc.lines:
+    if not _written(doc.data, path):
         for key, flag in flagged.items():
             if key.startswith(path + "."):
                 return flag
     return None
+
+
+def _written(data: dict, path: str) -> bool:
+    """Whether the file itself holds `path` (a table or key), whatever its syntax."""
+    node: object = data
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def load_job(

@@ -125,6 +125,8 @@ def from_deepspeed(data: dict, dp: int | None = None, dp_said: str = "") -> Impo
     out.set("zero.framework", "deepspeed", "")
     top = Reader(data, "", out)
     _batch(top, out, dp, dp_said or f"--dp {dp}")
+    if dp is not None and "dp" not in out.tables.get("parallel", {}):
+        out.set("parallel.dp", dp, "")  # the command line's (--world's) data-parallel size
     _zero(top, out)
     _precision(top, out)
     _optimizer(top, out)
@@ -185,7 +187,7 @@ def _batch(top: Reader, out: Imported, dp: int | None, dp_said: str) -> None:
             return
         other = micro or steps
         if total % (other * dp):
-            out.problem("train_batch_size", f"{total} is not divisible by {other} * dp ({dp})")
+            out.problem("train_batch_size", f"{total} is not divisible by {other} * dp ({dp_said})")
             return
         micro, steps = (micro, total // (micro * dp)) if micro else (total // (steps * dp), steps)
     elif total:
@@ -193,15 +195,13 @@ def _batch(top: Reader, out: Imported, dp: int | None, dp_said: str) -> None:
             out.problem("train_batch_size", "alone, it is divided over the GPUs: give --dp or --world")
             return
         if total % dp:
-            out.problem("train_batch_size", f"{total} is not divisible by dp ({dp})")
+            out.problem("train_batch_size", f"{total} is not divisible by dp ({dp_said})")
             return
         micro, steps = total // dp, 1
     elif micro or steps:
         micro, steps = micro or 1, steps or 1
     else:
         return
-    if dp is not None and "dp" not in out.tables.get("parallel", {}):
-        out.set("parallel.dp", dp, "")  # the command line's (--world's) data-parallel size
     micro_key = "train_micro_batch_size_per_gpu" if values.get("train_micro_batch_size_per_gpu") else "train_batch_size"
     steps_key = "gradient_accumulation_steps" if values.get("gradient_accumulation_steps") else micro_key
     out.set("parallel.micro_batch_size", micro, micro_key)
