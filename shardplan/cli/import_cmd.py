@@ -3,6 +3,7 @@ config TOML or an accelerate config YAML as a shardplan job file."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from dataclasses import replace
 from typing import Annotated, Optional
@@ -10,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..io.files import Document
-from ..io.interop.common import Imported
+from ..io.interop.common import Imported, model_parallel_size
 from ..io.interop.source import FORMATS, read_source
 from ..io.job import resolve_document
 from ..io.overrides import apply_overrides
@@ -43,22 +44,6 @@ def _model_layers(overrides: list[tuple[str, object]], preset: str | None) -> in
     return layers if isinstance(layers, int) else None
 
 
-def _model_parallel(fmt: str, data: dict, given: dict[str, object]) -> int:
-    """tp x pp x cp as the source and the command line set them: torchtitan's
-    [parallelism] degrees, DeepSpeed's tensor_parallel.autotp_size (its pipeline and sequence
-    parallel are set up in code), each replaced by --tp, --pp, --cp."""
-    section = {"torchtitan": "parallelism", "deepspeed": "tensor_parallel"}[fmt]
-    table = data.get(section) if isinstance(data.get(section), dict) else {}
-    keys = {"torchtitan": {"tp": "tensor_parallel_degree", "pp": "pipeline_parallel_degree",
-                           "cp": "context_parallel_degree"},
-            "deepspeed": {"tp": "autotp_size"}}[fmt]
-    product = 1
-    for degree in ("tp", "pp", "cp"):
-        value = given.get(f"parallel.{degree}", table.get(keys.get(degree, ""), 1))
-        product *= value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
-    return product
-
-
 def convert(fmt: str, data: dict, overrides: list[tuple[str, object]], world: int | None = None) -> Imported:
     """Run the importer of `fmt` with what the command line already decides. Without --dp,
     --world gives the data-parallel size as DeepSpeed and torchtitan derive it: the world
@@ -67,7 +52,8 @@ def convert(fmt: str, data: dict, overrides: list[tuple[str, object]], world: in
     dp = given.get("parallel.dp") if isinstance(given.get("parallel.dp"), int) else None
     said = ""
     if dp is None and world is not None and fmt in ("deepspeed", "torchtitan"):
-        model_parallel = _model_parallel(fmt, data, given)
+        importer = importlib.import_module(f"..io.interop.{fmt}", __package__)
+        model_parallel = model_parallel_size(importer.model_parallel_degrees(data), given)
         if world % model_parallel:
             raise InputError(Problem("--world", f"{world} is not a multiple of tp x pp x cp = {model_parallel} "
                                                 "(the config's degrees and the command line's)"))

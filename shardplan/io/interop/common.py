@@ -115,6 +115,17 @@ def _shown(value: object) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
+def model_parallel_size(source: dict[str, object], given: dict[str, object]) -> int:
+    """tp x pp x cp of an imported plan: each degree as the command line gives it
+    (`parallel.tp`, ...), else as the source config states it (`source`, by the same job
+    keys), else 1; a value that is not a positive integer counts as 1 (the importer says why)."""
+    product = 1
+    for key in ("parallel.tp", "parallel.pp", "parallel.cp"):
+        value = integral(given.get(key, source.get(key, 1)))
+        product *= value if value is not None and value >= 1 else 1
+    return product
+
+
 def integral(value: object) -> int | None:
     """An integer written as such or as an integral float (`5e8` in JSON), else None."""
     if isinstance(value, bool):

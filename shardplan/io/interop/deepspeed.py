@@ -116,6 +116,14 @@ _AUTO = "'auto' is filled in by the Hugging Face Trainer; not read"
 _OFFLOAD_DEVICES = ("cpu", "nvme", "none")
 
 
+def model_parallel_degrees(data: dict) -> dict[str, object]:
+    """The model-parallel degrees a DeepSpeed config states, by job key (as written): its
+    tensor-parallel size (`tensor_parallel.autotp_size`); its pipeline and sequence parallel
+    are set up in code."""
+    tensor = data.get("tensor_parallel") if isinstance(data.get("tensor_parallel"), dict) else {}
+    return {"parallel.tp": tensor["autotp_size"]} if "autotp_size" in tensor else {}
+
+
 def from_deepspeed(data: dict, dp: int | None = None, dp_said: str = "") -> Imported:
     """Job tables from a DeepSpeed config. `dp`: the data-parallel size the command line
     gives (--dp, or --world over the model-parallel degrees, as DeepSpeed derives it; a

@@ -333,6 +333,17 @@ def _read_model(model: Reader, out: Imported) -> None:
     model.unread("not read: no effect on the plan")
 
 
+# [parallelism]'s model-parallel degrees, by the job key each sets.
+MODEL_PARALLEL_KEYS = (("parallel.tp", "tensor_parallel_degree"), ("parallel.pp", "pipeline_parallel_degree"),
+                       ("parallel.cp", "context_parallel_degree"))
+
+
+def model_parallel_degrees(data: dict) -> dict[str, object]:
+    """The model-parallel degrees a torchtitan config states, by job key (as written)."""
+    par = data.get("parallelism") if isinstance(data.get("parallelism"), dict) else {}
+    return {job_key: par[key] for job_key, key in MODEL_PARALLEL_KEYS if key in par}
+
+
 def _read_degrees(par: Reader, out: Imported, dp: int | None, dp_said: str) -> dict:
     values = {}
     for key, default in (("data_parallel_replicate_degree", 1), ("data_parallel_shard_degree", -1),
@@ -356,8 +367,7 @@ def _read_degrees(par: Reader, out: Imported, dp: int | None, dp_said: str) -> d
             shard = dp // replicate
     total = replicate * shard
     out.set("parallel.dp", total, par.key("data_parallel_shard_degree"))
-    for job_key, key in (("parallel.tp", "tensor_parallel_degree"), ("parallel.pp", "pipeline_parallel_degree"),
-                         ("parallel.cp", "context_parallel_degree")):
+    for job_key, key in MODEL_PARALLEL_KEYS:
         out.set(job_key, values[key], par.key(key))
     if values["tensor_parallel_degree"] > 1:
         out.set("parallel.sequence_parallel", True, par.key("tensor_parallel_degree"))
