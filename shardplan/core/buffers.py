@@ -63,6 +63,11 @@ def head_params(rp: RankParams) -> tuple[LocalParam, ...]:
     return head
 
 
+# The label of the blocks FSDP2 gathers (core/finetune.py's too): core/estimate.py finds the
+# ZeRO-2 term that backward frees block by block by it.
+UNSHARDED_BLOCKS = "unsharded block parameters"
+
+
 def no_buffers() -> dict[str, list[Term]]:
     return {moment: [] for moment in MOMENTS}
 
@@ -98,13 +103,13 @@ def _fsdp2_buffer_lists(rp: RankParams, eb: ElementBytes, stage: int, degree: in
     layers = rp.num_layers
     if layers:
         if stage == 2:
-            kept = Term("unsharded block parameters", layers * block * c,
+            kept = Term(UNSHARDED_BLOCKS, layers * block * c,
                         lambda: f"all {layers} blocks (reshard_after_forward=False): {layers} * {block:,} elements * {c} B")
             for moment in (FORWARD, LOSS, BACKWARD):
                 at[moment].append(kept)
         else:
             live = min(layers, 1 + prefetch)
-            gathered = Term("unsharded block parameters", live * block * c,
+            gathered = Term(UNSHARDED_BLOCKS, live * block * c,
                             lambda: f"1 + prefetch {prefetch} blocks: {live} * {block:,} elements * {c} B")
             at[FORWARD].append(gathered)
             at[BACKWARD].append(gathered)

@@ -28,7 +28,7 @@ from .activations import (
     recompute_working_terms,
     stored_layer_terms,
 )
-from .buffers import allowance_terms, fsdp2_buffers, grads_in_flight, no_buffers, step_buffers
+from .buffers import UNSHARDED_BLOCKS, allowance_terms, fsdp2_buffers, grads_in_flight, no_buffers, step_buffers
 from .deepspeed import DeepSpeedPlan, deepspeed_memory
 from .degrees import Degrees
 from .estimate_inputs import EstimateInputs
@@ -48,11 +48,15 @@ from .precision import MIXED, ElementBytes, element_bytes, uses_autocast
 from .schedule import ALL_FORWARDS_FIRST, SPLIT_BACKWARD, chunks_per_rank, held_peak, rank_order
 from .schedule_sim import BACKWARD as BACKWARD_ACTION, WEIGHT, Action
 from .stages import LocalParam, RankParams, chunk_size, rank_params
-from .states import HostGroup, Offload, Sharding, States, rank_states
+from .states import LAYERS, HostGroup, Offload, Sharding, States, rank_states
 from .terms import Term
 from .timeline import BACKWARD, BACKWARD_END, FORWARD, LOSS, MOMENTS, STEP, Moment, peak
 
 KINDS = ("params", "grads", "optimizer")
+# Labels this module writes and `last_layer_backward` finds again: the saved activations of a
+# stage's layers, and the prefix of the adapters' states under LoRA (`_with_frozen`).
+LAYERS_OF_STAGE = "layers of stage"
+ADAPTERS = "adapters, "
 
 
 @dataclass
@@ -293,7 +297,7 @@ def activation_terms(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes,
             continue
         if layers:
             terms.append(Term(
-                f"layers of stage {stage}", count * layers * per_layer,
+                f"{LAYERS_OF_STAGE} {stage}", count * layers * per_layer,
                 lambda count=count, layers=layers: f"{count} microbatches held * {layers} layers * {per_layer:,} B per layer",
             ))
         terms += [t.scaled(count, f"{count} microbatches held") for t in edges(stage)]
@@ -335,7 +339,7 @@ def _with_frozen(memory: _RankMemory, gpu: list[Term], cpu: list[Term],
     """A new record (the framework's may be cached) with the frozen base's terms added and the
     framework's own terms, which are the adapters', named so."""
     def adapters(terms) -> list[Term]:
-        return [Term(f"adapters, {t.label}", t.bytes, t.source) for t in terms]
+        return [Term(f"{ADAPTERS}{t.label}", t.bytes, t.source) for t in terms]
 
     return _RankMemory(
         gpu={k: (gpu if k == "params" else []) + adapters(v) for k, v in memory.gpu.items()},
@@ -422,9 +426,9 @@ def _backward_activations(activations: list[Term], act: ActivationShape | None, 
     return kept
 
 
-# The GPU gradients of the layers whose parameters stay on the GPU (core/states.py's "layers"
+# The GPU gradients of the layers whose parameters stay on the GPU (core/states.py's `LAYERS`
 # group; under LoRA the adapters', named so by `_with_frozen`).
-LAYER_GRADS = ("layers grads", "adapters, layers grads")
+LAYER_GRADS = (f"{LAYERS} grads", f"{ADAPTERS}{LAYERS} grads")
 
 
 def layer_grads_bytes(grads: tuple[Term, ...] | list[Term]) -> int:
@@ -437,7 +441,7 @@ def kept_blocks_bytes(inputs: EstimateInputs, buffers_in_backward) -> int:
     torch's default): their bytes, 0 at the other stages (one block and its prefetch)."""
     if inputs.framework != "fsdp2" or inputs.zero_stage != 2:
         return 0
-    return sum(t.bytes for t in buffers_in_backward if t.label == "unsharded block parameters")
+    return sum(t.bytes for t in buffers_in_backward if t.label == UNSHARDED_BLOCKS)
 
 
 def last_layer_backward(inputs: EstimateInputs, rp: RankParams, resident: int, layer_grads: int, per_layer: int,
@@ -466,14 +470,14 @@ def _at_last_layer(in_backward: list[Term], buffers: tuple[Term, ...], sweep: tu
     """The backward moment's activations, gradients and buffers at the sweep's last layer."""
     freed, blocks_freed, produced = sweep
     kept = [Term(f"{t.label}: the layer in backward (the sweep's last; the others freed)", t.bytes - freed,
-                 lambda: f"{per_layer:,} B of one layer") if t.label.startswith("layers of stage") else t
+                 lambda: f"{per_layer:,} B of one layer") if t.label.startswith(LAYERS_OF_STAGE) else t
             for t in in_backward]
     done = Term("layers grads produced before the sweep's last layer", produced,
                 lambda: f"{resident - 1} of {resident} layers' gradients")
     if blocks_freed:
         buffers = tuple(Term(f"{t.label}: the block in backward (the others resharded)", t.bytes - blocks_freed,
                              lambda t=t: f"{t.bytes // layers:,} B of one of {layers} blocks")
-                        if t.label == "unsharded block parameters" else t for t in buffers)
+                        if t.label == UNSHARDED_BLOCKS else t for t in buffers)
     return kept, (done,), buffers
 
 

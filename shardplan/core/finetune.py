@@ -26,6 +26,7 @@ transient of every forward and backward moment.
 
 from __future__ import annotations
 
+from .buffers import UNSHARDED_BLOCKS
 from .lora import BASE_BYTES, LoraPlan, stores_nf4
 from .precision import FP32, ElementBytes
 from .quantized import nf4_bytes, nf4_dequant_bytes, nf4_shared_bytes, nf4_sharded_bytes
@@ -105,13 +106,13 @@ def lora_fsdp2_buffers(rp: RankParams, eb: ElementBytes, lora: LoraPlan, stage: 
     layers = rp.num_layers
     if layers:
         if stage == 2:
-            kept = Term("unsharded block parameters", layers * block,
+            kept = Term(UNSHARDED_BLOCKS, layers * block,
                         lambda: f"all {layers} blocks (reshard_after_forward=False): {layers} * {block:,} B")
             for moment in (FORWARD, LOSS, BACKWARD):
                 at[moment].append(kept)
         else:
             live = min(layers, 1 + prefetch)
-            gathered = Term("unsharded block parameters", live * block,
+            gathered = Term(UNSHARDED_BLOCKS, live * block,
                             lambda: f"1 + prefetch {prefetch} blocks: {live} * {block:,} B "
                                     f"(frozen base gathered, adapters in {c} B)")
             at[FORWARD].append(gathered)

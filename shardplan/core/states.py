@@ -293,6 +293,10 @@ def _term(kind: str, label: str, count: int, elements: int, unit: float, steps: 
     return Term(label, count * (int(elements * unit) + step_bytes), formula)
 
 
+# The label of the resident layers' states ("layers params", "layers grads", ...).
+LAYERS = "layers"
+
+
 @lru_cache(maxsize=2048)
 def rank_states(
     rp: RankParams,
@@ -308,7 +312,7 @@ def rank_states(
         resident = min(rp.num_layers, offload.resident_layers)
     flat_count = len(rp.root) == 1 and rp.root[0].info.name == "params"
     groups = (
-        ("layers", layer, resident, False),
+        (LAYERS, layer, resident, False),
         ("offloaded layers", layer, rp.num_layers - resident, True),
         # A bare parameter count has no layers: parameter offload moves all of it.
         ("all" if flat_count else "embedding/head", root, 1, flat_count and offload.params),
