@@ -219,23 +219,6 @@ def result_moment(write, mbs, m, seq) -> int:
     return rank_figures(inputs, rank_coordinates(inputs, 0)).moments[BACKWARD]
 
 
-def test_pipelined_fsdp_sharding_is_said_to_be_held_longer_under_run():
-    """torch's pipeline schedules turn FSDP2's resharding after backward and its gradient
-    reduction off until the step's end (torch/distributed/pipelining/stage.py,
-    backward_maybe_with_nosync: set_reshard_after_backward(False),
-    set_requires_gradient_sync(False); perform_reduce_grad), which the estimate does not
-    count: it says so wherever `run` would do it."""
-    def warned(*flags):
-        result = run_cli("estimate", "llama-3-8b-h100", "--set", "parallel.num_microbatches=4", *flags, "--json")
-        return any(w.startswith("pipeline stages under FSDP2 sharding") for w in result.json["warnings"])
-
-    assert warned("--pp", "2", "--dp", "4", "--zero", "3")
-    assert warned("--pp", "2", "--dp", "4", "--zero", "2")
-    assert not warned("--pp", "2", "--dp", "4", "--zero", "1")  # DDP: no FSDP2 in the stages
-    assert not warned("--pp", "4", "--tp", "2", "--dp", "1", "--zero", "3")  # a shard group of one rank
-    assert not warned("--pp", "1", "--dp", "8", "--zero", "3")  # no pipeline
-
-
 def test_pinned_allocations_round_to_powers_of_two():
     # torch 2.13 ATen/core/CachingHostAllocator.h: "Round up the allocation to the nearest
     # power of two"; 41,106,276,352 B (GPT-2 10B's fp32 partition) takes 64 GiB.

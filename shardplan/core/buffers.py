@@ -132,6 +132,85 @@ def _fsdp2_buffer_lists(rp: RankParams, eb: ElementBytes, stage: int, degree: in
     return at
 
 
+# The labels of what torch's pipeline schedules keep until the step ends under FSDP2.
+DEFERRED_GRADS = "gradients accumulated unsharded (reduced when the step ends)"
+KEPT_BLOCKS = "blocks kept gathered since their backward"
+
+
+def deferred_grads(rp: RankParams, eb: ElementBytes, stage: int, degree: int) -> list[Term]:
+    """The gradients FSDP2 accumulates unsharded when torch's pipeline schedules run its
+    modules: every backward but the step's last runs with `set_requires_gradient_sync(False)`
+    (torch/distributed/pipelining/stage.py, `backward_maybe_with_nosync`), so each parameter's
+    unsharded gradient is kept, in the reduce dtype (fp32 under bf16-mixed:
+    `FSDPParam.to_accumulated_grad_if_needed`; the parameter dtype otherwise), summed over the
+    microbatches, and reduce-scattered only by the stage's `perform_reduce_grad` at the end of
+    the step. Every parameter of the rank, all-gather padding included."""
+    degree = 1 if stage == 0 else degree
+    numel = rp.num_layers * padded_unsharded(rp.layer, degree) + padded_unsharded(rp.root, degree)
+    r = eb.grads
+    return [Term(DEFERRED_GRADS, numel * r, lambda: f"{numel:,} elements * {r} B")] if numel else []
+
+
+def pipelined_fsdp2_buffers(rp: RankParams, eb: ElementBytes, stage: int, degree: int, prefetch: int,
+                            kept_in_loss: bool) -> dict[str, list[Term]]:
+    """Transient buffers of one rank whose FSDP2 modules run in torch's pipeline stages.
+
+    The schedules set `set_reshard_after_backward(False)` for every backward
+    (`backward_maybe_with_nosync`) and reshard only in `perform_reduce_grad` when the step
+    ends; the multi-stage schedules also unshard whole stages ahead (`_add_unshard_reshard`).
+    So a block, once through its backward, stays gathered until its next forward reshards it
+    (ZeRO-3, and stage 0's 16-bit copies: `reshard_after_forward=True`) or until the step
+    ends (ZeRO-2). Under one-chunk 1F1B each forward follows a backward: at the end of the
+    forward and at the start of a backward sweep the blocks of the previous sweep are
+    resharded, and the sweep's end, where they are all gathered again, is core/estimate.py's
+    `last_layer_backward`. Where a backward (or the loss) can follow another backward with no
+    forward between them (gpipe, round-robin, several chunks per rank), every block is
+    counted gathered there: an upper bound. When the step ends every block is gathered and
+    the first group reduced (the root, whose parameters are resharded first, else a block)
+    allocates its reduce-scatter input in the reduce dtype (`foreach_reduce`)."""
+    c, r = eb.compute, eb.grads
+    at = no_buffers()
+    degree = 1 if stage == 0 else degree
+    block = padded_unsharded(rp.layer, degree)
+    layers = rp.num_layers
+    root = padded_unsharded(rp.root, degree)
+    several = len(rp.chunk_layers) > 1
+    if layers:
+        every = Term(UNSHARDED_BLOCKS, layers * block * c,
+                     lambda: f"all {layers} blocks: {layers} * {block:,} elements * {c} B")
+        if stage == 2:
+            for moment in (FORWARD, LOSS, BACKWARD):
+                at[moment].append(every)
+        else:
+            live = min(layers, 1 + prefetch)
+            gathered = Term(UNSHARDED_BLOCKS, live * block * c,
+                            lambda: f"1 + prefetch {prefetch} blocks: {live} * {block:,} elements * {c} B")
+            at[FORWARD].append(gathered)
+            at[BACKWARD].append(every if several else gathered)
+            if kept_in_loss:
+                at[LOSS].append(Term(KEPT_BLOCKS, layers * block * c,
+                                     lambda: f"{layers} * {block:,} elements * {c} B (a backward before, no forward since)"))
+        at[BACKWARD].append(Term("block gradients before accumulation", block * c,
+                                 lambda: f"{block:,} elements * {c} B, added to the unsharded gradients"))
+        kept = layers if root or several else layers - 1
+        if kept:
+            at[BACKWARD_END].append(Term(KEPT_BLOCKS, kept * block * c,
+                                         lambda: f"{kept} * {block:,} elements * {c} B until their reduction"))
+    if root:
+        unsharded = Term("unsharded root parameters (embedding/head)", root * c,
+                         lambda: f"{root:,} elements * {c} B, kept from forward to backward")
+        for moment in (FORWARD, LOSS, BACKWARD):
+            at[moment].append(unsharded)
+        if several:  # the first stage reduced may not hold the root
+            at[BACKWARD_END].append(unsharded)
+    first = max(root, block) if several else (root or block)
+    if first:
+        what = "the root's or a block's" if several else "the root's" if root else "a block's"
+        at[BACKWARD_END].append(Term(f"reduce-scatter input of the first group reduced ({what})", first * r,
+                                     lambda: f"{first:,} elements * {r} B"))
+    return at
+
+
 def grads_in_flight(rp: RankParams, eb: ElementBytes, stage: int, degree: int,
                     resident: int) -> dict[str, list[Term]]:
     """Gradients on the device between their reduction and their copy to the host, when the

@@ -28,10 +28,20 @@ from .activations import (
     recompute_working_terms,
     stored_layer_terms,
 )
-from .buffers import UNSHARDED_BLOCKS, allowance_terms, fsdp2_buffers, grads_in_flight, no_buffers, step_buffers
+from .buffers import (
+    UNSHARDED_BLOCKS,
+    allowance_terms,
+    deferred_grads,
+    fsdp2_buffers,
+    grads_in_flight,
+    no_buffers,
+    padded_unsharded,
+    pipelined_fsdp2_buffers,
+    step_buffers,
+)
 from .deepspeed import DeepSpeedPlan, deepspeed_memory
 from .degrees import Degrees
-from .estimate_inputs import EstimateInputs
+from .estimate_inputs import EstimateInputs, defers_to_step_end
 from .finetune import (
     deepspeed_frozen_buffers,
     frozen_bytes,
@@ -403,11 +413,22 @@ def _torch_or_paper(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, de
     always = inputs.zero_stage == 1 or inputs.num_microbatches > 1
     grads_at = {m: grads if always or m in (BACKWARD_END, STEP) else [] for m in MOMENTS}
     buffers_at = no_buffers()
+    deferred = defers_to_step_end(inputs)
+    if deferred:  # the sharded gradients exist from the reduction at the step's end only
+        unsharded = deferred_grads(rp, eb, inputs.zero_stage, degree)
+        grads_at = {m: grads if m == STEP else unsharded for m in MOMENTS}
     if inputs.shape is not None and buffers:
-        buffers_at = fsdp2_buffers(rp, eb, inputs.zero_stage, degree, inputs.prefetch_layers, inputs.precision in MIXED)
+        if deferred:
+            kept_in_loss = inputs.schedule in ALL_FORWARDS_FIRST or len(rp.chunk_layers) > 1
+            buffers_at = pipelined_fsdp2_buffers(rp, eb, inputs.zero_stage, degree, inputs.prefetch_layers,
+                                                 kept_in_loss)
+        else:
+            buffers_at = fsdp2_buffers(rp, eb, inputs.zero_stage, degree, inputs.prefetch_layers,
+                                       inputs.precision in MIXED)
         if frees_device_grads(inputs.offload_grads, inputs.offload_optimizer, inputs.zero_stage):
             for moment, terms in grads_in_flight(rp, eb, inputs.zero_stage, degree, resident).items():
-                buffers_at[moment] += terms
+                # Deferred, every group is reduced (and copied out) when the step ends.
+                buffers_at[BACKWARD_END if deferred else moment] += terms
     gpu_optimizer_elements = sum(t.bytes for t in states.gpu["optimizer"]) // max(eb.optimizer, 1)
     buffers_at[STEP] += step_buffers(gpu_optimizer_elements, eb, inputs.optimizer)
     return _RankMemory(states.gpu, states.cpu, grads_at, buffers_at, states.host_groups)
@@ -438,14 +459,16 @@ def layer_grads_bytes(grads: tuple[Term, ...] | list[Term]) -> int:
 def kept_blocks_bytes(inputs: EstimateInputs, buffers_in_backward) -> int:
     """The blocks FSDP2 keeps gathered from forward into backward at ZeRO-2
     (reshard_after_forward=False), which backward reshards one by one (reshard_after_backward,
-    torch's default): their bytes, 0 at the other stages (one block and its prefetch)."""
-    if inputs.framework != "fsdp2" or inputs.zero_stage != 2:
+    torch's default): their bytes, 0 at the other stages (one block and its prefetch). In
+    torch's pipeline stages (`defers_to_step_end`) the blocks gathered when a backward sweep
+    starts, whatever the stage."""
+    if inputs.framework != "fsdp2" or (inputs.zero_stage != 2 and not defers_to_step_end(inputs)):
         return 0
     return sum(t.bytes for t in buffers_in_backward if t.label == UNSHARDED_BLOCKS)
 
 
 def last_layer_backward(inputs: EstimateInputs, rp: RankParams, resident: int, layer_grads: int, per_layer: int,
-                        grads_in_backward: int, kept_blocks: int = 0) -> tuple[int, int, int] | None:
+                        grads_in_backward: int, kept_blocks: int = 0) -> tuple[int, int, int | None] | None:
     """(saved activation bytes freed, gathered block bytes freed, gradient bytes produced) when
     backward reaches the last layer of its sweep (the rank's first), if that moment holds more
     than backward through its first: else None. Backward frees each layer's saved activations
@@ -455,7 +478,22 @@ def last_layer_backward(inputs: EstimateInputs, rp: RankParams, resident: int, l
     layer's activations, at its end every other layer's gradients. Gradients that are alive
     all through backward (microbatches accumulating, DDP's buckets) leave only the start.
     Found where activations are small beside the gradients: QLoRA of LLaMA 65B at 512 tokens
-    on an H100 peaked there, 2.3% above backward through the first layer (docs/validation.md)."""
+    on an H100 peaked there, 2.3% above backward through the first layer (docs/validation.md).
+
+    In torch's pipeline stages (`defers_to_step_end`) the gradients are alive all through
+    the sweep, but its blocks stay gathered after their backward (resharded by the next
+    forward, at ZeRO-3 and stage 0): at the sweep's end every block of a one-chunk rank is
+    gathered and one layer's activations of the microbatch remain. Then the gathered bytes
+    grow (`kept_blocks` is what the sweep starts with), given as negative freed bytes, and
+    the gradients stay as they are (None)."""
+    if defers_to_step_end(inputs):
+        if inputs.zero_stage == 2 or len(rp.chunk_layers) != 1 or rp.num_layers < 2:
+            return None
+        eb = element_bytes(inputs.framework, inputs.precision, inputs.optimizer)
+        degree = 1 if inputs.zero_stage == 0 else shard_degree(inputs)
+        added = rp.num_layers * padded_unsharded(rp.layer, degree) * eb.compute - kept_blocks
+        freed = (rp.num_layers - 1) * per_layer
+        return (freed, -added, None) if added > freed else None
     if (inputs.framework != "fsdp2" or inputs.num_microbatches > 1 or grads_in_backward or layer_grads == 0
             or len(rp.chunk_layers) != 1 or resident < 2):
         return None
@@ -465,20 +503,27 @@ def last_layer_backward(inputs: EstimateInputs, rp: RankParams, resident: int, l
     return (freed, blocks_freed, produced) if produced > freed + blocks_freed else None
 
 
-def _at_last_layer(in_backward: list[Term], buffers: tuple[Term, ...], sweep: tuple[int, int, int], per_layer: int,
-                   resident: int, layers: int) -> tuple[list[Term], tuple[Term, ...], tuple[Term, ...]]:
+def _at_last_layer(in_backward: list[Term], grads: tuple[Term, ...], buffers: tuple[Term, ...],
+                   sweep: tuple[int, int, int | None], per_layer: int, resident: int,
+                   layers: int) -> tuple[list[Term], tuple[Term, ...], tuple[Term, ...]]:
     """The backward moment's activations, gradients and buffers at the sweep's last layer."""
     freed, blocks_freed, produced = sweep
     kept = [Term(f"{t.label}: the layer in backward (the sweep's last; the others freed)", t.bytes - freed,
-                 lambda: f"{per_layer:,} B of one layer") if t.label.startswith(LAYERS_OF_STAGE) else t
-            for t in in_backward]
-    done = Term("layers grads produced before the sweep's last layer", produced,
-                lambda: f"{resident - 1} of {resident} layers' gradients")
-    if blocks_freed:
+                 lambda t=t: f"{t.bytes:,} B less {freed:,} B freed: {per_layer:,} B of one layer"
+                 + (" beside the other microbatches held" if t.bytes - freed > per_layer else ""))
+            if t.label.startswith(LAYERS_OF_STAGE) else t for t in in_backward]
+    if produced is not None:
+        grads = (Term("layers grads produced before the sweep's last layer", produced,
+                      lambda: f"{resident - 1} of {resident} layers' gradients"),)
+    if blocks_freed < 0:  # pipelined: every block stays gathered after its backward
+        buffers = tuple(Term(f"{t.label}: every block, gathered since its backward in this sweep",
+                             t.bytes - blocks_freed, lambda: f"{layers} blocks")
+                        if t.label == UNSHARDED_BLOCKS else t for t in buffers)
+    elif blocks_freed:
         buffers = tuple(Term(f"{t.label}: the block in backward (the others resharded)", t.bytes - blocks_freed,
                              lambda t=t: f"{t.bytes // layers:,} B of one of {layers} blocks")
                         if t.label == UNSHARDED_BLOCKS else t for t in buffers)
-    return kept, (done,), buffers
+    return kept, grads, buffers
 
 
 @dataclass(frozen=True)
@@ -507,8 +552,15 @@ PRESENT = {(loss, accumulates): tuple(m for m in MOMENTS if (m != LOSS or loss) 
            for loss in (False, True) for accumulates in (False, True)}
 
 
+def accumulates_in_backward(inputs: EstimateInputs) -> bool:
+    """Whether the gradients are alive through backward, so that no "backward end" moment is
+    shown: microbatches accumulate into them, unless torch's pipeline stages hold them
+    unsharded until a reduction at the step's end, which is a moment of its own."""
+    return inputs.num_microbatches > 1 and not defers_to_step_end(inputs)
+
+
 def _present(inputs: EstimateInputs, has_loss: bool) -> tuple[str, ...]:
-    return PRESENT[has_loss, inputs.num_microbatches > 1]
+    return PRESENT[has_loss, accumulates_in_backward(inputs)]
 
 
 def _transients(inputs: EstimateInputs, act: ActivationShape | None, has_head: bool,
@@ -569,7 +621,7 @@ def rank_parts(inputs: EstimateInputs, at: Coordinates) -> RankParts:
                                     _bytes(grads_at[BACKWARD]), kept_blocks_bytes(inputs, buffers_at[BACKWARD]))
         if sweep is not None:
             in_backward, grads_at[BACKWARD], buffers_at[BACKWARD] = _at_last_layer(
-                in_backward, buffers_at[BACKWARD], sweep, per_layer, resident, rp.num_layers)
+                in_backward, grads_at[BACKWARD], buffers_at[BACKWARD], sweep, per_layer, resident, rp.num_layers)
     return RankParts(
         gpu={k: tuple(memory.gpu[k]) for k in KINDS}, cpu={k: tuple(memory.cpu[k]) for k in KINDS},
         grads_at=grads_at, buffers_at=buffers_at,

@@ -29,6 +29,7 @@ from .estimate import (
     _rank_params,
     _recompute_terms,
     _torch_or_paper,
+    accumulates_in_backward,
     held_at_peak,
     kept_blocks_bytes,
     last_layer_backward,
@@ -40,6 +41,7 @@ from .estimate import (
 from .estimate_inputs import EstimateInputs
 from .host import checkpoint_staging, rank_host, startup_host
 from .precision import element_bytes
+from .schedule import ALL_FORWARDS_FIRST
 from .degrees import Degrees
 from .stages import RankParams
 from .timeline import BACKWARD, BACKWARD_END, FORWARD, LOSS, MOMENTS
@@ -96,7 +98,8 @@ def _framework_key(inputs: EstimateInputs) -> EstimateInputs:
     that differ only in their activations share it: `_torch_or_paper`, `_deepspeed`,
     `rank_host` and `checkpoint_staging` read the framework, stage, precision, optimizer,
     offload, the DeepSpeed knobs, whether microbatches accumulate, whether there is an
-    architecture, and whether stages pipeline (the offload engine's gradient staging, core/host.py);
+    architecture, whether stages pipeline (the offload engine's gradient staging, core/host.py;
+    FSDP2's deferred reduction, core/buffers.py) and whether every forward runs first;
     the rank's parameters and shard degree come beside the key. One instance per distinct key
     (the caches keyed on it then find it by identity), kept on the instance asked about too
     (every stage of a plan asks for it; `with_` drops it from copies)."""
@@ -105,13 +108,14 @@ def _framework_key(inputs: EstimateInputs) -> EstimateInputs:
     if cached is not None:
         return cached
     pipelined, accumulates = inputs.degrees.pp > 1, min(inputs.num_microbatches, 2)
-    token = (pipelined, accumulates, *map(values.__getitem__, _KEY_KEPT))
+    forwards_first = pipelined and inputs.schedule in ALL_FORWARDS_FIRST
+    token = (pipelined, accumulates, forwards_first, *map(values.__getitem__, _KEY_KEPT))
     key = _KEYS.get(token)
     if key is None:
         if len(_KEYS) >= 4096:
             _KEYS.clear()
         key = _KEYS[token] = inputs.with_(degrees=_PIPELINED if pipelined else _ONE, num_microbatches=accumulates,
-                                          **_KEY_FIXED)
+                                          **{**_KEY_FIXED, "schedule": "gpipe" if forwards_first else "1f1b"})
     values["_framework_key"] = key
     return key
 
@@ -153,10 +157,11 @@ def rank_figures(inputs: EstimateInputs, at: Coordinates) -> RankFigures:
         if sweep is not None:
             freed, blocks_freed, produced = sweep
             in_backward -= freed
-            grads = {**grads, BACKWARD: produced}
+            if produced is not None:
+                grads = {**grads, BACKWARD: produced}
             buffers = {**buffers, BACKWARD: buffers[BACKWARD] - blocks_freed}
     totals = {}
-    moments = PRESENT[has_loss, inputs.num_microbatches > 1]
+    moments = PRESENT[has_loss, accumulates_in_backward(inputs)]
     for name in moments:
         tensors = fixed + grads[name] + buffers[name] + extra[name]
         tensors += saved if name in (FORWARD, LOSS) else in_backward if name == BACKWARD else 0

@@ -383,10 +383,11 @@ def assumptions(inputs: EstimateInputs) -> dict[str, object]:
 
 
 def pipelining_defers_fsdp(inputs: EstimateInputs) -> bool:
-    """Whether `run` would put FSDP2-sharded modules in torch's pipeline stages: pipeline
-    parallel with ZeRO-2/3 over a shard group of more than one rank, under the fsdp2 accounting."""
-    return (inputs.framework == "fsdp2" and inputs.degrees.pp > 1 and inputs.zero_stage in (2, 3)
-            and shard_degree(inputs) > 1)
+    """Whether a LoRA plan puts FSDP2 modules in pipeline stages: torch's schedules would defer
+    their resharding and gradient reduction, which the estimate counts for full training
+    (core/estimate_inputs.py `defers_to_step_end`) but not for adapters, which `run` does not pipeline."""
+    return (inputs.framework == "fsdp2" and inputs.degrees.pp > 1 and inputs.zero_stage != 1
+            and inputs.lora is not None)
 
 
 def estimate_memory(inputs: EstimateInputs) -> Estimate:
@@ -415,12 +416,9 @@ def estimate_memory(inputs: EstimateInputs) -> Estimate:
                         f"DTensor plan, which `shardplan run` uses, also keeps the gathered QKV and MLP inputs: "
                         f"{format_bytes(gathered)} more per layer and microbatch held (docs/estimate.md)")
     if pipelining_defers_fsdp(inputs):
-        warnings.append("pipeline stages under FSDP2 sharding (ZeRO-2/3 over more than one rank): torch's pipeline "
-                        "schedules defer FSDP2's resharding and gradient reduction to the end of the step "
-                        "(torch/distributed/pipelining/stage.py, backward_maybe_with_nosync and perform_reduce_grad), "
-                        "so under `shardplan run` each block stays gathered after its backward and its gradients "
-                        "accumulate unsharded (in fp32 under bf16-mixed); this estimate counts one block gathered and "
-                        "the gradients sharded, as FSDP2 holds them without pipelining (docs/estimate.md)")
+        warnings.append("LoRA in pipeline stages is estimated as FSDP2 holds it without pipelining; torch's pipeline "
+                        "schedules would keep each block gathered after its backward and the adapters' gradients "
+                        "unsharded until the step ends (counted for full training: docs/estimate.md)")
     if inputs.shape is None:
         warnings.append("no architecture: model states only (activations and the buffers that depend on the "
                         "layers are not estimated)")

@@ -12,7 +12,13 @@ Data parallelism (Rajbhandari et al. 2020, ZeRO, section 7; ring volumes in coll
 - stage 3: per microbatch an all-gather before the forward, another before the backward
   (DeepSpeed's hooks gather again for a full recomputation's forward) and a reduce-scatter;
 - hybrid sharding: those collectives inside the node, plus an all-reduce of the gradient
-  shard across the replicas.
+  shard across the replicas;
+- FSDP2 in torch's pipeline stages (core/estimate_inputs.py `defers_to_step_end`): the
+  schedules defer resharding and gradient reduction to the end of the step, so stage 2
+  gathers once per step and keeps the blocks, stage 3 gathers before each forward and each
+  backward, and neither reduce-scatters per microbatch: the whole reduction (stage 0's
+  all-reduce too) runs in `perform_reduce_grad` after the last backward, with no compute
+  left to overlap it.
 
 The reduction overlaps the last backward where the framework does so (step_time.py).
 Offload (ZeRO-Offload, Ren et al. 2021; FSDP2 CPUOffloadPolicy): gradients go to the host
@@ -27,7 +33,7 @@ from dataclasses import dataclass
 
 from ..spec.model import ModelShape
 from .collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Link, collective_seconds
-from .estimate_inputs import EstimateInputs
+from .estimate_inputs import EstimateInputs, defers_to_step_end
 from .hardware import Hardware, TimeConstants
 from .layer_time import LayerCosts, LayerWork, local_linears, layer_costs
 from .pipeline import stage_layers
@@ -167,6 +173,9 @@ def sharded_traffic(plan: TimePlan, elements: int, trained: int, layers: int = 0
     if inputs.zero_stage < 2 or n == 1:
         return ShardedTraffic(0.0, 0.0, plan.overlap)
     gather = collective_seconds(ALL_GATHER, gathered_bytes(plan, elements, layers), n, link)
+    if defers_to_step_end(inputs):  # reduced once when the step ends (`tail`)
+        return ShardedTraffic(0.0, 0.0, plan.overlap) if inputs.zero_stage == 2 else ShardedTraffic(
+            gather, gather, plan.overlap)
     reduce = collective_seconds(REDUCE_SCATTER, trained * eb.grads, n, link)
     if inputs.zero_stage == 2:
         return ShardedTraffic(gather if inputs.framework == "fsdp2" else 0.0, reduce, plan.overlap)
@@ -313,11 +322,14 @@ def tail(plan: TimePlan, pp_rank: int, elements: list[int], last_backward: float
         reduce = collective_seconds(REDUCE_SCATTER, grads, n, link)
     if stage == 1 or (stage == 2 and inputs.framework != "fsdp2"):
         gather = collective_seconds(ALL_GATHER, trained * eb.compute, n, link)
+    deferred = defers_to_step_end(inputs)
+    if deferred and stage >= 2 and n > 1:
+        reduce = collective_seconds(REDUCE_SCATTER, grads, n, link)
     exposed = gather
     if inputs.hybrid and stage >= 2:
         replicas = d.dp * d.cp // n
         reduce += collective_seconds(ALL_REDUCE, grads / n, replicas, plan.links["replicate"])
-    exposed += overlapped(last_backward, reduce, c) if plan.overlap else reduce
+    exposed += overlapped(last_backward, reduce, c) if plan.overlap and not deferred else reduce
     if d.pp > 1 and plan.shape.tie_embeddings and pp_rank in (0, d.pp - 1) and not plan.frozen:
         # Megatron-LM all-reduces the tied embedding's gradient between the first and last stage.
         vocab = -(-plan.shape.vocab_size // d.tp)

@@ -17,7 +17,8 @@ Moments, in the order a step visits them:
   layer's activations still saved) or, where that holds more, its last (every other layer's
   gradients produced: core/estimate.py `last_layer_backward`);
 - `backward end`: every gradient produced, the activations of this microbatch freed (only
-  shown when gradients are not already alive during backward);
+  shown when gradients are not already alive during backward); for FSDP2 in torch's pipeline
+  stages, the reduction the schedule defers to the end of the step;
 - `step`: the optimizer step with its temporaries; activations are freed.
 """
 

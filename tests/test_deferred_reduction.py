@@ -1,0 +1,207 @@
+"""FSDP2 modules in torch's pipeline stages: the schedules keep every block gathered after its
+backward and every gradient unsharded until the step ends (torch/distributed/pipelining/
+stage.py: `backward_maybe_with_nosync` sets `set_reshard_after_backward(False)` and
+`set_requires_gradient_sync(False)` for every backward; `perform_reduce_grad` reshards and
+reduce-scatters when the step ends). The estimate counts both (core/buffers.py
+`pipelined_fsdp2_buffers`, `deferred_grads`).
+
+The reference no one here wrote: what torch itself holds, read by a probe in `shardplan run`
+just before the first reduction of a step (tests/dist/deferred_reduction.py), against the
+estimate of the same rank, to the byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, run_cli
+from shardplan.core.buffers import DEFERRED_GRADS, KEPT_BLOCKS, UNSHARDED_BLOCKS
+from shardplan.core.estimate import rank_coordinates, rank_estimate
+from shardplan.core.estimate_inputs import inputs_from_job
+from shardplan.core.memory import estimate_memory
+from shardplan.core.timeline import BACKWARD, BACKWARD_END, FORWARD, STEP
+from shardplan.io.job import load_job
+
+ROOT_PARAMS = "unsharded root parameters (embedding/head)"
+
+TINY = """
+[model]
+preset = "tiny-llama"
+[parallel]
+dp = {dp}
+pp = 2
+virtual_stages = {virtual}
+pipeline_schedule = "{schedule}"
+micro_batch_size = 1
+num_microbatches = 4
+[zero]
+stage = {stage}
+[train]
+seq_len = 64
+precision = "{precision}"
+steps = 2
+seed = 7
+[cluster]
+gpus_per_node = 4
+gpu_memory = "4GiB"
+cpu_memory_per_node = "16GiB"
+"""
+
+# Llama 3 8B (meta-llama/Meta-Llama-3-8B config.json: hidden 4,096, intermediate 14,336, 8 KV
+# heads of 128, 32 layers): one decoder layer holds q and o (4,096^2 each), k and v (4,096 x
+# 1,024 each), gate, up and down (4,096 x 14,336 each) and two RMSNorm weights of 4,096, which
+# is transformers' count of the model (8,030,261,248) less its embeddings, head and final norm,
+# over 32 layers.
+LLAMA3_8B_LAYER = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+assert LLAMA3_8B_LAYER * 32 == 8_030_261_248 - 2 * 128256 * 4096 - 4096
+
+
+def _rank(write, text: str, rank: int):
+    resolved = load_job(write("job.toml", text), [], env={})
+    inputs = estimate_memory(inputs_from_job(resolved.job, resolved.shape, True)).inputs
+    return rank_estimate(inputs, rank_coordinates(inputs, rank), [rank])
+
+
+def _terms(device, moment: str, kind: str) -> dict[str, int]:
+    found = next(m for m in device.moments if m.name == moment)
+    return {t.label: t.bytes for t in found.terms[kind]}
+
+
+@pytest.mark.parametrize("stage, dp", [(3, 2), (2, 2), (0, 2), (3, 1)])
+def test_gradients_stay_unsharded_until_the_step_ends(write, stage, dp):
+    """Every parameter's gradient, unsharded with its all-gather padding, in fp32 (FSDP2's
+    reduce dtype under bf16-mixed), from the first backward to the reduction; the sharded
+    gradients only at the optimizer step. Stage 0's one-rank shards and a shard group of one
+    rank defer alike: `fully_shard` runs at every stage but 1."""
+    text = TINY.format(dp=dp, virtual=1, schedule="1f1b", stage=stage, precision="bf16-mixed")
+    device = _rank(write, text, 0)
+    names = {m.name for m in device.moments}
+    assert BACKWARD_END in names  # the reduction when the step ends is a moment of its own
+    for moment in (FORWARD, BACKWARD, BACKWARD_END):
+        assert list(_terms(device, moment, "grads")) == [DEFERRED_GRADS]
+    # tiny-llama's first stage: 2 layers of 92,288 x 2 elements (dp 2) and the 32,768 x 2
+    # embedding, unsharded: 434,688 elements (presets/models/tiny-llama.toml; the probe below
+    # reads the same bytes from torch).
+    assert _terms(device, BACKWARD, "grads")[DEFERRED_GRADS] == 434_688 * 4
+    assert DEFERRED_GRADS not in _terms(device, STEP, "grads")
+
+
+def test_stage_one_is_ddp_and_defers_nothing(write):
+    device = _rank(write, TINY.format(dp=2, virtual=1, schedule="1f1b", stage=1, precision="bf16-mixed"), 0)
+    assert BACKWARD_END not in {m.name for m in device.moments}
+    assert DEFERRED_GRADS not in _terms(device, BACKWARD, "grads")
+
+
+LLAMA3_8B_PP2 = """
+[model]
+preset = "llama-3-8b"
+[parallel]
+dp = 4
+pp = 2
+pipeline_schedule = "1f1b"
+micro_batch_size = 1
+num_microbatches = 8
+[zero]
+stage = {stage}
+[train]
+seq_len = 512
+precision = "bf16-mixed"
+activation_checkpointing = "full"
+[cluster]
+preset = "h100-80gb"
+"""
+
+
+def test_the_sweeps_end_holds_every_block_gathered(write):
+    """ZeRO-3 under 1F1B: a block's backward leaves it gathered until the next forward, so
+    where blocks outweigh activations (full recomputation, 512 tokens) the backward moment is
+    the sweep's end: all 16 blocks of the stage gathered in bf16, one layer's activations of
+    the microbatch in backward left beside the other microbatch held."""
+    text = LLAMA3_8B_PP2.format(stage=3)
+    device = _rank(write, text, 0)
+    buffers = _terms(device, BACKWARD, "buffers")
+    gathered = [bytes_ for label, bytes_ in buffers.items() if label.startswith(UNSHARDED_BLOCKS)]
+    assert gathered == [16 * LLAMA3_8B_LAYER * 2]
+    layers = {label: b for label, b in _terms(device, BACKWARD, "activations").items()
+              if label.startswith("layers of stage")}
+    per_layer = _terms(device, FORWARD, "activations")["layers of stage 0"] // (2 * 16)
+    assert list(layers.values()) == [(2 * 16 - 15) * per_layer]
+
+
+def test_no_warning_for_full_training_one_for_lora():
+    def warnings(*flags):
+        return run_cli("estimate", "llama-3-8b-h100", "--set", "parallel.num_microbatches=4", *flags,
+                       "--json").json["warnings"]
+
+    assert not any("pipeline" in w for w in warnings("--pp", "2", "--dp", "4", "--zero", "3"))
+    lora = warnings("--pp", "2", "--dp", "4", "--zero", "3", "--set", "lora.rank=16")
+    assert any(w.startswith("LoRA in pipeline stages") for w in lora)
+
+
+def _probe(tmp_path, text: str, nproc: int) -> dict[int, dict]:
+    job = tmp_path / "job.toml"
+    job.write_text(text, encoding="utf-8")
+    out = tmp_path / "held"
+    out.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           str(ROOT / "tests" / "dist" / "deferred_reduction.py"), str(out), str(job), "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in range(nproc)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp, virtual, schedule, stage, precision", [
+    (2, 1, "1f1b", 3, "bf16-mixed"),  # one chunk per rank; gradients kept in fp32
+    (1, 2, "interleaved-1f1b", 2, "fp32"),  # two chunks per rank; gradients in the parameters' dtype
+])
+def test_torch_holds_what_the_estimate_counts(write, tmp_path, dp, virtual, schedule, stage, precision):
+    """Before the step's first reduction torch holds every rank's gradients unsharded (the
+    estimate's deferred gradients, to the byte), no sharded gradient, and every block and
+    root parameter gathered (what the estimate counts when the step ends, with the root that
+    the reduction reshards first)."""
+    text = TINY.format(dp=dp, virtual=virtual, schedule=schedule, stage=stage, precision=precision)
+    held = _probe(tmp_path, text, 2 * dp)
+    for rank, measured in held.items():
+        device = _rank(write, text, rank)
+        at_end = _terms(device, BACKWARD_END, "buffers")
+        root = _terms(device, BACKWARD, "buffers").get(ROOT_PARAMS, 0)
+        assert measured["unsharded_grads"] == _terms(device, BACKWARD_END, "grads")[DEFERRED_GRADS], rank
+        assert measured["sharded_grads"] == 0, rank
+        assert measured["gathered"] == at_end[KEPT_BLOCKS] + root, rank
+
+
+def test_the_time_model_reduces_once_when_the_step_ends(write):
+    """No reduce-scatter per microbatch: the rank's whole gradient is reduce-scattered once,
+    after its last backward, with no compute left to hide it (ZeRO-2 also gathers once per
+    step, so its microbatches carry no data-parallel traffic at all)."""
+    from shardplan.core.collectives import REDUCE_SCATTER, collective_seconds
+    from shardplan.core.hardware import TimeConstants
+    from shardplan.core.step_time import _links, step_time
+    from shardplan.core.time_plan import edges_of, layer_of, make_plan, stage_costs, stage_elements, tail
+    from time_references import A100_80GB
+
+    for stage in (2, 3):
+        resolved = load_job(write("job.toml", LLAMA3_8B_PP2.format(stage=stage)), [], env={})
+        inputs = inputs_from_job(resolved.job, resolved.shape, True)
+        constants = TimeConstants()
+        plan = make_plan(inputs, A100_80GB, constants, None, _links(inputs, A100_80GB, constants))
+        if stage == 2:
+            for cost in stage_costs(plan, layer_of(plan), edges_of(plan)):
+                assert not cost.forward.get("data_parallel") and not cost.backward.get("data_parallel")
+        # One chunk per rank: rank r holds stage r; 4 ranks shard it; fp32 gradients.
+        reductions = [collective_seconds(REDUCE_SCATTER, e * 4, 4, plan.links["dp"]) for e in stage_elements(plan)]
+        for rank, reduction in enumerate(reductions):  # a long last backward hides none of it
+            assert tail(plan, rank, stage_elements(plan), 10.0).data_parallel == pytest.approx(reduction, rel=1e-12)
+        if stage == 2:  # nothing else is data-parallel traffic
+            timed = step_time(inputs, A100_80GB, constants)
+            assert any(timed.breakdown["data_parallel"] == pytest.approx(r, rel=1e-12) for r in reductions)
