@@ -168,7 +168,9 @@ def test_torch_holds_what_the_estimate_counts(write, tmp_path, dp, virtual, sche
     """Before the step's first reduction torch holds every rank's gradients unsharded (the
     estimate's deferred gradients, to the byte), no sharded gradient, and every block and
     root parameter gathered (what the estimate counts when the step ends, with the root that
-    the reduction reshards first)."""
+    the reduction reshards first). Around the forwards: what the estimate's sweep rests on,
+    every block gathered when a forward follows a backward, and resharded by that forward at
+    ZeRO-3."""
     text = TINY.format(dp=dp, virtual=virtual, schedule=schedule, stage=stage, precision=precision)
     held = _probe(tmp_path, text, 2 * dp)
     for rank, measured in held.items():
@@ -178,6 +180,10 @@ def test_torch_holds_what_the_estimate_counts(write, tmp_path, dp, virtual, sche
         assert measured["unsharded_grads"] == _terms(device, BACKWARD_END, "grads")[DEFERRED_GRADS], rank
         assert measured["sharded_grads"] == 0, rank
         assert measured["gathered"] == at_end[KEPT_BLOCKS] + root, rank
+        # A forward finds every block of the backward before it gathered; at ZeRO-3 it
+        # reshards them all (its root stays), at ZeRO-2 it keeps them.
+        assert measured["gathered_before_forward"] == at_end[KEPT_BLOCKS] + root, rank
+        assert measured["gathered_after_forward"] == (root if stage == 3 else at_end[KEPT_BLOCKS] + root), rank
 
 
 def test_the_time_model_reduces_once_when_the_step_ends(write):

@@ -11,7 +11,10 @@ this rank holds what torch keeps:
   when that is already the reduce dtype);
 - "sharded_grads": bytes of the sharded gradients (`.grad` of the sharded parameters).
 
-The last step's figures go to OUT_DIR/rank<R>.json.
+Around every forward of a stage it also reads the gathered bytes ("gathered_before_forward",
+"gathered_after_forward": the largest of the step), which show what a forward finds gathered
+from the backward before it and what it reshards. The last step's figures go to
+OUT_DIR/rank<R>.json.
 
 usage: torchrun --standalone --nproc_per_node N tests/dist/deferred_reduction.py OUT_DIR JOB [run flags]
 """
@@ -27,8 +30,10 @@ from torch.distributed.pipelining import stage as pipeline_stage
 
 STAGES: list = []
 CALLS = [0]
+FORWARDS = {"gathered_before_forward": 0, "gathered_after_forward": 0}
 _init = pipeline_stage._PipelineStageBase.__init__
 _reduce = pipeline_stage._PipelineStageBase.perform_reduce_grad
+_forward = pipeline_stage._PipelineStageBase.forward_one_chunk
 
 
 def _register(self, *args, **kwargs):
@@ -64,15 +69,24 @@ def _probe(self, grad_scale_factor):
     if CALLS[0] % len(STAGES) == 0:  # the rank's first reduction of this step
         path = os.path.join(OUT, f"rank{os.environ['RANK']}.json")
         with open(path, "w", encoding="utf-8") as out:
-            json.dump(held(), out)
+            json.dump({**held(), **FORWARDS}, out)
+        FORWARDS.update(dict.fromkeys(FORWARDS, 0))
     CALLS[0] += 1
     return _reduce(self, grad_scale_factor)
+
+
+def _around_forward(self, *args, **kwargs):
+    FORWARDS["gathered_before_forward"] = max(FORWARDS["gathered_before_forward"], held()["gathered"])
+    output = _forward(self, *args, **kwargs)
+    FORWARDS["gathered_after_forward"] = max(FORWARDS["gathered_after_forward"], held()["gathered"])
+    return output
 
 
 if __name__ == "__main__":
     OUT = sys.argv[1]
     pipeline_stage._PipelineStageBase.__init__ = _register
     pipeline_stage._PipelineStageBase.perform_reduce_grad = _probe
+    pipeline_stage._PipelineStageBase.forward_one_chunk = _around_forward
     from shardplan.cli.app import main_exit
 
     sys.argv = ["shardplan", "run", *sys.argv[2:]]
