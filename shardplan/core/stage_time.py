@@ -130,7 +130,11 @@ def stage_cost(layers: int, layer: LayerCosts, first: bool, last: bool, edges: E
     }
     weight = {BACKWARD: weight_seconds} if split_backward else {}
     compute_f = forward[FORWARD]
-    compute_b = backward[BACKWARD] + backward[RECOMPUTE] + (weight_seconds if split_backward else 0.0)
+    # The backward's traffic hides behind the backward action's own compute: a split
+    # backward's weight part runs later, in a separate action, so counting it in the window
+    # while charging the exposure to the backward action moved time onto the pipeline's
+    # dependency chain as the GPU got faster (a faster GPU made a zero-bubble step slower).
+    compute_b = backward[BACKWARD] + backward[RECOMPUTE]
     # Offloaded parameters come from the host before they are gathered, and gradients go to
     # the host once reduced: per tensor the host copy and the collective run one after the
     # other, both prefetched behind the compute. Together they hide as one stream of their

@@ -216,8 +216,9 @@ def cpu_optimizer_elements(plan: TimePlan, trained: int, share: float) -> int:
 def streamed(plan: TimePlan, elements: int, trained: int, share: float) -> tuple[float, float]:
     """Host traffic of one stage per microbatch: (forward, backward) seconds. Offloaded
     parameters come in before the forward and again before the backward; gradients leave
-    during backward when the CPU holds them and they are reduced per microbatch (stage >= 2),
-    on the other direction of the link."""
+    during backward when the CPU holds them and they are reduced per microbatch (stage >= 2,
+    unless a pipeline defers the reduction to the step's end: `tail`), on the other direction
+    of the link."""
     inputs, eb, host = plan.inputs, plan.eb, plan.host_link
     fetch = 0.0
     if inputs.offload_params and share > 0:
@@ -225,7 +226,7 @@ def streamed(plan: TimePlan, elements: int, trained: int, share: float) -> tuple
         fetch = share * elements / plan.degree * eb.params / host
     leave = 0.0
     cpu = cpu_optimizer_elements(plan, trained, share)
-    if (cpu or inputs.offload_grads) and inputs.zero_stage >= 2:
+    if (cpu or inputs.offload_grads) and inputs.zero_stage >= 2 and not defers_to_step_end(inputs):
         grads = cpu if cpu else optimizer_elements(plan, trained)
         leave = grads * eb.grads / host
     return fetch, max(fetch, leave)
@@ -343,9 +344,11 @@ def tail(plan: TimePlan, pp_rank: int, elements: list[int], last_backward: float
     host = plan.host_link
     if cpu or inputs.offload_grads:
         moved = cpu if cpu else opt
-        if stage < 2:  # reduced once per step: the copy to the host follows it
+        if stage < 2 or deferred:  # reduced once per step: the copy to the host follows it
             copy = moved * eb.grads / host
-            if plan.overlap:  # the reduction and the copy after it, behind the last backward
+            if deferred:  # after the reduction at the step's end: no compute left to hide it
+                offload += copy
+            elif plan.overlap:  # the reduction and the copy after it, behind the last backward
                 offload += overlapped(last_backward, reduce + copy, c) - overlapped(last_backward, reduce, c)
             else:
                 offload += overlapped(last_backward, copy, c)
