@@ -187,12 +187,21 @@ def schedule_options(shape: ModelShape, pp: int, space: Space, fixed: Fixed) -> 
     return out
 
 
+def microbatch_rule(pp: int, schedule: str) -> tuple[int, int]:
+    """(least, multiple of) the microbatches a step takes: a pipeline at least pp (1F1B's
+    warm-up), interleaved 1F1B a multiple of pp; one stage any number."""
+    if pp == 1:
+        return 1, 1
+    return pp, pp if schedule == "interleaved-1f1b" else 1
+
+
 def batch_options(dp: int, pp: int, schedule: str, space: Space, fixed: Fixed) -> list[tuple[int, int]]:
-    """(micro batch, microbatches) making the global batch over dp ranks; pipelines need at
-    least pp microbatches (1F1B's warm-up), interleaved 1F1B a multiple of pp."""
+    """(micro batch, microbatches) making the global batch over dp ranks, microbatches as
+    `microbatch_rule` allows."""
     if space.global_batch % dp:
         return []
     local = space.global_batch // dp
+    least, step = microbatch_rule(pp, schedule)
     out = []
     for mbs in _options(fixed.micro_batch, [d for d in divisors(local) if d <= space.max_microbatch]):
         if local % mbs:
@@ -200,10 +209,34 @@ def batch_options(dp: int, pp: int, schedule: str, space: Space, fixed: Fixed) -
         m = local // mbs
         if fixed.num_microbatches is not None and m != fixed.num_microbatches:
             continue
-        if pp > 1 and (m < pp or (schedule == "interleaved-1f1b" and m % pp)):
+        if m < least or m % step:
             continue
         out.append((mbs, m))
     return out
+
+
+def next_split_batch(given: int, dp: int, pp: int, schedule: str, space: Space, fixed: Fixed) -> int | None:
+    """The least global batch above `given` that dp ranks of a pp-stage `schedule` split
+    (`batch_options`: dp divides it; micro batch x microbatches makes each rank's share; the
+    microbatches as `microbatch_rule` allows), or None if no batch does."""
+    least, step = microbatch_rule(pp, schedule)
+
+    def up(n: int) -> int:  # the least allowed number of microbatches >= n
+        return -(-max(n, least) // step) * step
+
+    mbs, m = fixed.micro_batch, fixed.num_microbatches
+    if m is not None and (m < least or m % step):
+        return None
+    if mbs is not None and m is not None:
+        return dp * mbs * m if dp * mbs * m > given else None
+    if mbs is not None:  # microbatches free
+        return dp * mbs * up(given // (dp * mbs) + 1)
+    if m is not None:  # micro batch free, at most the search's largest
+        size = given // (dp * m) + 1
+        return dp * m * size if size <= space.max_microbatch else None
+    # Both free: micro batch 1 gives the most microbatches, and a micro batch > 1 splits a
+    # share only when 1 does (interleaved: pp divides share / mbs, so it divides the share).
+    return dp * up(given // dp + 1)
 
 
 def _hybrid_even(degrees: Degrees, order: str, gpus_per_node: int) -> bool:

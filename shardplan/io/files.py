@@ -94,7 +94,6 @@ def _read_text(path: Path, shown: str) -> str:
 
 
 def parse_toml(text: str, shown: str) -> Document:
-    text = text.removeprefix(_BOM)
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -112,7 +111,6 @@ def parse_toml(text: str, shown: str) -> Document:
 
 
 def parse_json(text: str, shown: str) -> Document:
-    text = text.removeprefix(_BOM)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

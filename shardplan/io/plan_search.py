@@ -20,8 +20,8 @@ from pathlib import Path
 from ..core.degrees import Degrees
 from ..core.estimate_inputs import EstimateInputs, inputs_from_job
 from ..core.memory import Estimate, estimate_memory, resolve_offload
-from ..core.search import (Fixed, Group, SearchResult, Space, candidates, degree_options, schedule_options,
-                           search)
+from ..core.search import (Fixed, Group, SearchResult, Space, candidates, degree_options, next_split_batch,
+                           schedule_options, search)
 from ..spec.common import MAX_WORLD_SIZE
 from ..spec.errors import InputError, Problem
 from ..spec.units import format_bytes
@@ -317,7 +317,8 @@ def _batch_that_splits(base: EstimateInputs, space: Space, fixed: Fixed, timer, 
     plan splits, up to 64 times the batch, and whether a plan of it fits (if not, what would
     make one fit at it). More GPUs only make the split harder.
 
-    Each structure's nearest larger batch is arithmetic (`_next_split`); the candidates check
+    Each structure's nearest larger batch is arithmetic (core/search.py `next_split_batch`); the
+    candidates check
     only those, in increasing order and at most SPLIT_TRIES of them: bounded work, whatever
     the batch."""
     given = space.global_batch
@@ -327,7 +328,7 @@ def _batch_that_splits(base: EstimateInputs, space: Space, fixed: Fixed, timer, 
     nearest = set()
     for degrees in degree_options(base.shape, space, fixed, base.seq_len, base.lora):
         for schedule, _, _ in schedule_options(base.shape, degrees.pp, space, fixed):
-            batch = _next_split(given, degrees.dp, degrees.pp, schedule, space, fixed)
+            batch = next_split_batch(given, degrees.dp, degrees.pp, schedule, space, fixed)
             if batch is not None and batch <= limit:
                 nearest.add(batch)
     for batch in sorted(nearest)[:SPLIT_TRIES]:
@@ -339,32 +340,6 @@ def _batch_that_splits(base: EstimateInputs, space: Space, fixed: Fixed, timer, 
         return ([f"{head}: a global batch of {batch} splits, but no plan of it fits; at that batch:"]
                 + _what_it_would_take(base, larger, fixed, timer, ranking))
     return [f"{head}, nor one up to {limit}: plan fewer GPUs (--gpus)"]
-
-
-def _next_split(given: int, dp: int, pp: int, schedule: str, space: Space, fixed: Fixed) -> int | None:
-    """The least global batch above `given` that dp ranks of a pp-stage `schedule` split
-    (core/search.py `batch_options`: dp divides it; micro batch x microbatches makes each
-    rank's share; a pipeline takes at least pp microbatches, interleaved 1F1B a multiple of
-    pp), or None if no batch does."""
-    least = pp if pp > 1 else 1  # microbatches
-    step = pp if pp > 1 and schedule == "interleaved-1f1b" else 1
-
-    def up(n: int) -> int:  # the least allowed number of microbatches >= n
-        return -(-max(n, least) // step) * step
-
-    mbs, m = fixed.micro_batch, fixed.num_microbatches
-    if m is not None and (m < least or m % step):
-        return None
-    if mbs is not None and m is not None:
-        return dp * mbs * m if dp * mbs * m > given else None
-    if mbs is not None:  # microbatches free
-        return dp * mbs * up(given // (dp * mbs) + 1)
-    if m is not None:  # micro batch free, at most the search's largest
-        size = given // (dp * m) + 1
-        return dp * m * size if size <= space.max_microbatch else None
-    # Both free: micro batch 1 gives the most microbatches, and a micro batch > 1 splits a
-    # share only when 1 does (interleaved: pp divides share / mbs, so it divides the share).
-    return dp * up(given // dp + 1)
 
 
 def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer, ranking: dict) -> list[str]:
