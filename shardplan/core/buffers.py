@@ -68,26 +68,21 @@ def head_params(rp: RankParams) -> tuple[LocalParam, ...]:
 UNSHARDED_BLOCKS = "unsharded block parameters"
 
 
-def place_gathered_blocks(at: dict[str, list[Term]], stage: int, layers: int, block: int, c: int, prefetch: int,
-                          every_in_backward: bool = False) -> None:
-    """Add the blocks FSDP2 holds gathered to their moments: at ZeRO-2
-    (`reshard_after_forward=False`) every block from forward to backward; otherwise the one
-    running with its prefetch in forward and backward, or, `every_in_backward`, every block in
-    backward (kept there by a pipeline schedule)."""
+def place_gathered_blocks(at: dict[str, list[Term]], stage: int, layers: int, block_bytes: int, one: str,
+                          prefetch: int, every_in_backward: bool = False) -> None:
+    """Add the blocks FSDP2 holds gathered (each `block_bytes`, `one` says of what) to their
+    moments: at ZeRO-2 (`reshard_after_forward=False`) every block from forward to backward;
+    otherwise the one running with its prefetch in forward and backward, or,
+    `every_in_backward`, every block in backward (kept there by a pipeline schedule)."""
+    every = Term(UNSHARDED_BLOCKS, layers * block_bytes, lambda: f"all {layers} blocks: {layers} * {one}")
     if stage == 2:
-        every = Term(UNSHARDED_BLOCKS, layers * block * c,
-                     lambda: f"all {layers} blocks: {layers} * {block:,} elements * {c} B")
         for moment in (FORWARD, LOSS, BACKWARD):
             at[moment].append(every)
         return
     live = min(layers, 1 + prefetch)
-    gathered = Term(UNSHARDED_BLOCKS, live * block * c,
-                    lambda: f"1 + prefetch {prefetch} blocks: {live} * {block:,} elements * {c} B")
+    gathered = Term(UNSHARDED_BLOCKS, live * block_bytes, lambda: f"1 + prefetch {prefetch} blocks: {live} * {one}")
     at[FORWARD].append(gathered)
-    if every_in_backward:
-        gathered = Term(UNSHARDED_BLOCKS, layers * block * c,
-                        lambda: f"all {layers} blocks: {layers} * {block:,} elements * {c} B")
-    at[BACKWARD].append(gathered)
+    at[BACKWARD].append(every if every_in_backward else gathered)
 
 
 def no_buffers() -> dict[str, list[Term]]:
@@ -124,7 +119,7 @@ def _fsdp2_buffer_lists(rp: RankParams, eb: ElementBytes, stage: int, degree: in
     block = padded_unsharded(rp.layer, degree)
     layers = rp.num_layers
     if layers:
-        place_gathered_blocks(at, stage, layers, block, c, prefetch)
+        place_gathered_blocks(at, stage, layers, block * c, f"{block:,} elements * {c} B", prefetch)
         at[BACKWARD].append(Term("block gradients before reduce-scatter", block * (c + FP32),
                                  lambda: f"{block:,} elements * ({c} B unsharded + {FP32} B reduce-scatter input)"))
     root = padded_unsharded(rp.root, degree)
@@ -188,7 +183,8 @@ def pipelined_fsdp2_buffers(rp: RankParams, eb: ElementBytes, stage: int, degree
     root = padded_unsharded(rp.root, degree)
     several = len(rp.chunk_layers) > 1
     if layers:
-        place_gathered_blocks(at, stage, layers, block, c, prefetch, every_in_backward=several)
+        place_gathered_blocks(at, stage, layers, block * c, f"{block:,} elements * {c} B", prefetch,
+                              every_in_backward=several)
         if stage != 2 and kept_in_loss:
             at[LOSS].append(Term(KEPT_BLOCKS, layers * block * c,
                                  lambda: f"{layers} * {block:,} elements * {c} B (a backward before, no forward since)"))

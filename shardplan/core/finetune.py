@@ -26,7 +26,7 @@ transient of every forward and backward moment.
 
 from __future__ import annotations
 
-from .buffers import UNSHARDED_BLOCKS
+from .buffers import place_gathered_blocks
 from .lora import BASE_BYTES, LoraPlan, stores_nf4
 from .precision import FP32, ElementBytes
 from .quantized import nf4_bytes, nf4_dequant_bytes, nf4_shared_bytes, nf4_sharded_bytes
@@ -105,18 +105,8 @@ def lora_fsdp2_buffers(rp: RankParams, eb: ElementBytes, lora: LoraPlan, stage: 
     block = sum(_gathered(p, lora, degree, c) for p in rp.layer) + adapters * c
     layers = rp.num_layers
     if layers:
-        if stage == 2:
-            kept = Term(UNSHARDED_BLOCKS, layers * block,
-                        lambda: f"all {layers} blocks (reshard_after_forward=False): {layers} * {block:,} B")
-            for moment in (FORWARD, LOSS, BACKWARD):
-                at[moment].append(kept)
-        else:
-            live = min(layers, 1 + prefetch)
-            gathered = Term(UNSHARDED_BLOCKS, live * block,
-                            lambda: f"1 + prefetch {prefetch} blocks: {live} * {block:,} B "
-                                    f"(frozen base gathered, adapters in {c} B)")
-            at[FORWARD].append(gathered)
-            at[BACKWARD].append(gathered)
+        place_gathered_blocks(at, stage, layers, block, f"{block:,} B (frozen base gathered, adapters in {c} B)",
+                              prefetch)
         if adapters:
             at[BACKWARD].append(Term("adapter gradients before reduce-scatter", adapters * (c + FP32),
                                      lambda: f"{adapters:,} elements * ({c} B unsharded + {FP32} B reduce-scatter input)"))

@@ -32,17 +32,18 @@ CODEC_CHUNK = 1 << 20
 # Chunks whose random bits bf16 stochastic rounding draws in one round (one generator each).
 ROUNDING_CHUNKS = 16
 
+SCALE_BYTES = FP32  # one fp32 absmax per block
+CODE_BYTES = {"int8": 1, "fp16": HALF}  # block-wise stores: bytes per element
+
+MOMENTS = {"adamw": 2, "adamw8bit": 2, "sgd": 0}  # state tensors per parameter tensor
+ENGINE_OPTIMIZERS = ("adamw", "sgd")  # what the engine steps on the CPU (runtime/offload.py)
+
 
 def rounding_elements(numel: int) -> int:
     """Elements of one round of bf16 rounding's random bits for tensors of up to `numel`
     elements: `ROUNDING_CHUNKS` chunks, or fewer when the tensors are smaller (the buffer the
     offload engine keeps, runtime/offload_codec.py `rounding_bits`, and core/host.py counts)."""
     return min(numel, ROUNDING_CHUNKS * CODEC_CHUNK)
-SCALE_BYTES = FP32  # one fp32 absmax per block
-CODE_BYTES = {"int8": 1, "fp16": HALF}  # block-wise stores: bytes per element
-
-MOMENTS = {"adamw": 2, "adamw8bit": 2, "sgd": 0}  # state tensors per parameter tensor
-ENGINE_OPTIMIZERS = ("adamw", "sgd")  # what the engine steps on the CPU (runtime/offload.py)
 
 
 def blocks(numel: int) -> int:
