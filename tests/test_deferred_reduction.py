@@ -23,15 +23,17 @@ from conftest import ROOT, run_cli
 from shardplan.core.buffers import DEFERRED_GRADS, KEPT_BLOCKS, UNSHARDED_BLOCKS
 from shardplan.core.estimate import rank_coordinates, rank_estimate
 from shardplan.core.estimate_inputs import inputs_from_job
+from shardplan.core.finetune import ROOT_FROZEN
 from shardplan.core.memory import estimate_memory
 from shardplan.core.timeline import BACKWARD, BACKWARD_END, FORWARD, STEP
 from shardplan.io.job import load_job
+from test_run import ACTIVATION_TOLERANCE
 
 ROOT_PARAMS = "unsharded root parameters (embedding/head)"
 
 TINY = """
 [model]
-preset = "tiny-llama"
+{model}
 [parallel]
 dp = {dp}
 pp = 2
@@ -50,7 +52,27 @@ seed = 7
 gpus_per_node = 4
 gpu_memory = "4GiB"
 cpu_memory_per_node = "16GiB"
-"""
+{lora}"""
+
+
+# A Llama whose layer linears torchao can store as NF4 and FSDP2 split in two (64 * 256 * 2
+# elements each; tests/test_run.py's fine-tuning model, with four layers).
+NF4_LLAMA = """family = "llama"
+num_layers = 4
+hidden_size = 256
+num_heads = 4
+num_kv_heads = 2
+ffn_hidden_size = 512
+vocab_size = 512
+max_seq_len = 128"""
+
+
+def tiny(dp: int, virtual: int, schedule: str, stage: int, precision: str, model: str = "tiny-llama",
+         lora: str = "") -> str:
+    """`model`: a preset or NF4_LLAMA; `lora`: "", "bf16" or "nf4" (the base's dtype)."""
+    return TINY.format(dp=dp, virtual=virtual, schedule=schedule, stage=stage, precision=precision,
+                       model=model if "\n" in model else f'preset = "{model}"',
+                       lora=f'[lora]\nrank = 8\nbase_dtype = "{lora}"\n' if lora else "")
 
 # Llama 3 8B (meta-llama/Meta-Llama-3-8B config.json: hidden 4,096, intermediate 14,336, 8 KV
 # heads of 128, 32 layers): one decoder layer holds q and o (4,096^2 each), k and v (4,096 x
@@ -78,7 +100,7 @@ def test_gradients_stay_unsharded_until_the_step_ends(write, stage, dp):
     reduce dtype under bf16-mixed), from the first backward to the reduction; the sharded
     gradients only at the optimizer step. Stage 0's one-rank shards and a shard group of one
     rank defer alike: `fully_shard` runs at every stage but 1."""
-    text = TINY.format(dp=dp, virtual=1, schedule="1f1b", stage=stage, precision="bf16-mixed")
+    text = tiny(dp, 1, "1f1b", stage, "bf16-mixed")
     device = _rank(write, text, 0)
     names = {m.name for m in device.moments}
     assert BACKWARD_END in names  # the reduction when the step ends is a moment of its own
@@ -92,7 +114,7 @@ def test_gradients_stay_unsharded_until_the_step_ends(write, stage, dp):
 
 
 def test_stage_one_is_ddp_and_defers_nothing(write):
-    device = _rank(write, TINY.format(dp=2, virtual=1, schedule="1f1b", stage=1, precision="bf16-mixed"), 0)
+    device = _rank(write, tiny(2, 1, "1f1b", 1, "bf16-mixed"), 0)
     assert BACKWARD_END not in {m.name for m in device.moments}
     assert DEFERRED_GRADS not in _terms(device, BACKWARD, "grads")
 
@@ -133,14 +155,18 @@ def test_the_sweeps_end_holds_every_block_gathered(write):
     assert list(layers.values()) == [(2 * 16 - 15) * per_layer]
 
 
-def test_no_warning_for_full_training_one_for_lora():
-    def warnings(*flags):
-        return run_cli("estimate", "llama-3-8b-h100", "--set", "parallel.num_microbatches=4", *flags,
-                       "--json").json["warnings"]
-
-    assert not any("pipeline" in w for w in warnings("--pp", "2", "--dp", "4", "--zero", "3"))
-    lora = warnings("--pp", "2", "--dp", "4", "--zero", "3", "--set", "lora.rank=16")
-    assert any(w.startswith("LoRA in pipeline stages") for w in lora)
+def test_lora_keeps_its_frozen_blocks_gathered_and_its_adapters_unsharded(write):
+    """LoRA in torch's pipeline stages defers alike: after their backward the blocks stay
+    gathered, frozen base and adapters in bf16, until the step ends; only the adapters have
+    gradients, kept unsharded in fp32. Llama 3 8B, rank 16 on q, k, v and o (peft's count:
+    r * (in + out) per target): q and o 16 * (4,096 + 4,096), k and v 16 * (4,096 + 1,024)."""
+    adapters = 2 * 16 * (4096 + 4096) + 2 * 16 * (4096 + 1024)
+    text = LLAMA3_8B_PP2.format(stage=3) + "[lora]\nrank = 16\n"
+    device = _rank(write, text, 0)
+    end = _terms(device, BACKWARD_END, "buffers")
+    assert end[KEPT_BLOCKS] == 16 * (LLAMA3_8B_LAYER + adapters) * 2
+    assert _terms(device, BACKWARD_END, "grads") == {f"adapters, {DEFERRED_GRADS}": 16 * adapters * 4}
+    assert not run_cli("estimate", write("job.toml", text), "--json").json["warnings"]
 
 
 def _probe(tmp_path, text: str, nproc: int) -> dict[int, dict]:
@@ -156,34 +182,50 @@ def _probe(tmp_path, text: str, nproc: int) -> dict[int, dict]:
            str(ROOT / "tests" / "dist" / "deferred_reduction.py"), str(out), str(job), "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in range(nproc)}
+    report = {entry["rank"]: entry for entry in json.loads(proc.stdout)["ranks"]}
+    return {rank: {**json.loads((out / f"rank{rank}.json").read_text()), "report": report[rank]}
+            for rank in range(nproc)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dp, virtual, schedule, stage, precision", [
-    (2, 1, "1f1b", 3, "bf16-mixed"),  # one chunk per rank; gradients kept in fp32
-    (1, 2, "interleaved-1f1b", 2, "fp32"),  # two chunks per rank; gradients in the parameters' dtype
-])
-def test_torch_holds_what_the_estimate_counts(write, tmp_path, dp, virtual, schedule, stage, precision):
+@pytest.mark.parametrize("dp, virtual, schedule, stage, precision, model, lora", [
+    (2, 1, "1f1b", 3, "bf16-mixed", "tiny-llama", ""),  # one chunk per rank; gradients kept in fp32
+    (1, 2, "interleaved-1f1b", 2, "fp32", "tiny-llama", ""),  # two chunks; gradients in the parameters' dtype
+    # LoRA: only the adapters' gradients; tied embeddings, frozen on both ends of the pipeline.
+    (2, 1, "1f1b", 3, "bf16-mixed", "tiny-gpt2", "bf16"),
+    # QLoRA: the blocks gathered as NF4 codes, scalers and factors.
+    (2, 1, "1f1b", 3, "bf16-mixed", NF4_LLAMA, "nf4"),
+], ids=["1f1b-zero3", "interleaved-zero2-fp32", "lora-tied", "qlora"])
+def test_torch_holds_what_the_estimate_counts(write, tmp_path, dp, virtual, schedule, stage, precision, model, lora):
     """Before the step's first reduction torch holds every rank's gradients unsharded (the
     estimate's deferred gradients, to the byte), no sharded gradient, and every block and
     root parameter gathered (what the estimate counts when the step ends, with the root that
     the reduction reshards first). Around the forwards: what the estimate's sweep rests on,
     every block gathered when a forward follows a backward, and resharded by that forward at
-    ZeRO-3."""
-    text = TINY.format(dp=dp, virtual=virtual, schedule=schedule, stage=stage, precision=precision)
+    ZeRO-3. The same launch's report: parameters, gradients and optimizer states measured
+    equal to the estimate, saved activations within tests/test_run.py's 5%."""
+    if lora:
+        pytest.importorskip("peft")
+        pytest.importorskip("torchao")
+    text = tiny(dp, virtual, schedule, stage, precision, model, lora)
     held = _probe(tmp_path, text, 2 * dp)
+    grads_label = f"adapters, {DEFERRED_GRADS}" if lora else DEFERRED_GRADS
     for rank, measured in held.items():
         device = _rank(write, text, rank)
         at_end = _terms(device, BACKWARD_END, "buffers")
-        root = _terms(device, BACKWARD, "buffers").get(ROOT_PARAMS, 0)
-        assert measured["unsharded_grads"] == _terms(device, BACKWARD_END, "grads")[DEFERRED_GRADS], rank
+        root = _terms(device, BACKWARD, "buffers").get(ROOT_FROZEN if lora else ROOT_PARAMS, 0)
+        assert measured["unsharded_grads"] == _terms(device, BACKWARD_END, "grads")[grads_label], rank
         assert measured["sharded_grads"] == 0, rank
         assert measured["gathered"] == at_end[KEPT_BLOCKS] + root, rank
         # A forward finds every block of the backward before it gathered; at ZeRO-3 it
         # reshards them all (its root stays), at ZeRO-2 it keeps them.
         assert measured["gathered_before_forward"] == at_end[KEPT_BLOCKS] + root, rank
         assert measured["gathered_after_forward"] == (root if stage == 3 else at_end[KEPT_BLOCKS] + root), rank
+        report = measured["report"]
+        for kind in ("params", "grads", "optimizer"):
+            assert report["measured"][kind] == report["estimated"][kind], (rank, kind)
+        saved, counted = report["measured"]["activations"], report["estimated"]["activations"]
+        assert abs(saved - counted) <= ACTIVATION_TOLERANCE * saved, (rank, saved, counted)
 
 
 def test_the_time_model_reduces_once_when_the_step_ends(write):

@@ -100,8 +100,6 @@ def test_adamw8bit_paper_accountings(framework):
 
 
 RUN_REFUSALS = [
-    (["--set", "lora.rank=8", "--pp", "2", "--dp", "1", "--set", "parallel.num_microbatches=2"],
-     "parallel.pp: LoRA with pp > 1 is estimated, not executed"),
     (["--set", "lora.base_dtype=nf4", "--tp", "2", "--dp", "1"], "parallel.tp: torchao's NF4 weights are not split"),
     (["--set", "lora.rank=8", "--tp", "2", "--dp", "1", "--set", "parallel.sequence_parallel=true"],
      "parallel.sequence_parallel: LoRA with sequence parallel"),

@@ -176,36 +176,50 @@ def pipelined_fsdp2_buffers(rp: RankParams, eb: ElementBytes, stage: int, degree
     the first group reduced (the root, whose parameters are resharded first, else a block)
     allocates its reduce-scatter input in the reduce dtype (`foreach_reduce`)."""
     c, r = eb.compute, eb.grads
-    at = no_buffers()
     degree = 1 if stage == 0 else degree
     block = padded_unsharded(rp.layer, degree)
-    layers = rp.num_layers
     root = padded_unsharded(rp.root, degree)
     several = len(rp.chunk_layers) > 1
+    first = max(root, block) if several else (root or block)
+    what = "the root's or a block's" if several else "the root's" if root else "a block's"
+    reduced = Term(f"reduce-scatter input of the first group reduced ({what})", first * r,
+                   lambda: f"{first:,} elements * {r} B") if first else None
+    grads = Term("block gradients before accumulation", block * c,
+                 lambda: f"{block:,} elements * {c} B, added to the unsharded gradients")
+    return pipelined_buffers(stage, rp.num_layers, several, block * c, f"{block:,} elements * {c} B",
+                             root * c, f"{root:,} elements * {c} B", prefetch, kept_in_loss, grads, reduced)
+
+
+def pipelined_buffers(stage: int, layers: int, several: bool, block: int, one: str, root: int, root_source: str,
+                      prefetch: int, kept_in_loss: bool, block_grads: Term | None, reduced: Term | None,
+                      root_label: str = "unsharded root parameters (embedding/head)") -> dict[str, list[Term]]:
+    """`pipelined_fsdp2_buffers` of blocks of `block` gathered bytes (`one` says of what) and
+    a root of `root` gathered bytes; `block_grads`: a backward's unsharded block gradients
+    before they are added to the accumulated ones. `reduced`: the reduce-scatter input of
+    the first group reduced when the step ends, after its parameters were resharded (a
+    block's when there is no root and one chunk); None where the gradients are too small for
+    that moment to matter (LoRA's adapters): then the step's end is the moment just before
+    the reduction, every block and the root gathered."""
+    at = no_buffers()
     if layers:
-        place_gathered_blocks(at, stage, layers, block * c, f"{block:,} elements * {c} B", prefetch,
-                              every_in_backward=several)
+        place_gathered_blocks(at, stage, layers, block, one, prefetch, every_in_backward=several)
         if stage != 2 and kept_in_loss:
-            at[LOSS].append(Term(KEPT_BLOCKS, layers * block * c,
-                                 lambda: f"{layers} * {block:,} elements * {c} B (a backward before, no forward since)"))
-        at[BACKWARD].append(Term("block gradients before accumulation", block * c,
-                                 lambda: f"{block:,} elements * {c} B, added to the unsharded gradients"))
-        kept = layers if root or several else layers - 1
+            at[LOSS].append(Term(KEPT_BLOCKS, layers * block,
+                                 lambda: f"{layers} * {one} (a backward before, no forward since)"))
+        if block_grads is not None:
+            at[BACKWARD].append(block_grads)
+        kept = layers if root or several or reduced is None else layers - 1
         if kept:
-            at[BACKWARD_END].append(Term(KEPT_BLOCKS, kept * block * c,
-                                         lambda: f"{kept} * {block:,} elements * {c} B until their reduction"))
+            at[BACKWARD_END].append(Term(KEPT_BLOCKS, kept * block,
+                                         lambda: f"{kept} * {one} until their reduction"))
     if root:
-        unsharded = Term("unsharded root parameters (embedding/head)", root * c,
-                         lambda: f"{root:,} elements * {c} B, kept from forward to backward")
+        unsharded = Term(root_label, root, lambda: f"{root_source}, kept from forward to backward")
         for moment in (FORWARD, LOSS, BACKWARD):
             at[moment].append(unsharded)
-        if several:  # the first stage reduced may not hold the root
+        if several or reduced is None:  # not yet resharded (or the first stage reduced may not hold it)
             at[BACKWARD_END].append(unsharded)
-    first = max(root, block) if several else (root or block)
-    if first:
-        what = "the root's or a block's" if several else "the root's" if root else "a block's"
-        at[BACKWARD_END].append(Term(f"reduce-scatter input of the first group reduced ({what})", first * r,
-                                     lambda: f"{first:,} elements * {r} B"))
+    if reduced is not None:
+        at[BACKWARD_END].append(reduced)
     return at
 
 

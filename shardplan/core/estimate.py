@@ -46,8 +46,10 @@ from .finetune import (
     deepspeed_frozen_buffers,
     frozen_bytes,
     frozen_terms,
+    gathered_block_bytes,
     lora_ddp_buffers,
     lora_fsdp2_buffers,
+    lora_pipelined_buffers,
     trainable_params,
 )
 from .lora import LoraPlan, lora_counts
@@ -380,6 +382,9 @@ def _lora(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, degree: int,
     if inputs.framework == "fsdp2" and inputs.shape is not None:
         if inputs.zero_stage == 1:
             buffers = lora_ddp_buffers(rp, eb) if inputs.precision in MIXED else no_buffers()
+        elif defers_to_step_end(inputs):
+            buffers = lora_pipelined_buffers(rp, eb, inputs.lora, inputs.zero_stage, degree, inputs.prefetch_layers,
+                                             kept_in_loss(inputs, rp))
         else:
             buffers = lora_fsdp2_buffers(rp, eb, inputs.lora, inputs.zero_stage, degree, inputs.prefetch_layers)
     memory = _with_frozen(memory, gpu, cpu, buffers)
@@ -419,9 +424,8 @@ def _torch_or_paper(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, de
         grads_at = {m: grads if m == STEP else unsharded for m in MOMENTS}
     if inputs.shape is not None and buffers:
         if deferred:
-            kept_in_loss = inputs.schedule in ALL_FORWARDS_FIRST or len(rp.chunk_layers) > 1
             buffers_at = pipelined_fsdp2_buffers(rp, eb, inputs.zero_stage, degree, inputs.prefetch_layers,
-                                                 kept_in_loss)
+                                                 kept_in_loss(inputs, rp))
         else:
             buffers_at = fsdp2_buffers(rp, eb, inputs.zero_stage, degree, inputs.prefetch_layers,
                                        inputs.precision in MIXED)
@@ -432,6 +436,21 @@ def _torch_or_paper(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, de
     gpu_optimizer_elements = sum(t.bytes for t in states.gpu["optimizer"]) // max(eb.optimizer, 1)
     buffers_at[STEP] += step_buffers(gpu_optimizer_elements, eb, inputs.optimizer)
     return _RankMemory(states.gpu, states.cpu, grads_at, buffers_at, states.host_groups)
+
+
+def kept_in_loss(inputs: EstimateInputs, rp: RankParams) -> bool:
+    """Whether the loss can follow a backward with no forward between them in torch's pipeline
+    stages, so that it finds every block of the rank gathered: every forward first (gpipe,
+    round-robin) or several chunks per rank."""
+    return inputs.schedule in ALL_FORWARDS_FIRST or len(rp.chunk_layers) > 1
+
+
+def gathered_block(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, degree: int) -> int:
+    """Bytes of one of the rank's blocks as FSDP2 gathers it (stage 0: one-rank shards)."""
+    degree = 1 if inputs.zero_stage == 0 else degree
+    if inputs.lora is not None:
+        return gathered_block_bytes(rp, inputs.lora, degree, eb.compute)
+    return padded_unsharded(rp.layer, degree) * eb.compute
 
 
 def _backward_activations(activations: list[Term], act: ActivationShape | None, has_head: bool,
@@ -490,8 +509,7 @@ def last_layer_backward(inputs: EstimateInputs, rp: RankParams, resident: int, l
         if inputs.zero_stage == 2 or len(rp.chunk_layers) != 1 or rp.num_layers < 2:
             return None
         eb = element_bytes(inputs.framework, inputs.precision, inputs.optimizer)
-        degree = 1 if inputs.zero_stage == 0 else shard_degree(inputs)
-        added = rp.num_layers * padded_unsharded(rp.layer, degree) * eb.compute - kept_blocks
+        added = rp.num_layers * gathered_block(inputs, rp, eb, shard_degree(inputs)) - kept_blocks
         freed = (rp.num_layers - 1) * per_layer
         return (freed, -added, None) if added > freed else None
     if (inputs.framework != "fsdp2" or inputs.num_microbatches > 1 or grads_in_backward or layer_grads == 0

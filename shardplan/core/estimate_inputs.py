@@ -104,10 +104,10 @@ _FIELDS = frozenset(f.name for f in fields(EstimateInputs))
 def defers_to_step_end(inputs: EstimateInputs) -> bool:
     """Whether FSDP2 modules run inside torch's pipeline stages, which defer resharding and
     gradient reduction to the end of the step (core/buffers.py `pipelined_fsdp2_buffers`; core/time_plan.py):
-    fsdp2 with pp > 1 at the stages that `fully_shard` (0, 2, 3; stage 1 is DDP), LoRA aside
-    (`run` does not pipeline it)."""
+    fsdp2 with pp > 1 at the stages that `fully_shard` (0, 2, 3; stage 1 is DDP), full training
+    and LoRA alike (core/finetune.py `lora_pipelined_buffers`)."""
     return (inputs.framework == "fsdp2" and inputs.degrees.pp > 1 and inputs.zero_stage != 1
-            and inputs.lora is None and inputs.shape is not None)
+            and inputs.shape is not None)
 
 
 def inputs_from_job(job: JobSpec, shape: ModelShape | None, limits_known: bool) -> EstimateInputs:

@@ -26,13 +26,15 @@ transient of every forward and backward moment.
 
 from __future__ import annotations
 
-from .buffers import place_gathered_blocks
+from .buffers import pipelined_buffers, place_gathered_blocks
 from .lora import BASE_BYTES, LoraPlan, stores_nf4
 from .precision import FP32, ElementBytes
 from .quantized import nf4_bytes, nf4_dequant_bytes, nf4_shared_bytes, nf4_sharded_bytes
 from .stages import LocalParam, RankParams
 from .terms import Term
 from .timeline import BACKWARD, FORWARD, LOSS, MOMENTS
+
+ROOT_FROZEN = "unsharded root parameters (embedding/head, frozen)"
 
 
 def trainable_params(rp: RankParams) -> RankParams:
@@ -95,14 +97,24 @@ def dequant_terms(rp: RankParams, lora: LoraPlan) -> list[Term]:
                  lambda: f"{numel:,} elements * (8 B int64 codes + 3 * 2 B bf16 values) + {numel // 64:,} scalers * 2 B")]
 
 
+def gathered_block_bytes(rp: RankParams, lora: LoraPlan, degree: int, compute: int) -> int:
+    """Bytes of one block FSDP2 gathers under LoRA: its frozen base (`_gathered`) and its
+    adapters in the compute dtype."""
+    return sum(_gathered(p, lora, degree, compute) for p in rp.layer) + _adapter_elements(rp, degree) * compute
+
+
+def _adapter_elements(rp: RankParams, degree: int) -> int:
+    return sum(p.padded_shard_numel(degree) * degree for p in rp.adapters)
+
+
 def lora_fsdp2_buffers(rp: RankParams, eb: ElementBytes, lora: LoraPlan, stage: int, degree: int,
                        prefetch: int) -> dict[str, list[Term]]:
     """Transient buffers of an FSDP2 rank (stages 0, 2, 3) under LoRA, by moment."""
     c = eb.compute
     at: dict[str, list[Term]] = {m: [] for m in MOMENTS}
     degree = 1 if stage == 0 else degree
-    adapters = sum(p.padded_shard_numel(degree) * degree for p in rp.adapters)
-    block = sum(_gathered(p, lora, degree, c) for p in rp.layer) + adapters * c
+    adapters = _adapter_elements(rp, degree)
+    block = gathered_block_bytes(rp, lora, degree, c)
     layers = rp.num_layers
     if layers:
         place_gathered_blocks(at, stage, layers, block, f"{block:,} B (frozen base gathered, adapters in {c} B)",
@@ -114,10 +126,33 @@ def lora_fsdp2_buffers(rp: RankParams, eb: ElementBytes, lora: LoraPlan, stage: 
             at[moment] += dequant_terms(rp, lora)
     root = sum(_gathered(p, lora, degree, c) for p in rp.root)
     if root:
-        unsharded = Term("unsharded root parameters (embedding/head, frozen)", root,
-                         lambda: f"{root:,} B in {c}-byte elements, kept from forward to backward")
+        unsharded = Term(ROOT_FROZEN, root, lambda: f"{root:,} B in {c}-byte elements, kept from forward to backward")
         for moment in (FORWARD, LOSS, BACKWARD):
             at[moment].append(unsharded)
+    return at
+
+
+def lora_pipelined_buffers(rp: RankParams, eb: ElementBytes, lora: LoraPlan, stage: int, degree: int,
+                           prefetch: int, kept_in_loss: bool) -> dict[str, list[Term]]:
+    """`lora_fsdp2_buffers` when torch's pipeline schedules run the FSDP2 modules: they keep
+    each block gathered after its backward and the adapters' gradients unsharded until the
+    step ends, as for full training (core/buffers.py `pipelined_fsdp2_buffers`). Only the
+    adapters have gradients, and the root none (it is frozen): when the step ends the root and
+    the first block are resharded before anything is allocated for their reduction, so the
+    step's end is the moment just before it, every block and the root gathered."""
+    c = eb.compute
+    degree = 1 if stage == 0 else degree
+    adapters = _adapter_elements(rp, degree)
+    block = gathered_block_bytes(rp, lora, degree, c)
+    root = sum(_gathered(p, lora, degree, c) for p in rp.root)
+    grads = Term("adapter gradients before accumulation", adapters * c,
+                 lambda: f"{adapters:,} elements * {c} B, added to the unsharded gradients") if adapters else None
+    at = pipelined_buffers(stage, rp.num_layers, len(rp.chunk_layers) > 1, block,
+                           f"{block:,} B (frozen base gathered, adapters in {c} B)", root,
+                           f"{root:,} B in {c}-byte elements", prefetch, kept_in_loss, grads, None, ROOT_FROZEN)
+    if rp.num_layers:
+        for moment in (FORWARD, BACKWARD):
+            at[moment] += dequant_terms(rp, lora)
     return at
 
 

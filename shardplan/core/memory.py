@@ -382,14 +382,6 @@ def assumptions(inputs: EstimateInputs) -> dict[str, object]:
     }
 
 
-def pipelining_defers_fsdp(inputs: EstimateInputs) -> bool:
-    """Whether a LoRA plan puts FSDP2 modules in pipeline stages: torch's schedules would defer
-    their resharding and gradient reduction, which the estimate counts for full training
-    (core/estimate_inputs.py `defers_to_step_end`) but not for adapters, which `run` does not pipeline."""
-    return (inputs.framework == "fsdp2" and inputs.degrees.pp > 1 and inputs.zero_stage != 1
-            and inputs.lora is not None)
-
-
 def estimate_memory(inputs: EstimateInputs) -> Estimate:
     """The estimate of a plan: every pipeline stage's fullest rank, per-node host memory, the fit."""
     layout = Layout(inputs.degrees, inputs.order, inputs.gpus_per_node)
@@ -415,10 +407,6 @@ def estimate_memory(inputs: EstimateInputs) -> Estimate:
         warnings.append(f"sequence parallel is counted as Megatron-LM keeps it (Korthikanti et al.); torch's "
                         f"DTensor plan, which `shardplan run` uses, also keeps the gathered QKV and MLP inputs: "
                         f"{format_bytes(gathered)} more per layer and microbatch held (docs/estimate.md)")
-    if pipelining_defers_fsdp(inputs):
-        warnings.append("LoRA in pipeline stages is estimated as FSDP2 holds it without pipelining; torch's pipeline "
-                        "schedules would keep each block gathered after its backward and the adapters' gradients "
-                        "unsharded until the step ends (counted for full training: docs/estimate.md)")
     if inputs.shape is None:
         warnings.append("no architecture: model states only (activations and the buffers that depend on the "
                         "layers are not estimated)")

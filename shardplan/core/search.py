@@ -134,8 +134,8 @@ def degree_options(shape: ModelShape, space: Space, fixed: Fixed, seq_len: int,
     """dp x tp x pp x cp = world, each allowed by the model (core/checks.py's rules): tp
     divides the query heads and divides or is a multiple of the key/value heads (and, for
     `run`, is at most them), pp at most the layers, cp splits the sequence into 2*cp
-    chunks (`run`: cp 1). `run` executes LoRA without pipeline parallelism and QLoRA without
-    tensor parallelism (runtime/capabilities.py)."""
+    chunks (`run`: cp 1). `run` executes QLoRA without tensor parallelism
+    (runtime/capabilities.py)."""
     world = space.world
     heads, kv = shape.num_heads, shape.num_kv_heads
     for tp in _options(fixed.tp, divisors(world)):
@@ -147,7 +147,7 @@ def degree_options(shape: ModelShape, space: Space, fixed: Fixed, seq_len: int,
             if world % (tp * cp) or (cp > 1 and seq_len % (2 * cp)):
                 continue
             for pp in _options(fixed.pp, divisors(world // (tp * cp))):
-                if world % (tp * cp * pp) or pp > shape.num_layers or (space.runnable and lora is not None and pp > 1):
+                if world % (tp * cp * pp) or pp > shape.num_layers:
                     continue
                 dp = world // (tp * cp * pp)
                 if fixed.dp is not None and dp != fixed.dp:

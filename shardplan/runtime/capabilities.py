@@ -93,8 +93,6 @@ def _lora_unsupported(resolved: ResolvedJob) -> list[tuple[str, str]]:
         return []
     par = job.parallel
     found = []
-    if par.pp > 1:
-        found.append(("parallel.pp", "LoRA with pp > 1 is estimated, not executed by `run`"))
     if par.tp > 1 and job.lora.base_dtype == "nf4":
         found.append(("parallel.tp", "torchao's NF4 weights are not split by tensor parallel: QLoRA with tp > 1 is "
                                      "estimated, not executed by `run`"))

@@ -53,6 +53,7 @@ def stage_module(full: nn.Module, layers: range, first: bool, last: bool, tie_co
         # embedding matrix as the head, kept equal by summing the two gradients (Megatron-LM).
         weight = full.embed.weight
         head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+        head.weight.requires_grad_(weight.requires_grad)  # frozen under LoRA, as the embedding
         if not weight.is_meta:
             with torch.no_grad():
                 head.weight.copy_(weight)
