@@ -1,19 +1,98 @@
 """Hugging Face `config.json` -> an inline model shape.
 
-Key names and defaults follow the configuration classes of `transformers`
-(configuration_gpt2.py, configuration_llama.py, configuration_mistral.py,
+Key names and the defaults of keys a config.json leaves out follow the configuration classes
+of `transformers` (configuration_gpt2.py, configuration_llama.py, configuration_mistral.py,
 configuration_mixtral.py, configuration_qwen2.py, configuration_gemma.py,
-configuration_falcon.py, configuration_phi3.py).
+configuration_falcon.py, configuration_phi3.py), copied into `HF_DEFAULTS`: planning never
+imports transformers.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 from ..spec.errors import InputError, Problem
 from .files import read_json
 
 SUPPORTED = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "gemma", "falcon", "phi3")
+
+# Where config.json leaves a key out, the value transformers' configuration class of that
+# model_type gives it (transformers 5.23.0; each is the class attribute of the same name in
+# the file named beside the class, a path inside the transformers package), so that a config
+# counts as many parameters here as there (tests/test_hf_defaults.py checks both).
+# DERIVED: the class leaves it None and derives it from the sizes as an inline shape does:
+# num_key_value_heads (falcon: num_kv_heads) = num_attention_heads (the class's
+# __post_init__), head_dim = hidden_size // num_attention_heads (__post_init__, or the
+# modeling file's `getattr(config, "head_dim", ...)` where the class has no such attribute),
+# n_inner / ffn_hidden_size = 4 * hidden_size. num_hidden_layers, hidden_size and
+# num_attention_heads have class defaults too, but stay required: a config.json without them
+# describes no particular model.
+DERIVED = None
+
+
+class ConfigDefaults(NamedTuple):
+    """The configuration class of a model_type (named in messages) and its defaults."""
+
+    config_class: str
+    values: dict[str, object]
+
+
+HF_DEFAULTS: dict[str, ConfigDefaults] = {
+    # models/gpt2/configuration_gpt2.py; n_inner: modeling_gpt2.py GPT2Block (4 * hidden_size)
+    "gpt2": ConfigDefaults("GPT2Config", dict(
+        vocab_size=50257, n_positions=1024, n_inner=DERIVED, tie_word_embeddings=True,
+        add_cross_attention=False,
+    )),
+    # models/llama/configuration_llama.py
+    "llama": ConfigDefaults("LlamaConfig", dict(
+        vocab_size=32000, intermediate_size=11008, num_key_value_heads=DERIVED, head_dim=DERIVED,
+        max_position_embeddings=2048, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+    )),
+    # models/mistral/configuration_mistral.py (modeling_mistral.py has no biases)
+    "mistral": ConfigDefaults("MistralConfig", dict(
+        vocab_size=32000, intermediate_size=14336, num_key_value_heads=8, head_dim=DERIVED,
+        max_position_embeddings=4096 * 32, tie_word_embeddings=False,
+    )),
+    # models/mixtral/configuration_mixtral.py (attribute_map: num_experts -> num_local_experts)
+    "mixtral": ConfigDefaults("MixtralConfig", dict(
+        vocab_size=32000, intermediate_size=14336, num_key_value_heads=8, head_dim=DERIVED,
+        max_position_embeddings=4096 * 32, tie_word_embeddings=False,
+        num_local_experts=8, num_experts_per_tok=2,
+    )),
+    # models/qwen2/configuration_qwen2.py (num_key_value_heads is 32 whatever the head count);
+    # head_dim: modeling_qwen2.py Qwen2Attention
+    "qwen2": ConfigDefaults("Qwen2Config", dict(
+        vocab_size=151936, intermediate_size=22016, num_key_value_heads=32, head_dim=DERIVED,
+        max_position_embeddings=32768, tie_word_embeddings=False,
+    )),
+    # models/gemma/configuration_gemma.py (head_dim 256 and 16 key/value heads whatever the sizes)
+    "gemma": ConfigDefaults("GemmaConfig", dict(
+        vocab_size=256000, intermediate_size=24576, num_key_value_heads=16, head_dim=256,
+        max_position_embeddings=8192, tie_word_embeddings=True, attention_bias=False,
+    )),
+    # models/falcon/configuration_falcon.py; num_ln_in_parallel_attn: modeling_falcon.py
+    # FalconDecoderLayer makes it 2 under new_decoder_architecture
+    "falcon": ConfigDefaults("FalconConfig", dict(
+        vocab_size=65024, num_kv_heads=DERIVED, ffn_hidden_size=DERIVED, max_position_embeddings=2048,
+        tie_word_embeddings=True, alibi=False, new_decoder_architecture=False, multi_query=True,
+        parallel_attn=True, bias=False, num_ln_in_parallel_attn=DERIVED,
+    )),
+    # models/phi3/configuration_phi3.py; head_dim: modeling_phi3.py Phi3Attention
+    "phi3": ConfigDefaults("Phi3Config", dict(
+        vocab_size=32064, intermediate_size=8192, num_key_value_heads=DERIVED, head_dim=DERIVED,
+        max_position_embeddings=4096, tie_word_embeddings=False,
+    )),
+}
+
+# An explicit null differs from a missing key where the class types the key `int | None` with
+# a default that is not None: Qwen2Config's __post_init__ turns None into num_attention_heads.
+# Every other null reads as a missing key (transformers refuses null where the type is `int`).
+_NULL_VALUES = {"qwen2": {"num_key_value_heads": DERIVED}}
+
+# Keys other configs use that this class does not read: FalconConfig maps n_embed to
+# hidden_size, but n_head and n_layer (the remote-code RWConfig's names) are ignored.
+_UNREAD = {"falcon": {"num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}}
 
 # The config.json key each shape key comes from, so messages name the user's key.
 _CONFIG_KEYS = {
@@ -68,29 +147,48 @@ def config_key(family: str, key: str) -> str:
 
 
 class _Reader:
-    """Typed access to a config dict that collects problems instead of stopping."""
+    """Typed access to a config dict that collects problems instead of stopping; a key the
+    config leaves out takes its `HF_DEFAULTS` value, else it is required."""
 
-    def __init__(self, config: dict, file: str):
+    def __init__(self, config: dict, file: str, model_type: str):
         self.config, self.file, self.problems = config, file, []
+        self.model_type = model_type
+        self.defaults = HF_DEFAULTS[model_type].values
+        self.nulls = _NULL_VALUES.get(model_type, {})
+        self.defaulted: set[str] = set()  # keys that took the class default
 
-    def get(self, *keys: str, default: object = None, kind: type = int, required: bool = True):
+    def get(self, *keys: str, kind: type = int):
+        """The first of `keys` the config gives, else the class default of `keys[0]`."""
         for key in keys:
-            if key in self.config and self.config[key] is not None:
-                value = self.config[key]
-                if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                    self.problems.append(Problem(key, f"expected a positive integer, got {value!r}", file=self.file))
-                    return default
-                if kind is bool and not isinstance(value, bool):
-                    self.problems.append(Problem(key, f"expected true or false, got {value!r}", file=self.file))
-                    return default
-                return value
-        if required and default is None:
-            self.problems.append(Problem(keys[0], "required", file=self.file))
-        return default
+            value = self.config.get(key)
+            if value is None and key in self.nulls and key in self.config:
+                return self.nulls[key]
+            if value is None:
+                continue
+            if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                self.problems.append(Problem(key, f"expected a positive integer, got {value!r}", file=self.file))
+                return None
+            if kind is bool and not isinstance(value, bool):
+                self.problems.append(Problem(key, f"expected true or false, got {value!r}", file=self.file))
+                return None
+            return value
+        if keys[0] in self.defaults:
+            self.defaulted.add(keys[0])
+            return self.defaults[keys[0]]
+        unread = _UNREAD.get(self.model_type, {}).get(keys[0])
+        note = ""
+        if unread in self.config:
+            note = f" ({HF_DEFAULTS[self.model_type].config_class} does not read {unread})"
+        self.problems.append(Problem(keys[0], "required" + note, file=self.file))
+        return None
+
+    def flag(self, key: str) -> bool | None:
+        return self.get(key, kind=bool)
 
 
 def shape_from_hf_config(config: dict, file: str) -> dict:
-    """The inline `[model]` table (family and sizes) equivalent to a config.json."""
+    """The inline `[model]` table (family and sizes) equivalent to a config.json; keys it
+    leaves out take the defaults of transformers' configuration class (`HF_DEFAULTS`)."""
     model_type = config.get("model_type")
     bad_names = architectures_problem(config, file)
     if model_type not in SUPPORTED:
@@ -99,46 +197,36 @@ def shape_from_hf_config(config: dict, file: str) -> dict:
         raise InputError([p for p in (bad_names, problem) if p])
     if bad_names:
         raise InputError(bad_names)
-    r = _Reader(config, file)
+    r = _Reader(config, file, model_type)
     if model_type == "gpt2":
-        hidden = r.get("n_embd", "hidden_size")
-        shape = dict(
-            family="gpt2",
-            num_layers=r.get("n_layer", "num_hidden_layers"),
-            hidden_size=hidden,
-            num_heads=r.get("n_head", "num_attention_heads"),
-            ffn_hidden_size=r.get("n_inner", default=4 * hidden if hidden else None),
-            vocab_size=r.get("vocab_size"),
-            max_seq_len=r.get("n_positions", "max_position_embeddings"),
-            tie_embeddings=r.get("tie_word_embeddings", default=True, kind=bool),
-        )
+        shape = _gpt2(r)
     elif model_type == "falcon":
         shape = _falcon(r)
     else:
-        heads = r.get("num_attention_heads")
         shape = dict(
             family=model_type,
             num_layers=r.get("num_hidden_layers"),
             hidden_size=r.get("hidden_size"),
-            num_heads=heads,
-            num_kv_heads=r.get("num_key_value_heads", default=heads),
-            head_dim=r.get("head_dim", required=False),
+            num_heads=r.get("num_attention_heads"),
+            num_kv_heads=r.get("num_key_value_heads"),
+            head_dim=r.get("head_dim"),
             ffn_hidden_size=r.get("intermediate_size"),
             vocab_size=r.get("vocab_size"),
-            max_seq_len=r.get("max_position_embeddings", required=False),
-            tie_embeddings=r.get(
-                "tie_word_embeddings", default=model_type == "gemma", kind=bool
-            ),
+            max_seq_len=r.get("max_position_embeddings"),
+            tie_embeddings=r.flag("tie_word_embeddings"),
         )
+        if model_type in ("llama", "gemma"):
+            # attention_bias puts biases on q, k, v and o (LlamaAttention, GemmaAttention).
+            bias = r.flag("attention_bias")
+            shape.update(qkv_bias=bias, out_bias=bias)
         if model_type == "llama":
-            # LlamaConfig.attention_bias puts biases on q, k, v and o.
-            bias = r.get("attention_bias", default=False, kind=bool)
-            shape.update(qkv_bias=bias, out_bias=bias, mlp_bias=r.get("mlp_bias", default=False, kind=bool))
+            shape.update(mlp_bias=r.flag("mlp_bias"))
         if model_type == "mixtral":
             shape.update(
-                num_experts=r.get("num_local_experts", default=8),
-                experts_per_token=r.get("num_experts_per_tok", default=2),
+                num_experts=r.get("num_local_experts", "num_experts"),
+                experts_per_token=r.get("num_experts_per_tok"),
             )
+    _check_default_kv_heads(r, shape)
     if r.problems:
         raise InputError(r.problems)
     name = config.get("_name_or_path")
@@ -147,40 +235,72 @@ def shape_from_hf_config(config: dict, file: str) -> dict:
     return {k: v for k, v in shape.items() if v is not None}
 
 
+def _check_default_kv_heads(r: _Reader, shape: dict) -> None:
+    """Qwen2Config's 32 and GemmaConfig's 16 key/value heads hold whatever the head count:
+    transformers then builds projections its attention cannot use. Say so, rather than
+    report a number nobody wrote."""
+    heads, kv_heads = shape.get("num_heads"), shape.get("num_kv_heads")
+    if "num_key_value_heads" in r.defaulted and heads and kv_heads and heads % kv_heads:
+        cls = HF_DEFAULTS[r.model_type].config_class
+        r.problems.append(Problem(
+            "num_key_value_heads",
+            f"not given, and {cls}'s default ({kv_heads}) does not divide the {heads} query heads; set it",
+            file=r.file,
+        ))
+
+
+def _gpt2(r: _Reader) -> dict:
+    # GPT2Config.attribute_map lets the common names stand for n_embd, n_layer, n_head, n_positions.
+    if r.flag("add_cross_attention"):
+        r.problems.append(Problem(
+            "add_cross_attention", "cross-attention layers are not supported (decoder-only models)", file=r.file
+        ))
+    return dict(
+        family="gpt2",
+        num_layers=r.get("n_layer", "num_hidden_layers"),
+        hidden_size=r.get("n_embd", "hidden_size"),
+        num_heads=r.get("n_head", "num_attention_heads"),
+        ffn_hidden_size=r.get("n_inner"),
+        vocab_size=r.get("vocab_size"),
+        max_seq_len=r.get("n_positions", "max_position_embeddings"),
+        tie_embeddings=r.flag("tie_word_embeddings"),
+    )
+
+
 def _falcon(r: _Reader) -> dict:
-    hidden = r.get("hidden_size")
-    heads = r.get("num_attention_heads", "n_head")
-    new_arch = r.get("new_decoder_architecture", default=False, kind=bool)
+    # FalconAttention: the new architecture has num_kv_heads key/value heads, the old one a
+    # single one (multi_query) or one per query head.
+    heads = r.get("num_attention_heads")
+    new_arch = r.flag("new_decoder_architecture")
     if new_arch:
-        kv_heads = r.get("num_kv_heads", default=heads)
-    elif r.get("multi_query", default=True, kind=bool):
+        kv_heads = r.get("num_kv_heads")
+    elif r.flag("multi_query"):
         kv_heads = 1
     else:
         kv_heads = heads
-    bias = r.get("bias", default=False, kind=bool)
-    parallel = r.get("parallel_attn", default=True, kind=bool)
-    # FalconDecoderLayer: the new architecture has ln_attn and ln_mlp (two norms, unless
-    # num_ln_in_parallel_attn is 1); the old one a single input_layernorm when attention
-    # and MLP run in parallel, else input + post-attention norms.
-    if new_arch:
-        shared = r.get("num_ln_in_parallel_attn", default=2) == 1
-    else:
-        shared = parallel
+    bias = r.flag("bias")
+    parallel = r.flag("parallel_attn")
+    # FalconDecoderLayer: input and post-attention norms when attention and MLP run in
+    # sequence; in parallel, ln_attn and ln_mlp when num_ln_in_parallel_attn is 2 (its
+    # default under the new architecture), else one input_layernorm.
+    num_ln = r.get("num_ln_in_parallel_attn")
+    if num_ln is None and new_arch:
+        num_ln = 2
     return dict(
         family="falcon",
-        num_layers=r.get("num_hidden_layers", "n_layer"),
-        hidden_size=hidden,
+        num_layers=r.get("num_hidden_layers"),
+        hidden_size=r.get("n_embed", "hidden_size"),  # FalconConfig.__post_init__: n_embed wins
         num_heads=heads,
         num_kv_heads=kv_heads,
-        ffn_hidden_size=r.get("ffn_hidden_size", default=4 * hidden if hidden else None),
+        ffn_hidden_size=r.get("ffn_hidden_size"),
         vocab_size=r.get("vocab_size"),
-        max_seq_len=r.get("max_position_embeddings", required=False),
-        tie_embeddings=r.get("tie_word_embeddings", default=True, kind=bool),
-        position_embedding="alibi" if r.get("alibi", default=False, kind=bool) else "rope",
+        max_seq_len=r.get("max_position_embeddings"),
+        tie_embeddings=r.flag("tie_word_embeddings"),
+        position_embedding="alibi" if r.flag("alibi") else "rope",
         qkv_bias=bias,
         out_bias=bias,
         mlp_bias=bias,
-        shared_layer_norm=shared,
+        shared_layer_norm=bool(parallel) and num_ln != 2,
     )
 
 

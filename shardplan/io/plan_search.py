@@ -25,10 +25,11 @@ from ..core.search import (Fixed, Group, SearchResult, Space, candidates, degree
 from ..spec.common import MAX_WORLD_SIZE
 from ..spec.errors import InputError, Problem
 from ..spec.units import format_bytes
-from .files import read_document
-from .job import ResolvedJob
+from .files import Document, read_document
+from .job import ResolvedJob, hf_config_as_job
 from .overrides import apply_overrides
 from .plan_job import fixed_keys, plan_tables, written_job
+from .writing import job_folder, relocate_job_paths, write_text
 
 PROGRESS_AFTER = 0.3  # seconds before a search shows its progress bar
 
@@ -55,6 +56,7 @@ class PlanOutcome:
     fixed: Fixed
     hardware: object = None
     notes: list[str] = field(default_factory=list)
+    folder: str = ""  # where the document's relative paths are meant from (io/writing.py `job_folder`)
 
     @property
     def found(self) -> bool:
@@ -84,20 +86,29 @@ class PlanOutcome:
 
     def write_best(self, path: Path | str, flag: str = "--write") -> None:
         """The best plan as a job file, written whole or not at all (io/writing.py)."""
-        from .writing import write_text
+        write_text(str(path), self.best_job_text(str(path)), flag)
 
-        write_text(str(path), self.best_job_text(), flag)
-
-    def best_job_text(self) -> str:
+    def best_job_text(self, target: str) -> str:
+        """The best plan's job file as written to `target`: its relative paths name the same
+        files from there (io/writing.py `relocate_job_paths`)."""
         import tomli_w
 
         best = self.entries[0]
-        data = written_job(self.document, best.tables)
+        data = relocate_job_paths(written_job(self.document, best.tables), self.folder, target)
         _fit_cluster(data, self.world, self.resolved.job.cluster.gpus_per_node)
         d = best.inputs.degrees
         header = (f"# shardplan plan: the fastest of the plans that fit {self.world} GPUs: dp {d.dp} x tp {d.tp} "
                   f"x pp {d.pp} x cp {d.cp}, {best.timing.step_seconds:.3f} s per step\n")
         return header + tomli_w.dumps(data)
+
+
+def _plan_document(file: str, overrides: list) -> tuple[dict, str]:
+    """The job document a plan is written over, as the loader read it (a Hugging Face
+    config.json as the job `[model] hf_config` names it, the overrides written in), and the
+    folder its relative paths are meant from."""
+    doc = read_document(Path(file)) if file else Document("", {})
+    doc, notes = hf_config_as_job(doc)
+    return apply_overrides(doc.data, overrides), job_folder(file, overrides, config_as_job=bool(notes))
 
 
 def _fit_cluster(data: dict, world: int, gpus_per_node: int) -> None:
@@ -290,14 +301,14 @@ def _run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None,
         result = search(base, space, fixed, timer, top_k=top, progress=bar, **ranking)
     finally:
         bar.close()
-    document = read_document(Path(resolved.file)).data if resolved.file else {}
-    document = apply_overrides(document, overrides or [])
+    document, folder = _plan_document(resolved.file, overrides or [])
     entries = []
     for found in result.plans:
         estimate = estimate_memory(found.asked)  # what `estimate` does with the written job
         timing = step_time(estimate.inputs, hardware, lora=lora)
         entries.append(PlanEntry(estimate.inputs, plan_tables(found.asked, batch), estimate, timing))
-    outcome = PlanOutcome(resolved, document, world, batch, job.cluster.gpu_memory, entries, result, fixed, hardware)
+    outcome = PlanOutcome(resolved, document, world, batch, job.cluster.gpu_memory, entries, result, fixed, hardware,
+                          folder=folder)
     if not entries:
         if result.batch_unsplit():
             outcome.notes += _batch_that_splits(base, space, fixed, timer, ranking)

@@ -6,7 +6,10 @@ it: a failed write leaves the old file as it was and no temporary file behind. A
 is not a regular file (`/dev/stdout`, a pipe, `/dev/full`) is written directly. A path that
 cannot be written (no such folder, a folder, no permission) is bad input, exit 2; a write
 that fails on the way (a full disk, a quota, a file too large) is exit 3, as an output to
-stdout that cannot be written is (cli/app.py)."""
+stdout that cannot be written is (cli/app.py).
+
+A job file written somewhere else than the file it comes from keeps naming the same files:
+`relocate_job_paths` rewrites its relative paths for the folder it is written to."""
 
 from __future__ import annotations
 
@@ -14,12 +17,19 @@ import errno
 import os
 import secrets
 import stat
+from typing import Sequence
 
 from ..spec.errors import EXIT_RUNTIME, InputError, Problem, ShardplanError
 
 # What a write raises when the output cannot be kept, as against a path that cannot be
 # written at all (the same errors cli/app.py reads as a lost stdout).
 WRITE_FAILURES = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+
+
+# The job keys whose relative paths the loader resolves against the job file's folder
+# (io/job.py `resolve_document`). `checkpoint.dir` is not one: `run` uses it from the working
+# directory as written, so a written job keeps it as it is.
+JOB_PATH_KEYS = (("model", "hf_config"), ("data", "path"))
 
 
 # Paths that name a process's streams (`/dev/stdout` may lead to a regular file the shell
@@ -71,6 +81,50 @@ def check_writable(path: str, flag: str) -> None:
         raise _unwritable(path, flag, os.strerror(errno.EACCES))
 
 
+def job_folder(source: str, overrides: Sequence[tuple[str, object]] = (), config_as_job: bool = False) -> str:
+    """The folder the loader (io/job.py `resolve_document`) resolves a job's relative paths
+    against: the job file's, but the working directory for a job with no file, a Hugging
+    Face config.json read as a job, or a model.hf_config given on the command line."""
+    if not source or config_as_job or any(path == "model.hf_config" for path, _ in overrides):
+        return os.getcwd()
+    return os.path.dirname(os.path.abspath(source))
+
+
+def relocate_job_paths(data: dict, folder: str, target: str) -> dict:
+    """A copy of the job `data` whose relative paths (JOB_PATH_KEYS), meant from `folder`,
+    name the same files from the folder of `target`, the file it is written to: relative
+    where a relative path exists (os.path.relpath; folders through links as the system walks
+    them), else absolute. A target that is a stream (`/dev/stdout`, a pipe) may land anywhere:
+    absolute paths."""
+    result = dict(data)
+    there = None if _is_stream(target) else os.path.realpath(os.path.dirname(os.path.abspath(target)))
+    here = os.path.realpath(folder)
+    for table, key in JOB_PATH_KEYS:
+        section = result.get(table)
+        value = section.get(key) if isinstance(section, dict) else None
+        if not isinstance(value, str) or not value or os.path.isabs(value) or here == there:
+            continue
+        head, tail = os.path.split(os.path.join(here, value))
+        # The folder through its links, the file's own name kept (a link to a config stays one).
+        named = (os.path.join(os.path.realpath(head), tail) if tail not in ("", ".", "..")
+                 else os.path.realpath(os.path.join(head, tail)))
+        try:
+            moved = os.path.relpath(named, there) if there is not None else named
+        except ValueError:  # another drive (Windows): no relative path leads there
+            moved = named
+        result[table] = {**section, key: moved}
+    return result
+
+
+def _is_stream(path: str) -> bool:
+    """A target that is no regular file: written directly, wherever it leads (`write_text`)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = None
+    return (mode is not None and not stat.S_ISREG(mode)) or os.path.abspath(path).startswith(_STREAMS)
+
+
 def write_text(path: str, text: str, flag: str) -> None:
     """Write `text` (UTF-8) to `path` whole, or leave what was there (see the module)."""
     check_writable(path, flag)
@@ -79,7 +133,7 @@ def write_text(path: str, text: str, flag: str) -> None:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
         mode = None
-    if (mode is not None and not stat.S_ISREG(mode)) or os.path.abspath(path).startswith(_STREAMS):
+    if _is_stream(path):
         _write_directly(path, data, flag)
         return
     target = os.path.realpath(path)  # through a link: the file it names, the link kept
