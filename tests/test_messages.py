@@ -145,6 +145,20 @@ def test_an_unknown_cluster_preset_and_model_together(write):
     assert [line.split(": ")[1] for line in result.err_lines] == ["cluster.preset", "model.preset"]
 
 
+@pytest.mark.parametrize("other, path", [
+    ('[train]\nprecision = "xx"\n', "train.precision"),  # a value the tables reject
+    ("[parallel]\ndpp = 1\n", "parallel.dpp"),  # an unknown key
+])
+def test_an_unknown_model_preset_is_listed_with_invalid_tables(write, other, path):
+    """A preset that cannot be found hides nothing, and is not hidden by a table that does not
+    validate (README: "it is listed with the rest")."""
+    job = write("job.toml", '[model]\npreset = "llama-3-8bb"\n' + other)
+    result = run_cli("validate", job)
+    assert result.code == 2
+    assert [line.split(": ")[1] for line in result.err_lines] == ["model.preset", path]
+    assert "did you mean 'llama-3-8b'?" in result.err_lines[0]
+
+
 # --- the ranks column --------------------------------------------------------------------
 
 @pytest.mark.parametrize("ranks, shown", [

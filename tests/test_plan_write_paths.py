@@ -17,7 +17,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from conftest import run_cli
+from conftest import ROOT, run_cli
 
 # Llama-3-8B's config.json (meta-llama/Meta-Llama-3-8B), the keys shardplan reads.
 LLAMA_CONFIG = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
@@ -170,6 +170,32 @@ def test_no_relative_path_falls_back_to_absolute(tmp_path, monkeypatch):
 
     monkeypatch.setattr(writing.os.path, "relpath", impossible)
     (tmp_path / "sub").mkdir()
-    data = writing.relocate_job_paths({"model": {"hf_config": "config.json"}}, str(tmp_path),
+    folders = writing.job_folders(str(tmp_path / "job.toml"))
+    data = writing.relocate_job_paths({"model": {"hf_config": "config.json"}}, folders,
                                       str(tmp_path / "sub" / "b.toml"))
     assert data["model"]["hf_config"] == os.path.join(os.path.realpath(tmp_path), "config.json")
+
+
+def test_data_path_is_opened_from_the_job_files_folder(tmp_path, monkeypatch):
+    """`run` opens data.path where `validate` looks for it: relative to the job file, also when
+    model.hf_config comes from the command line; a data.path given there is meant from the
+    working directory (io/writing.py `job_folders`)."""
+    from shardplan.io.job import load_job
+
+    (tmp_path / "tokens.bin").write_bytes(bytes(64))
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "job.toml").write_text('[model]\npreset = "tiny-llama"\n[data]\npath = "../tokens.bin"\n',
+                                               encoding="utf-8")
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    monkeypatch.chdir(other)
+    resolved = load_job(str(tmp_path / "sub" / "job.toml"), [], env={})
+    assert resolved.data_file == str(tmp_path / "sub" / ".." / "tokens.bin")
+    assert os.path.samefile(resolved.data_file, tmp_path / "tokens.bin")
+    (other / "config.json").write_text((ROOT / "tests" / "data" / "hf_configs" / "llama-3-8b.json").read_text(),
+                                       encoding="utf-8")
+    flagged = load_job(str(tmp_path / "sub" / "job.toml"), [("model.hf_config", "config.json")], env={})
+    assert os.path.samefile(flagged.data_file, tmp_path / "tokens.bin")
+    (other / "tokens.bin").write_bytes(bytes(64))
+    given = load_job(str(tmp_path / "sub" / "job.toml"), [("data.path", "tokens.bin")], env={})
+    assert os.path.samefile(given.data_file, other / "tokens.bin")

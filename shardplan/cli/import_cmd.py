@@ -16,7 +16,7 @@ from ..io.interop.source import FORMATS, read_source
 from ..io.job import resolve_document
 from ..io.overrides import apply_overrides
 from ..io.presets import find_preset
-from ..io.writing import job_folder, relocate_job_paths, write_text
+from ..io.writing import job_folders, relocate_job_paths, write_text
 from ..render.output import emit_diagnostics, emit_json
 from ..spec.errors import InputError, Problem
 from ..spec.model import SHAPE_KEYS, SOURCE_KEYS
@@ -123,7 +123,7 @@ def import_config(
         raise InputError([named(p) for p in exc.problems]) from None
     tables = built.data
     if output:  # its relative paths as the loader read them, now meant from where it is written
-        tables = relocate_job_paths(tables, job_folder(file, overrides), output)
+        tables = relocate_job_paths(tables, job_folders(file, overrides), output)
     text = job_text(tables, file, fmt)
     if output:
         write_text(output, text, "--output")

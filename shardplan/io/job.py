@@ -25,6 +25,7 @@ from .hf_config import config_key, looks_like_hf_config, model_kind, read_hf_con
 from .overrides import Override, apply_overrides
 from .presets import find_preset, list_presets
 from .problems import did_you_mean, problems_from_validation
+from .writing import job_folders
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class ResolvedJob:
     model_name: str
     worlds: list[tuple[int, str]] = field(default_factory=list)
     warnings: list[Problem] = field(default_factory=list)
+    data_file: str = ""  # data.path as `run` opens it: relative to the job file (io/writing.py `job_folders`)
 
     @property
     def degrees(self) -> Degrees:
@@ -106,6 +108,20 @@ def _expand_cluster_preset(data: dict) -> list[Problem]:
         base = read_document(preset.path).data.get("cluster", {})
         data["cluster"] = {**base, **cluster}
     return problems
+
+
+def _unknown_model_preset(data: dict) -> list[Problem]:
+    """A model preset that cannot be found, listed with the other problems of tables that do
+    not validate (a preset that hides nothing, as a cluster preset)."""
+    model = data.get("model")
+    name = model.get("preset") if isinstance(model, dict) else None
+    if not isinstance(name, str):
+        return []
+    try:
+        find_preset(name, "models", "model.preset")
+    except InputError as exc:
+        return list(exc.problems)
+    return []
 
 
 def _resolve_model(spec: ModelSpec, base_dir: Path) -> tuple[ModelShape | None, str, list[Problem]]:
@@ -247,12 +263,11 @@ def resolve_document(
     try:
         job = JobSpec.model_validate(data)
     except ValidationError as exc:  # the tables must be valid before any rule relates them
-        raise InputError(notes + _locate(unknown_cluster + problems_from_validation(JobSpec, exc), doc, flagged)) from None
-    base_dir = Path(doc.path).parent if doc.path else Path.cwd()
-    if "model.hf_config" in flagged or notes:
-        base_dir = Path.cwd()
+        found = unknown_cluster + _unknown_model_preset(data) + problems_from_validation(JobSpec, exc)
+        raise InputError(notes + _locate(found, doc, flagged)) from None
+    folders = job_folders(doc.path, overrides, config_as_job=bool(notes))
     try:
-        shape, name, model_problems = _resolve_model(job.model, base_dir)
+        shape, name, model_problems = _resolve_model(job.model, Path(folders["model", "hf_config"]))
     except InputError as exc:
         shape, name, model_problems = None, "", exc.problems
     # A model that cannot be resolved hides nothing else: the rules that need no model still
@@ -266,10 +281,12 @@ def resolve_document(
         problems.append(Problem(
             "model", "the table names no model, so nothing model-dependent is checked (give preset, "
             "hf_config, params, or an inline shape with family)", severity="warning"))
+    data_file = ""
     if job.data.path:
         data_path = Path(job.data.path)
         if not data_path.is_absolute():
-            data_path = base_dir / data_path
+            data_path = Path(folders["data", "path"]) / data_path
+        data_file = str(data_path)
         if not data_path.is_file():
             problems.append(Problem(
                 "data.path", f"{job.data.path!r}: no such file",
@@ -282,4 +299,4 @@ def resolve_document(
     errors = [p for p in problems if p.severity == "error"]
     if errors:
         raise InputError(notes + problems)
-    return ResolvedJob(doc.path, job, shape, name, worlds, notes + problems)
+    return ResolvedJob(doc.path, job, shape, name, worlds, notes + problems, data_file)

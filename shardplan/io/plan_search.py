@@ -29,7 +29,7 @@ from .files import Document, read_document
 from .job import ResolvedJob, hf_config_as_job
 from .overrides import apply_overrides
 from .plan_job import fixed_keys, plan_tables, written_job
-from .writing import job_folder, relocate_job_paths, write_text
+from .writing import job_folders, relocate_job_paths, write_text
 
 PROGRESS_AFTER = 0.3  # seconds before a search shows its progress bar
 
@@ -56,7 +56,7 @@ class PlanOutcome:
     fixed: Fixed
     hardware: object = None
     notes: list[str] = field(default_factory=list)
-    folder: str = ""  # where the document's relative paths are meant from (io/writing.py `job_folder`)
+    folders: dict = field(default_factory=dict)  # where its relative paths are meant from (io/writing.py `job_folders`)
 
     @property
     def found(self) -> bool:
@@ -94,7 +94,7 @@ class PlanOutcome:
         import tomli_w
 
         best = self.entries[0]
-        data = relocate_job_paths(written_job(self.document, best.tables), self.folder, target)
+        data = relocate_job_paths(written_job(self.document, best.tables), self.folders, target)
         _fit_cluster(data, self.world, self.resolved.job.cluster.gpus_per_node)
         d = best.inputs.degrees
         header = (f"# shardplan plan: the fastest of the plans that fit {self.world} GPUs: dp {d.dp} x tp {d.tp} "
@@ -102,13 +102,13 @@ class PlanOutcome:
         return header + tomli_w.dumps(data)
 
 
-def _plan_document(file: str, overrides: list) -> tuple[dict, str]:
+def _plan_document(file: str, overrides: list) -> tuple[dict, dict]:
     """The job document a plan is written over, as the loader read it (a Hugging Face
     config.json as the job `[model] hf_config` names it, the overrides written in), and the
     folder its relative paths are meant from."""
     doc = read_document(Path(file)) if file else Document("", {})
     doc, notes = hf_config_as_job(doc)
-    return apply_overrides(doc.data, overrides), job_folder(file, overrides, config_as_job=bool(notes))
+    return apply_overrides(doc.data, overrides), job_folders(file, overrides, config_as_job=bool(notes))
 
 
 def _fit_cluster(data: dict, world: int, gpus_per_node: int) -> None:
@@ -301,14 +301,14 @@ def _run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None,
         result = search(base, space, fixed, timer, top_k=top, progress=bar, **ranking)
     finally:
         bar.close()
-    document, folder = _plan_document(resolved.file, overrides or [])
+    document, folders = _plan_document(resolved.file, overrides or [])
     entries = []
     for found in result.plans:
         estimate = estimate_memory(found.asked)  # what `estimate` does with the written job
         timing = step_time(estimate.inputs, hardware, lora=lora)
         entries.append(PlanEntry(estimate.inputs, plan_tables(found.asked, batch), estimate, timing))
     outcome = PlanOutcome(resolved, document, world, batch, job.cluster.gpu_memory, entries, result, fixed, hardware,
-                          folder=folder)
+                          folders=folders)
     if not entries:
         if result.batch_unsplit():
             outcome.notes += _batch_that_splits(base, space, fixed, timer, ranking)

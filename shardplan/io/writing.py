@@ -81,25 +81,31 @@ def check_writable(path: str, flag: str) -> None:
         raise _unwritable(path, flag, os.strerror(errno.EACCES))
 
 
-def job_folder(source: str, overrides: Sequence[tuple[str, object]] = (), config_as_job: bool = False) -> str:
-    """The folder the loader (io/job.py `resolve_document`) resolves a job's relative paths
-    against: the job file's, but the working directory for a job with no file, a Hugging
-    Face config.json read as a job, or a model.hf_config given on the command line."""
-    if not source or config_as_job or any(path == "model.hf_config" for path, _ in overrides):
-        return os.getcwd()
-    return os.path.dirname(os.path.abspath(source))
+def job_folders(source: str, overrides: Sequence[tuple[str, object]] = (),
+                config_as_job: bool = False) -> dict[tuple[str, str], str]:
+    """The folder each of JOB_PATH_KEYS is meant from, as the loader (io/job.py
+    `resolve_document`) and `run` resolve it: the job file's, but the working directory for a
+    job with no file, a key given on the command line, and the model of a Hugging Face
+    config.json read as a job."""
+    flagged = {path for path, _ in overrides}
+    here = os.path.dirname(os.path.abspath(source)) if source else os.getcwd()
+    folders = {}
+    for table, key in JOB_PATH_KEYS:
+        from_cwd = f"{table}.{key}" in flagged or (config_as_job and table == "model")
+        folders[table, key] = os.getcwd() if from_cwd else here
+    return folders
 
 
-def relocate_job_paths(data: dict, folder: str, target: str) -> dict:
-    """A copy of the job `data` whose relative paths (JOB_PATH_KEYS), meant from `folder`,
+def relocate_job_paths(data: dict, folders: dict[tuple[str, str], str], target: str) -> dict:
+    """A copy of the job `data` whose relative paths (JOB_PATH_KEYS), meant from `folders`,
     name the same files from the folder of `target`, the file it is written to: relative
     where a relative path exists (os.path.relpath; folders through links as the system walks
     them), else absolute. A target that is a stream (`/dev/stdout`, a pipe) may land anywhere:
     absolute paths."""
     result = dict(data)
     there = None if _is_stream(target) else os.path.realpath(os.path.dirname(os.path.abspath(target)))
-    here = os.path.realpath(folder)
     for table, key in JOB_PATH_KEYS:
+        here = os.path.realpath(folders[table, key])
         section = result.get(table)
         value = section.get(key) if isinstance(section, dict) else None
         if not isinstance(value, str) or not value or os.path.isabs(value) or here == there:

@@ -114,7 +114,7 @@ class Trainer:
         job = self.resolved.job
         vocab, seq, seed = self.resolved.shape.vocab_size, job.train.seq_len, job.train.seed
         if job.data.path:
-            return data_mod.FileTokens(job.data.path, job.data.dtype, vocab, seq, seed)
+            return data_mod.FileTokens(self.resolved.data_file or job.data.path, job.data.dtype, vocab, seq, seed)
         return data_mod.SyntheticTokens(vocab, seq, seed)
 
     def _local_batch(self, step: int, microbatches: range) -> tuple[torch.Tensor, torch.Tensor]:
