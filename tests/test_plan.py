@@ -8,6 +8,8 @@ References no one here wrote: Narayanan et al. 2021 Tables 1 and 2 and their pla
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections import Counter
 
 import pytest
@@ -19,8 +21,9 @@ from shardplan.core.degrees import Degrees
 from shardplan.core.estimate_inputs import EstimateInputs, default_cpu_budget
 from shardplan.core.hardware import Hardware, TimeConstants
 from shardplan.core.memory import cpu_limit, estimate_memory, plan_figures, resolve_offload
-from shardplan.core.search import (PRUNED, RECOMPUTE, Fixed, Space, _Walk, candidates, divisors, forward_bound, search,
-                                   states_bound, twin_key)
+from shardplan.core.pipeline import split_layers
+from shardplan.core.search import (PRUNED, RECOMPUTE, Fixed, Space, _Walk, candidates, closest_misses, divisors,
+                                   forward_bound, schedule_options, search, states_bound, twin_key)
 from shardplan.core.step_time import step_time, step_time_bound, step_time_group_bound, step_time_refined_bound
 from shardplan.spec.model import resolve_shape
 from test_plan_figures import SHAPES, plans
@@ -367,6 +370,30 @@ def test_nothing_fits_gives_the_closest_misses():
     assert shorts == sorted(shorts) and shorts[0] > 0
     closest = result.misses[0]
     assert closest.peak_gpu_bytes - 300 * MiB == closest.short_bytes
+
+
+def test_each_closest_miss_is_a_different_plan():
+    """With one rank per shard group the ZeRO stages shard nothing: a miss is shown once, at
+    the stage it misses by least; where the stage shards (dp 2), each stage is a plan."""
+    from shardplan.core.search import Miss
+
+    one = small_base("llama", 1, 300 * MiB).with_(degrees=Degrees(pp=2))
+    two = small_base("llama", 2, 300 * MiB)
+    misses = [Miss(one.with_(zero_stage=stage), 0, 0, short, "GPU memory") for stage, short in ((0, 9), (1, 7), (2, 7))]
+    misses += [Miss(two.with_(zero_stage=stage), 0, 0, short, "GPU memory") for stage, short in ((2, 8), (3, 5))]
+    shown = closest_misses(misses, 5)
+    assert [(m.inputs.degrees.dp, m.inputs.zero_stage, m.short_bytes) for m in shown] == [(2, 3, 5), (1, 1, 7), (2, 2, 8)]
+    assert len(closest_misses(misses, 2)) == 2
+
+
+@pytest.mark.parametrize("layers, pp", [(32, 7), (12, 3), (80, 16), (126, 16)])
+def test_each_layer_split_is_searched_once(layers, pp):
+    """A split with a fixed last stage can equal the one with that stage left even (32 layers
+    in 7 stages: first 3 gives 3/5/5/5/5/5/4, as first 3 and last 4 does): one plan."""
+    shape = dataclasses.replace(SHAPES["llama"], num_layers=layers)
+    options = schedule_options(shape, pp, Space(world=pp, global_batch=pp), Fixed(schedule="1f1b"))
+    splits = [tuple(split_layers(layers, pp, *split)) for _, _, split in options]
+    assert len(splits) == len(set(splits)) and len(splits) > 1
 
 
 # --- published plans -------------------------------------------------------------------------

@@ -146,3 +146,12 @@ def test_bad_input(args, needle):
     assert "Traceback" not in result.err
     assert any(needle in line for line in result.err_lines), result.err
     assert result.out == ""
+
+
+def test_numel_takes_the_count_conventions():
+    """`--numel` reads counts as every count flag does (README: 7.5B, 124M, 1T, 7.5e9)."""
+    written = run_cli("shards", "--numel", "7.5B", "--world", "4", "--json")
+    digits = run_cli("shards", "--numel", "7500000000", "--world", "4", "--json")
+    assert written.code == digits.code == 0 and written.json == digits.json
+    bad = run_cli("shards", "--numel", "7.5X", "--world", "4")
+    assert bad.code == 2 and bad.err_lines == ["--numel: unknown suffix 'X' in '7.5X' (known: K, M, B, T)"]

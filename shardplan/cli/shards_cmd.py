@@ -19,6 +19,7 @@ from ..render.shards import (
 )
 from ..spec.common import MAX_WORLD_SIZE
 from ..spec.errors import InputError, Problem
+from ..spec.units import parse_count
 from .options import JsonFlag, PlanFlags, plan_flags
 
 # More blocks than this is a typing mistake, not an optimizer (same bound as the world).
@@ -53,7 +54,9 @@ def shards(
         Optional[int],
         typer.Option("--world", min=1, max=MAX_WORLD_SIZE, help="ranks sharing the tensor (default: the job's dp*cp)"),
     ] = None,
-    numel: Annotated[Optional[int], typer.Option("--numel", min=0, help="shard one flat tensor of N elements")] = None,
+    numel_arg: Annotated[
+        Optional[str], typer.Option("--numel", help="shard one flat tensor of N elements (e.g. 4096, 124M, 7.5B)")
+    ] = None,
     style: Annotated[
         Optional[str], typer.Option("--style", help=f"{', '.join(STYLES)} (default: the job's framework)")
     ] = None,
@@ -69,6 +72,12 @@ def shards(
 ) -> None:
     """What each rank owns: ranges of a flat tensor, a model's parameters, or whole blocks."""
     problems = []
+    numel = None
+    if numel_arg is not None:
+        try:
+            numel = parse_count(numel_arg)
+        except ValueError as exc:
+            problems.append(Problem("--numel", str(exc)))
     if style is not None and style not in STYLES:
         problems.append(Problem("--style", f"unknown style {style!r} (one of {', '.join(STYLES)})"))
     if assign is not None and assign not in ASSIGNMENTS:

@@ -178,11 +178,14 @@ def schedule_options(shape: ModelShape, pp: int, space: Space, fixed: Fixed) -> 
         base = -(-layers // pp)
         firsts = [fixed.first_stage_layers] if fixed.first_stage_layers is not None else sorted({0, base - 1, base - 2} - {-1})
         lasts = [fixed.last_stage_layers] if fixed.last_stage_layers is not None else sorted({0, base - 1} - {-1})
+        seen = set()  # a split reached twice (an even rest equal to a fixed last stage) is one plan
         for first, last in product(firsts, lasts):
             if (first or last) and split_problem(layers, pp, first, last):
                 continue
-            if (first or last) and split_layers(layers, pp, first, last) == split_layers(layers, pp):
-                continue  # the same split as the even one
+            counts = tuple(split_layers(layers, pp, first, last))
+            if counts in seen:
+                continue
+            seen.add(counts)
             out.append((schedule, 1, (first, last)))
     return out
 
@@ -686,6 +689,21 @@ class _Walk:
             self.progress(self.result.evaluated)
 
 
+def closest_misses(misses: list[Miss], top_k: int) -> list[Miss]:
+    """The `top_k` misses closest to fitting, each plan once: with one rank per shard group
+    (dp = cp = 1) the ZeRO stages shard nothing, and a miss at several stages is shown at the
+    stage it misses by least (`twin_key`'s rule for plans that fit)."""
+    shown, seen = [], set()
+    for miss in sorted(misses, key=lambda m: (m.short_bytes, m.inputs.zero_stage)):
+        d = miss.inputs.degrees
+        key = miss.inputs.with_(zero_stage=0) if d.dp * d.cp == 1 else miss.inputs
+        if key in seen:
+            continue
+        seen.add(key)
+        shown.append(miss)
+    return shown[:top_k]
+
+
 def twin_key(inputs: EstimateInputs, asked: EstimateInputs, seconds: float, peak: int, host: int) -> tuple | None:
     """With one rank per shard group (dp = cp = 1) the ZeRO stages shard nothing: they change
     only how the runtime wraps the model (stage 1: DDP; 2 and 3: fully_shard over one rank),
@@ -796,6 +814,6 @@ def search(base: EstimateInputs, space: Space, fixed: Fixed, timer: Callable[[Es
         walk.settle()
     ranked = sorted(walk.best, reverse=True)
     result.plans = [Found(inputs, peak, host, -neg, asked) for neg, _, _, inputs, peak, host, asked in ranked]
-    result.misses = sorted(walk.misses, key=lambda m: m.short_bytes)[:top_k]
+    result.misses = closest_misses(walk.misses, top_k)
     result.seconds = time.perf_counter() - start
     return result
