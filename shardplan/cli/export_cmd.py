@@ -10,19 +10,24 @@ from typing import Annotated, Optional
 import typer
 
 from ..core.degrees import Degrees
+from ..core.estimate_inputs import inputs_from_job
 from ..core.layout import Layout, shard_group_size
+from ..core.memory import estimate_memory
 from ..io.interop import TARGETS
 from ..io.interop.common import Plan
+from ..io.interop.offload import decided_offload
 from ..io.job import ResolvedJob
 from ..io.problems import did_you_mean
 from ..io.writing import write_text
 from ..render.output import emit_diagnostics, emit_json
 from ..spec.errors import InputError, PlanError, Problem
+from .estimate_cmd import limits_known
 from .options import JsonFlag, PlanFlags, plan_flags
 
 
 def plan_of(resolved: ResolvedJob) -> Plan:
-    """The exporters' view of a validated job (core decides the shard group and nodes)."""
+    """The exporters' view of a validated job (core decides the shard group and nodes, and the
+    estimate what its offload strategy adds: the plan fits only as `estimate` decided it)."""
     job = resolved.job
     par, cluster = job.parallel, job.cluster
     degrees = Degrees(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp)
@@ -32,7 +37,10 @@ def plan_of(resolved: ResolvedJob) -> Plan:
     except PlanError as exc:
         raise InputError(Problem("zero.hybrid", str(exc), file=resolved.file or None)) from None
     nodes = cluster.nodes or -(-degrees.world // cluster.gpus_per_node)
-    return Plan(job, resolved.shape, group, nodes)
+    estimate = None
+    if resolved.shape is not None or resolved.params_only is not None:
+        estimate = estimate_memory(inputs_from_job(job, resolved.shape, limits_known(resolved)))
+    return Plan(job, resolved.shape, group, nodes, decided_offload(job, estimate))
 
 
 @plan_flags

@@ -19,6 +19,7 @@ import math
 
 from ...spec.job import FSDP_STAGE_NAMES
 from .common import Exported, Imported, Note, Plan, Reader, unexpressed
+from .offload import whole_model_offload
 
 TARGET = "accelerate"
 
@@ -55,10 +56,13 @@ def to_accelerate(plan: Plan) -> Exported:
         elif zero.stage == 0:
             notes.append(Note("zero.stage", "accelerate runs tensor and context parallel under FSDP2 only; "
                                             "written with reshard_after_forward false"))
+        offload_params, decided_note = off.params, ""
+        if plan.offload.changed:  # the offload strategy's decision, in the one setting FSDP2 has
+            offload_params, decided_note = whole_model_offload(plan.offload, "fsdp_offload_params", zero.stage)
         fsdp_config = {
             "fsdp_version": 2,
             "fsdp_reshard_after_forward": zero.stage == 3,
-            "fsdp_offload_params": off.params,
+            "fsdp_offload_params": offload_params,
             "fsdp_activation_checkpointing": train.activation_checkpointing != "none",
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
             "fsdp_cpu_ram_efficient_loading": False,
@@ -80,20 +84,27 @@ def to_accelerate(plan: Plan) -> Exported:
                 "parallelism_config_tp_size": par.tp,
                 "parallelism_config_cp_size": par.cp,
             }
-        if any((off.params, off.grads, off.optimizer)) and not all((off.params, off.grads, off.optimizer)):
+        if plan.offload.changed:
+            if decided_note:
+                notes.append(Note("offload", decided_note))
+        elif any((off.params, off.grads, off.optimizer)) and not all((off.params, off.grads, off.optimizer)):
             notes.append(Note("offload", "FSDP2's CPU offload moves parameters, gradients and optimizer states "
                                          f"together; written as {str(off.params).lower()} from offload.params"))
-        if off.params and off.gpu_param_budget:
+        if off.params and off.gpu_param_budget and not plan.offload.changed:
             notes.append(Note("offload.gpu_param_budget", "FSDP2's CPU offload covers every wrapped layer; the plan "
                                                           f"keeps {off.gpu_param_budget} bytes of layers on the GPU"))
-        if not off.pin_memory and off.params:
+        if not off.pin_memory and offload_params:
             notes.append(Note("offload.pin_memory", "accelerate's CPUOffloadPolicy always pins; false is not exported"))
         if train.activation_checkpointing in ("selective", "op"):
             notes.append(Note("train.activation_checkpointing", "accelerate recomputes whole transformer blocks; "
                                                                 f"{train.activation_checkpointing!r} is written as "
                                                                 "fsdp_activation_checkpointing"))
     else:
-        if any((off.params, off.grads, off.optimizer)):
+        if plan.offload.changed:
+            notes.append(Note("offload", whole_model_offload(
+                plan.offload, "fsdp_offload_params", zero.stage,
+                "accelerate offloads to the CPU only under FSDP or DeepSpeed")[1]))
+        elif any((off.params, off.grads, off.optimizer)):
             notes.append(Note("offload", "accelerate offloads to the CPU only under FSDP or DeepSpeed"))
         if train.activation_checkpointing != "none":
             notes.append(Note("train.activation_checkpointing", "without FSDP accelerate's config has no "

@@ -13,6 +13,7 @@ from typing import Callable, Iterable
 from ...spec.errors import Problem
 from ...spec.job import TABLES, JobSpec
 from ...spec.model import ModelShape
+from .offload import OffloadDecision, decided_offload
 
 
 @dataclass(frozen=True)
@@ -27,13 +28,19 @@ class Note:
 
 @dataclass(frozen=True)
 class Plan:
-    """What an exporter reads: the validated job, its resolved model and the two layout
-    facts a format may need (the ZeRO/FSDP shard group of hybrid sharding, the node count)."""
+    """What an exporter reads: the validated job, its resolved model, the two layout facts a
+    format may need (the ZeRO/FSDP shard group of hybrid sharding, the node count) and the
+    offload as the estimate decided it (offload.py; by default the job's flags as written)."""
 
     job: JobSpec
     shape: ModelShape | None
     shard_group: int
     nodes: int
+    offload: OffloadDecision = None  # type: ignore[assignment]  # None: the job's flags
+
+    def __post_init__(self) -> None:
+        if self.offload is None:
+            object.__setattr__(self, "offload", decided_offload(self.job, None))
 
     @property
     def world(self) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 from .common import Exported, Imported, Note, Plan, Reader, unexpressed
+from .offload import Offload, fit_of, same
 
 TARGET = "deepspeed"
 
@@ -66,23 +67,32 @@ def to_deepspeed(plan: Plan) -> Exported:
                                                  "pure bf16 training ('bf16') is written as bf16 mixed precision"))
     elif train.precision == "fp16-mixed":
         config["fp16"] = {"enabled": True}
-    zero_config: dict = {"stage": zero.stage}
+    written = _decided_offload(plan, notes) if plan.offload.changed else None
+    stage = zero.stage if written is None else written.zero_stage
+    zero_config: dict = {"stage": stage}
     for key, name in _BUCKETS.items():
-        if _applies(key, zero.stage):
+        if _applies(key, stage):
             zero_config[name] = getattr(zero, key)
-    if off.optimizer or off.grads:
-        zero_config["offload_optimizer"] = {"device": "cpu", "pin_memory": off.pin_memory}
-        if not off.optimizer:
-            notes.append(Note("offload.grads", "deepspeed cannot offload gradients alone: offload_optimizer "
-                                               "moves the optimizer states with them"))
-        elif not off.grads:
-            notes.append(Note("offload.grads", "deepspeed's offload_optimizer (ZeRO-Offload) moves the gradient "
-                                               "partitions to the CPU too; the plan keeps them on the GPU"))
-    if off.params:
-        zero_config["offload_param"] = {"device": "cpu", "pin_memory": off.pin_memory}
-        if off.gpu_param_budget:
-            notes.append(Note("offload.gpu_param_budget", "deepspeed's offload_param offloads every parameter; "
-                                                          f"the plan keeps {off.gpu_param_budget} bytes of layers on the GPU"))
+    if written is not None:  # the strategy's decision (its notes are written)
+        if written.optimizer:
+            zero_config["offload_optimizer"] = {"device": "cpu", "pin_memory": off.pin_memory}
+        if written.params:
+            zero_config["offload_param"] = {"device": "cpu", "pin_memory": off.pin_memory}
+    else:
+        if off.optimizer or off.grads:
+            zero_config["offload_optimizer"] = {"device": "cpu", "pin_memory": off.pin_memory}
+            if not off.optimizer:
+                notes.append(Note("offload.grads", "deepspeed cannot offload gradients alone: offload_optimizer "
+                                                   "moves the optimizer states with them"))
+            elif not off.grads:
+                notes.append(Note("offload.grads", "deepspeed's offload_optimizer (ZeRO-Offload) moves the gradient "
+                                                   "partitions to the CPU too; the plan keeps them on the GPU"))
+        if off.params:
+            zero_config["offload_param"] = {"device": "cpu", "pin_memory": off.pin_memory}
+            if off.gpu_param_budget:
+                notes.append(Note("offload.gpu_param_budget",
+                                  "deepspeed's offload_param offloads every parameter; "
+                                  f"the plan keeps {off.gpu_param_budget} bytes of layers on the GPU"))
     if zero.hybrid:
         # MiCS (mics_shard_size) sharded inside groups and replicated across them; DeepSpeed
         # 0.19 removed it and rejects the key (runtime/config.py, _REMOVED_ZERO_CONFIG_KEYS).
@@ -105,6 +115,36 @@ def to_deepspeed(plan: Plan) -> Exported:
         notes.append(Note("model", "deepspeed's config has no model: the training script builds it"))
     notes += unexpressed(plan, COVERED, TARGET)
     return Exported(config, notes)
+
+
+def _decided_offload(plan: Plan, notes: list[Note]) -> Offload:
+    """What DeepSpeed writes for the offload strategy's decision: offload_optimizer (ZeRO-Offload,
+    which moves the gradient partitions with the optimizer states and runs on ZeRO's optimizer,
+    stages 1-3: zero/offload_config.py, `DeepSpeedZeroOffloadOptimizerConfig`) and offload_param
+    (every parameter, stage 3). What differs from the decision, or does not fit as DeepSpeed
+    allocates it (the `deepspeed` accounting), gets a note."""
+    decision, stage, dp = plan.offload, plan.job.zero.stage, plan.job.parallel.dp
+    decided = decision.offload
+    moved = decided.optimizer or decided.grads
+    written = Offload(params=decided.params, grads=moved, optimizer=moved,
+                      resident_layers=0 if decided.params else None, zero_stage=max(stage, 1) if moved else stage)
+    if written.zero_stage != stage:
+        shards = (f"which shards them over the {dp} data-parallel ranks" if dp > 1
+                  else "which over one data-parallel rank shards nothing")
+        notes.append(Note("zero.stage", "deepspeed offloads optimizer states only with ZeRO stages 1-3 "
+                                        f"(offload_optimizer); {stage} is written as {written.zero_stage}, {shards}"))
+    fit = fit_of(decision, written, TARGET)
+    if same(decision, written) and fit.fits:
+        return written
+    why = []
+    if decided.optimizer != decided.grads:
+        why.append("offload_optimizer moves the optimizer states and the gradient partitions together")
+    if decided.params and decision.kept_layers():
+        why.append("offload_param offloads every layer's parameters")
+    because = f" ({'; '.join(why)})" if why else ""
+    notes.append(Note("offload", f"the {decision.strategy} strategy offloads {decision.describe()}: "
+                                 f"{decision.written_as(written)}{because}, {fit}"))
+    return written
 
 
 def dumps(config: dict) -> str:

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import math
 import shlex
+from dataclasses import replace
 
 from ...spec.job import parse_order
 from .common import Exported, Note, Plan, unexpressed
+from .offload import Offload, fit_of, same
 
 TARGET = "megatron"
 
@@ -60,14 +62,16 @@ def to_megatron(plan: Plan) -> Exported:
         _pipeline(plan, add, notes)
     add("--micro-batch-size", par.micro_batch_size)
     add("--global-batch-size", plan.global_batch)  # Megatron: microbatches = global / (micro * dp)
-    if zero.stage == 1:
+    written = _decided_offload(plan, notes) if plan.offload.changed else None
+    stage = zero.stage if written is None else written.zero_stage
+    if stage == 1:
         add("--use-distributed-optimizer")
-    elif zero.stage in (2, 3):
+    elif stage in (2, 3):
         # Megatron-FSDP: optim_grads is ZeRO-2, optim_grads_params ZeRO-3 (arguments.py,
         # --data-parallel-sharding-strategy). Megatron's --use-torch-fsdp2 would refuse
         # pipeline parallel and tied embeddings (validate_args).
         add("--use-megatron-fsdp")
-        add("--data-parallel-sharding-strategy", "optim_grads" if zero.stage == 2 else "optim_grads_params")
+        add("--data-parallel-sharding-strategy", "optim_grads" if stage == 2 else "optim_grads_params")
         add("--ckpt-format", "fsdp_dtensor")  # the only checkpoint format Megatron-FSDP takes
     if zero.hybrid:
         notes.append(Note("zero.hybrid", "hybrid sharding is not exported: Megatron-FSDP shards over the whole "
@@ -75,10 +79,10 @@ def to_megatron(plan: Plan) -> Exported:
     if zero.min_num_params:
         notes.append(Note("zero.min_num_params", "Megatron-FSDP shards every transformer layer; a size "
                                                  "threshold is not exported"))
-    if off.optimizer:
-        add("--optimizer-cpu-offload")
-        add("--optimizer-offload-fraction", "1.0")
-        add("--use-precision-aware-optimizer")  # validate_args: the offload runs on its code path
+    if written is not None and written.optimizer:
+        _optimizer_offload(add)
+    elif written is None and off.optimizer:
+        _optimizer_offload(add)
         if zero.stage != 1:
             notes.append(Note("offload.optimizer", "megatron offloads the optimizer with its distributed optimizer "
                                                    "(--use-distributed-optimizer, ZeRO-1)"))
@@ -124,6 +128,37 @@ def to_megatron(plan: Plan) -> Exported:
     said = {note.path for note in notes}
     notes += [note for note in unexpressed(plan, COVERED, TARGET) if note.path not in said]
     return Exported(args, notes)
+
+
+def _optimizer_offload(add) -> None:
+    """Megatron's CPU offload of the whole optimizer (its HybridDeviceOptimizer; the fraction
+    defaults to 0.0, megatron/core/optimizer/optimizer_config.py)."""
+    add("--optimizer-cpu-offload")
+    add("--optimizer-offload-fraction", "1.0")
+    add("--use-precision-aware-optimizer")  # validate_args: the offload runs on its code path
+
+
+def _decided_offload(plan: Plan, notes: list[Note]) -> Offload:
+    """What Megatron writes for the offload strategy's decision: the optimizer states only
+    (--optimizer-cpu-offload; it has no parameter or gradient offload), on the distributed
+    optimizer that --use-precision-aware-optimizer requires (megatron/core/optimizer/__init__.py,
+    `get_megatron_optimizer`; Megatron-FSDP enables it itself). What differs from the decision,
+    or does not fit, gets a note: estimated with the job's accounting at the job's stage
+    (shardplan has no accounting of Megatron's own; its distributed optimizer shards only the
+    optimizer states, which are on the CPU here)."""
+    decision, stage, dp = plan.offload, plan.job.zero.stage, plan.job.parallel.dp
+    decided = decision.offload
+    written = Offload(optimizer=decided.optimizer, zero_stage=1 if decided.optimizer and stage == 0 else stage)
+    if written.zero_stage != stage:
+        notes.append(Note("zero.stage", "megatron offloads the optimizer only with its distributed optimizer; "
+                                        f"written with --use-distributed-optimizer (ZeRO-1 over {dp} data-parallel "
+                                        f"rank{'s' if dp > 1 else ''})"))
+    fit = fit_of(decision, replace(written, zero_stage=None))
+    if not same(decision, written) or not fit.fits:
+        notes.append(Note("offload", f"megatron offloads optimizer states only (--optimizer-cpu-offload); the "
+                                     f"{decision.strategy} strategy offloads {decision.describe()}: "
+                                     f"{decision.written_as(written)}, {fit}"))
+    return written
 
 
 def _order(par, add, notes: list[Note]) -> None:

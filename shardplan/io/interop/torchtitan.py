@@ -19,6 +19,7 @@ import math
 
 from ...core.pipeline import split_layers
 from .common import Exported, Imported, Note, Plan, Reader, unexpressed
+from .offload import whole_model_offload
 
 TARGET = "torchtitan"
 
@@ -167,6 +168,13 @@ def _training(plan: Plan, notes: list[Note]) -> dict:
                                                  "written as bfloat16"))
     offloading = (off.params, off.grads, off.optimizer)
     _, shard = _dp_degrees(plan)
+    if plan.offload.changed:  # the offload strategy's decision, in the one setting torchtitan has
+        cannot = "" if _fsdp_applied(shard, par.cp) else f"torchtitan offloads to the CPU only under FSDP, {_NO_FSDP}"
+        training["enable_cpu_offload"], note = whole_model_offload(plan.offload, "enable_cpu_offload",
+                                                                   job.zero.stage, cannot)
+        if note:
+            notes.append(Note("offload", note))
+        return training
     if off.params and not _fsdp_applied(shard, par.cp):
         # torchtitan hands enable_cpu_offload to apply_fsdp only; without FSDP it would just
         # build the model on the CPU (torchtitan/train.py, init_device) and never move it.
