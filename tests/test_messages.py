@@ -208,3 +208,25 @@ def test_the_docs_state_no_gpu_memory_default():
     row = next(line for line in (ROOT / "docs" / "job-file.md").read_text().splitlines()
                if line.startswith("| `gpu_memory`"))
     assert "80GiB" not in row and "checked only when given" in row
+
+
+# --- overrides that contradict each other -------------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["--dp", "4", "--set", "parallel.dp=8"], "--set: parallel.dp=8 contradicts --dp 4: give one of them"),
+    (["--zero", "3", "--set", "zero.stage=2"], "--set: zero.stage=2 contradicts --zero 3: give one of them"),
+    (["--params", "7B", "--set", "model.preset=gpt2"],
+     "--set: two model sources on the command line (--params 7B, --set model.preset=gpt2): give one of them"),
+])
+def test_contradicting_overrides_are_refused(args, message):
+    result = run_cli("validate", "llama-3-8b-h100", *args)
+    assert result.code == 2 and result.err_lines == [message]
+    assert run_cli("validate", "llama-3-8b-h100", *args, "--json").json["error"]["problems"][0]["path"] == "--set"
+
+
+def test_agreeing_overrides_and_a_repeated_set_are_taken():
+    assert run_cli("validate", "llama-3-8b-h100", "--dp", "8", "--set", "parallel.dp=8").code == 0
+    # Of two --set of one key the later wins (the README).
+    result = run_cli("estimate", "llama-3-8b-h100", "--set", "train.seq_len=2048", "--set", "train.seq_len=4096",
+                     "--json")
+    assert result.code == 0 and result.json["assumptions"]["seq_len"] == 4096

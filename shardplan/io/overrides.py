@@ -54,11 +54,30 @@ def parse_set(expression: str) -> Override:
 
 
 def collect_overrides(shortcuts: dict[str, object], sets: list[str]) -> list[Override]:
-    """Shortcut flags first, then `--set` in the order given (a later one wins)."""
-    overrides: list[Override] = [
-        (SHORTCUTS[name], value) for name, value in shortcuts.items() if value is not None
-    ]
-    return overrides + [parse_set(s) for s in sets or []]
+    """Shortcut flags first, then `--set` in the order given (a later `--set` of the same key
+    wins). A `--set` that gives a shortcut flag's key another value, and two model sources on
+    the command line (`--params` and `--set model.preset=...`), are bad input: which one was
+    meant is not ours to guess."""
+    flagged = {SHORTCUTS[name]: (value, f"--{name.replace('_', '-')} {value}")
+               for name, value in shortcuts.items() if value is not None}
+    overrides: list[Override] = [(path, value) for path, (value, _) in flagged.items()]
+    parsed = [parse_set(s) for s in sets or []]
+    problems = []
+    for path, value in parsed:
+        if path in flagged and flagged[path][0] != value:
+            problems.append(Problem("--set", f"{path}={value!r} contradicts {flagged[path][1]}: give one of them"))
+    named = {}
+    for path, value in overrides + parsed:
+        section, _, key = path.partition(".")
+        if section == "model" and key in SOURCE_KEYS:
+            label = flagged[path][1] if path in flagged else f"--set {path}={value}"
+            named.setdefault(key, label)
+    if len(named) > 1:
+        problems.append(Problem("--set", f"two model sources on the command line ({', '.join(named.values())}): "
+                                         "give one of them"))
+    if problems:
+        raise InputError(problems)
+    return overrides + parsed
 
 
 def apply_overrides(data: dict, overrides: list[Override]) -> dict:
