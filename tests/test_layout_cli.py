@@ -108,7 +108,7 @@ def test_schedule_problems_do_not_block_a_layout():
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--rank", "16", "--dp", "16"], "rank 16 is out of range: the world has ranks 0..15"),
+    (["--rank", "16", "--dp", "16"], "--rank: rank 16 is out of range: the world has ranks 0..15"),
     (["--rank", "-1"], "rank -1 is out of range"),
     (["--order", "tp-tp"], "--order tp-tp: parallel.order: axis 'tp' appears twice"),
     (["--order", "tp-ep"], "unknown axis 'ep'"),

@@ -230,3 +230,23 @@ def test_agreeing_overrides_and_a_repeated_set_are_taken():
     result = run_cli("estimate", "llama-3-8b-h100", "--set", "train.seq_len=2048", "--set", "train.seq_len=4096",
                      "--json")
     assert result.code == 0 and result.json["assumptions"]["seq_len"] == 4096
+
+
+# --- hints ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("setting, message", [
+    ("train.precision=BF16-mixed", "(did you mean 'bf16-mixed'?)"),  # case does not count
+    ("cluster.gpu=h100", "(did you mean 'h100-pcie' or 'h100-sxm'?)"),  # presets/gpus: the names it starts
+    ("parallel.tpp=2", "(did you mean 'tp'?)"),
+    ("train.lr=nan", "train.lr: must be a number (got nan)"),
+])
+def test_hints_point_at_what_was_meant(setting, message):
+    result = run_cli("validate", "llama-3-8b-h100", "--set", setting)
+    assert result.code == 2 and len(result.err_lines) == 1 and result.err_lines[0].endswith(message), result.err
+
+
+def test_plan_without_a_model_says_so():
+    result = run_cli("plan", "--gpus", "8")
+    assert result.code == 2
+    assert result.err_lines == ["model: plan needs the model's architecture (a preset, hf_config or inline shape), "
+                                "and the job names no model"]

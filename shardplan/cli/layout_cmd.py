@@ -13,7 +13,7 @@ from ..io.overrides import Override
 from ..render.layout import layout_document, layout_picture, rank_document, rank_text
 from ..render.output import write_document
 from ..render.output import emit_diagnostics, stdout_console
-from ..spec.errors import Problem
+from ..spec.errors import InputError, PlanError, Problem
 from ..spec.job import JobSpec
 from .options import JsonFlag, PlanFlags, WorldOption, plan_flags
 
@@ -65,7 +65,10 @@ def layout(
     degrees = Degrees(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp)
     grid = Layout(degrees, par.order, job.cluster.gpus_per_node)
     if rank is not None:
-        grid.check_rank(rank)
+        try:
+            grid.check_rank(rank)
+        except PlanError as exc:
+            raise InputError(Problem("--rank", str(exc))) from None
     warnings = layout_warnings(grid)
     # The job's placement warnings are the layout's own: say each once.
     problems = [p for p in problems if p.message not in warnings]

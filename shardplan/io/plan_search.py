@@ -268,8 +268,9 @@ def _run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None,
 
     job, shape = resolved.job, resolved.shape
     if shape is None:
+        what = "not a bare parameter count" if job.model.params is not None else "and the job names no model"
         raise InputError(Problem("model", "plan needs the model's architecture (a preset, hf_config or inline "
-                                          "shape), not a bare parameter count"))
+                                          f"shape), {what}"))
     if "gpu_memory" not in job.cluster.model_fields_set:
         raise InputError(Problem("cluster.gpu_memory", "plan needs the GPU memory: set [cluster] gpu_memory or a "
                                                        "cluster preset (--set cluster.preset=h100-80gb)"))

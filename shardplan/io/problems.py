@@ -24,9 +24,19 @@ _BOUNDS = {
 
 
 def did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str:
-    """` (did you mean 'tp'?)` or an empty string."""
-    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    """` (did you mean 'tp'?)` or an empty string. Case does not count (`BF16-mixed` is
+    'bf16-mixed'), and a word every choice of one family starts with names them all (`h100`:
+    'h100-pcie' or 'h100-sxm')."""
+    names = [str(c) for c in choices]
+    lowered = {name.lower(): name for name in names}
+    text = str(word).strip().lower()
+    if text in lowered:
+        return f" (did you mean {lowered[text]!r}?)"
+    started = [name for name in names if text and name.lower().startswith(text)]
+    if 1 <= len(started) <= 3:
+        return f" (did you mean {' or '.join(repr(name) for name in started)}?)"
+    close = difflib.get_close_matches(text, list(lowered), n=1, cutoff=0.6)
+    return f" (did you mean {lowered[close[0]]!r}?)" if close else ""
 
 
 def shown_value(value: object) -> str:
@@ -96,6 +106,8 @@ def problem_from_error(root: type[BaseModel], err: dict) -> Problem:
         return Problem(path, "required")
     if kind in _EXPECTED:
         return Problem(path, f"expected {_EXPECTED[kind]}, got {_type_name(value)} {shown_value(value)}")
+    if kind in _BOUNDS and isinstance(value, float) and value != value:
+        return Problem(path, "must be a number (got nan)")  # NaN fails every bound
     if kind in _BOUNDS:
         symbol, key = _BOUNDS[kind]
         return Problem(path, f"must be {symbol} {ctx.get(key)} (got {shown_value(value)})")
