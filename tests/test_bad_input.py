@@ -275,7 +275,7 @@ def test_run_refuses_a_shared_norm_before_starting(write):
 
 def _line(problem: dict) -> str:
     """An error of the error document written as its stderr line (spec/errors.py Problem)."""
-    where = ""
+    where = f"{problem['flag']}: " if problem.get("flag") else ""
     if problem["file"]:
         where = f"{problem['file']}:{problem['line']}: " if problem["line"] else f"{problem['file']}: "
     path = f"{problem['path']}: " if problem["path"] else ""
@@ -288,7 +288,9 @@ def _check_json(argv: list[str], needle: str) -> None:
     doc = result.json  # stdout is one JSON document and nothing else
     assert doc["schema_version"] == 1 and doc["error"]["exit_code"] == 2, doc
     problems = doc["error"]["problems"]
-    assert problems and all(set(p) == {"file", "line", "path", "message"} for p in problems), problems
+    # CONTRACT's four keys; a value from the command line names its flag instead of a file.
+    assert problems and all(set(p) - {"flag"} == {"file", "line", "path", "message"} for p in problems), problems
+    assert all(p["file"] is None for p in problems if "flag" in p), problems
     assert any(needle in _line(p) for p in problems), problems
     errors = [line for line in result.err_lines if "warning:" not in line and "note:" not in line]
     assert [_line(p) for p in problems] == errors or len(problems) == len(errors) == 1, (errors, problems)

@@ -233,3 +233,11 @@ def test_validate_json_carries_the_error_document(write):
     assert [(p["file"], p["line"], p["path"]) for p in doc["error"]["problems"]] == [
         (bad, 2, "parallel.dp"), (bad, 4, "train.seq_len")]
     assert "error" not in run_cli("validate", good, "--json").json
+
+
+def test_a_flag_is_not_a_file_in_the_error_document():
+    """A problem with a command-line value: no file, the flag named (README)."""
+    for args, flag in ((["estimate", "llama-3-8b-h100", "--set", "parallel.dp=0"], "--set"),
+                       (["layout", "--dp", "0"], "--dp 0")):
+        problem = run_cli(*args, "--json").json["error"]["problems"][0]
+        assert (problem["file"], problem["flag"], problem["path"]) == (None, flag, "parallel.dp")

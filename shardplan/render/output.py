@@ -152,13 +152,17 @@ def write_document(document: dict) -> None:
 def error_document(problems: Iterable[object], exit_code: int) -> dict:
     """CONTRACT's error document for `--json` (stdout), beside the usual lines on stderr: one
     entry per error (warnings and notes stay on stderr); a plain line of text has no file,
-    line or path."""
+    line or path. A problem with a value given on the command line has no file either, and
+    names the flag (`"flag": "--set"`, `"--dp 0"`), as its stderr line does where a file goes."""
     rows = []
     for problem in problems:
         if getattr(problem, "severity", "error") != "error":
             continue
         if hasattr(problem, "path"):
-            rows.append({"file": problem.file, "line": problem.line, "path": problem.path, "message": problem.message})
+            row = {"file": problem.file, "line": problem.line, "path": problem.path, "message": problem.message}
+            if problem.file and problem.file.startswith("--"):  # a command-line flag, not a file
+                row.update(file=None, flag=problem.file)
+            rows.append(row)
         else:
             rows.append({"file": None, "line": None, "path": "", "message": str(problem)})
     return {"error": {"exit_code": exit_code, "problems": rows}}
