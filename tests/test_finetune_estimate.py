@@ -68,6 +68,30 @@ def test_zero_paper_lora_states():
     assert states["params"] == pytest.approx((2 * base + 2 * counts.trainable) / 8, rel=1e-4)
 
 
+def test_deepspeed_offload_param_puts_the_frozen_base_on_the_host():
+    """ZeRO-3 with offload_param: zero.Init takes offload_param.device as its remote device and
+    allocates every parameter's partition there, frozen or not (DeepSpeed
+    runtime/zero/partition_parameters.py, `Init.__init__`: remote_device =
+    offload_param.device; `_partition_param`: the partition on remote_device), ceil(numel / dp)
+    bf16 elements of each tensor. The GPU keeps none of the base."""
+    from shardplan.core.stages import rank_params
+
+    plan = LoraPlan(rank=16, targets=ALL)
+    common = dict(dp=8, zero_stage=3, framework="deepspeed", lora=plan, offload_optimizer=True)
+    on_gpu = estimate_memory(inputs("llama-3-8b", **common)).devices[0]
+    offloaded = estimate_memory(inputs("llama-3-8b", offload_params=True, **common)).devices[0]
+    rp = rank_params(shape("llama-3-8b"), 1, 1, 0, 1, 0)
+    base = rp.num_layers * sum(-(-p.numel // 8) for p in rp.layer) + sum(-(-p.numel // 8) for p in rp.root)
+
+    def frozen(device, where):
+        return sum(t.bytes for t in device.terms[f"{where}.params"] if t.label.startswith("frozen base"))
+
+    assert frozen(on_gpu, "gpu") == 2 * base and frozen(on_gpu, "cpu") == 0
+    assert frozen(offloaded, "gpu") == 0 and frozen(offloaded, "cpu") == 2 * base
+    assert on_gpu.states["params"] - offloaded.states["params"] > 2 * base  # the adapters' partitions too
+    assert sum(t.bytes for t in offloaded.host) - sum(t.bytes for t in on_gpu.host) >= 2 * base
+
+
 def test_qlora_base_is_a_quarter_of_bf16():
     """NF4 stores about 4.13 bits per weight with double quantization (Dettmers et al. 2023,
     section 3: 4 + 8/64 + 32/(64*256) bits; torchao's factors are bf16: 4 + 0.125 + 0.001)."""

@@ -370,8 +370,10 @@ def _lora(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, degree: int,
     if inputs.framework == "deepspeed":
         memory, host = _deepspeed(inputs, trainable, degree, index)
         held = "partition" if inputs.zero_stage == 3 else "whole"
-        gpu, cpu = frozen_terms(rp, inputs.lora, degree, rp.num_layers, held)
-        return _with_frozen(memory, gpu, cpu, deepspeed_frozen_buffers(rp, inputs.lora, inputs.zero_stage)), host
+        on_host = inputs.offload_params  # stage 3: zero.Init allocates every partition on the host
+        gpu, cpu = frozen_terms(rp, inputs.lora, degree, 0 if on_host else rp.num_layers, held, root_on_host=on_host)
+        memory = _with_frozen(memory, gpu, cpu, deepspeed_frozen_buffers(rp, inputs.lora, inputs.zero_stage))
+        return memory, host + cpu
     memory = _torch_or_paper(inputs, trainable, eb, degree, index, resident, buffers=False)
     if inputs.framework == "fsdp2":  # fully_shard at stages 0, 2, 3 (stage 0: one-rank shards); DDP at 1
         held, over = ("whole", 1) if inputs.zero_stage == 1 else ("fsdp2", degree if inputs.zero_stage >= 2 else 1)

@@ -12,7 +12,10 @@ bf16 or, for QLoRA's layer linears, as NF4 (core/quantized.py). Where it lives:
 - deepspeed: only trainable parameters enter the optimizer's flat buffers; at stages 0-2 the
   frozen base stays in the module as plain, whole tensors on every rank, at stage 3
   (`zero.Init` partitions every parameter) each frozen tensor is partitioned to
-  ceil(numel / dp) elements (stage3.py, partition_parameters.py `_padding_size`).
+  ceil(numel / dp) elements (stage3.py, partition_parameters.py `_padding_size`), on the
+  host under `offload_param` (`Init` takes its device as `remote_device` and allocates every
+  partition there, pinned as it says: partition_parameters.py, `Init.__init__` and
+  `_partition_param`).
 - zero-paper: the paper's formulas for the trainable parameters, the frozen base at its stored
   size, partitioned at stage 3.
 
@@ -57,9 +60,9 @@ def frozen_bytes(p: LocalParam, lora: LoraPlan, degree: int, how: str) -> int:
 
 
 def frozen_terms(rp: RankParams, lora: LoraPlan, degree: int, resident: int,
-                 held: str) -> tuple[list[Term], list[Term]]:
+                 held: str, root_on_host: bool = False) -> tuple[list[Term], list[Term]]:
     """(GPU, host) terms of the frozen base on this rank, held as `frozen_bytes` says; layers
-    past `resident` on the host."""
+    past `resident` on the host, and the root there too with `root_on_host`."""
     layer = sum(frozen_bytes(p, lora, degree, held) for p in rp.layer)
     root = sum(frozen_bytes(p, lora, degree, held) for p in rp.root)
     how = "NF4 layer linears, bf16 elsewhere" if lora.nf4 else "bf16"
@@ -70,7 +73,7 @@ def frozen_terms(rp: RankParams, lora: LoraPlan, degree: int, resident: int,
             place.append(Term(f"frozen base, {label}", count * layer,
                               lambda count=count: f"{count} * {layer:,} B ({how}{cut})"))
     if root:
-        gpu.append(Term("frozen base, embedding/head", root, f"{root:,} B (bf16{cut})"))
+        (cpu if root_on_host else gpu).append(Term("frozen base, embedding/head", root, f"{root:,} B (bf16{cut})"))
     return gpu, cpu
 
 
