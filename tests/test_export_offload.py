@@ -498,3 +498,22 @@ def test_megatron_export_is_shell_ready(write):
     result = run_cli("export", write("job.toml", PIPELINE), "--to", "megatron")
     assert result.code == 0, result.err
     megatron_args(shlex.split(result.out.replace("\\\n", " ")))
+
+
+def test_a_stated_optimizer_offload_at_zero_0_exports_what_the_frameworks_run():
+    """DeepSpeed ignores offload_optimizer at stage 0 (ZeRO-Offload runs on ZeRO's optimizer,
+    zero/offload_config.py), and Megatron-LM's --use-precision-aware-optimizer, which its CPU
+    offload needs, requires the distributed optimizer (megatron/core/optimizer/__init__.py): a
+    job stating the offload at ZeRO 0 is written at stage 1, with a note."""
+    args = ("export", "llama-3-8b-h100", "--zero", "0", "--set", "offload.optimizer=true", "--json")
+    ds = run_cli(*args[:2], "--to", "deepspeed", *args[2:])
+    assert ds.code == 0
+    zero = ds.json["config"]["zero_optimization"]
+    assert zero["stage"] == 1 and zero["offload_optimizer"]["device"] == "cpu"
+    assert any(n["path"] == "zero.stage" and n["message"].startswith("deepspeed offloads optimizer states only")
+               for n in ds.json["notes"])
+    mg = run_cli(*args[:2], "--to", "megatron", *args[2:])
+    assert mg.code == 0
+    flags = mg.json["config"]["args"]
+    assert "--use-distributed-optimizer" in flags and "--optimizer-cpu-offload" in flags
+    assert [n["path"] for n in mg.json["notes"] if n["path"] in ("zero.stage", "offload.optimizer")] == ["zero.stage"]

@@ -250,3 +250,8 @@ def test_plan_without_a_model_says_so():
     assert result.code == 2
     assert result.err_lines == ["model: plan needs the model's architecture (a preset, hf_config or inline shape), "
                                 "and the job names no model"]
+
+
+def test_values_are_quoted_as_the_job_file_writes_them():
+    result = run_cli("validate", "llama-3-8b-h100", "--set", "parallel.dp=true")
+    assert result.code == 2 and result.err_lines[0].endswith("got a boolean true")

@@ -181,7 +181,7 @@ def test_nothing_fits(write):
     job = write("job.toml", JOB.replace("llama-3-8b", "llama-3-70b") + "[offload]\nstrategy = \"conservative\"\n")
     result = run_cli("plan", job, "--gpus", "1", "--global-batch", "8")
     assert result.code == 1
-    assert "no plan of 1 GPUs fits" in result.err
+    assert "no plan of 1 GPU fits" in result.err
     assert "closest:" in result.err
     assert "--gpus" in result.err  # what it would take
     doc = run_cli("plan", job, "--gpus", "1", "--global-batch", "8", "--json")

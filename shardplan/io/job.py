@@ -182,7 +182,7 @@ def external_worlds(job: JobSpec, world: int | None, env: Mapping[str, str]) -> 
         worlds.append((int(raw), "from WORLD_SIZE"))
     if job.cluster_given():
         c = job.cluster
-        worlds.append((c.nodes * c.gpus_per_node, f"from cluster: {c.nodes} nodes * {c.gpus_per_node} GPUs"))
+        worlds.append((c.nodes * c.gpus_per_node, f"from cluster: {c.nodes} node{'s' if c.nodes != 1 else ''} * {c.gpus_per_node} GPU{'s' if c.gpus_per_node != 1 else ''}"))
     return worlds
 
 

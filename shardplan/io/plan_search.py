@@ -65,7 +65,7 @@ class PlanOutcome:
     def miss_lines(self) -> list[str]:
         """Nothing fits: the closest misses and what would take them under the GPU."""
         reasons = ", ".join(f"{n:,} {reason}" for reason, n in self.result.rejected.most_common())
-        lines = [f"plan: no plan of {self.world} GPUs fits (evaluated {self.result.evaluated:,}"
+        lines = [f"plan: no plan of {_gpus(self.world)} fits (evaluated {self.result.evaluated:,}"
                  + (f"; {reasons})" if reasons else ")")]
         shown = set()
         for miss in self.result.misses:
@@ -100,6 +100,10 @@ class PlanOutcome:
         header = (f"# shardplan plan: the fastest of the plans that fit {self.world} GPUs: dp {d.dp} x tp {d.tp} "
                   f"x pp {d.pp} x cp {d.cp}, {best.timing.step_seconds:.3f} s per step\n")
         return header + tomli_w.dumps(data)
+
+
+def _gpus(count: int) -> str:
+    return "1 GPU" if count == 1 else f"{count} GPUs"
 
 
 def _plan_document(file: str, overrides: list) -> tuple[dict, dict]:
@@ -334,7 +338,7 @@ def _batch_that_splits(base: EstimateInputs, space: Space, fixed: Fixed, timer, 
     only those, in increasing order and at most SPLIT_TRIES of them: bounded work, whatever
     the batch."""
     given = space.global_batch
-    head = (f"no plan of {space.world} GPUs splits a global batch of {given} (each data-parallel rank takes "
+    head = (f"no plan of {_gpus(space.world)} splits a global batch of {given} (each data-parallel rank takes "
             "whole sequences; a pipeline of pp stages needs at least pp microbatches)")
     limit = 64 * given
     nearest = set()

@@ -40,8 +40,9 @@ def did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str:
 
 
 def shown_value(value: object) -> str:
-    """A value as a message quotes it: its repr, cut at 60 characters."""
-    text = repr(value)
+    """A value as a message quotes it: its repr (a boolean as TOML writes it), cut at 60
+    characters."""
+    text = str(value).lower() if isinstance(value, bool) else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 

@@ -94,9 +94,12 @@ def summary_lines(result: Estimate, gpu_memory: int | None, cpu_memory: int | No
     cpu = f"host per node {format_bytes(result.cpu_bytes_per_node)} at {result.host_moment}"
     if cpu_memory:
         cpu += f" of {format_bytes(cpu_memory)} (cpu_memory_budget: the node's RAM less a reserve unless written)"
-    largest = sorted(result.host_breakdown.items(), key=lambda item: -item[1])[:3]
+    ranked = sorted(result.host_breakdown.items(), key=lambda item: -item[1])
+    largest, rest = ranked[:3], ranked[3:]
     if largest:
         cpu += ": " + ", ".join(f"{label} {format_bytes(value)}" for label, value in largest)
+    if rest:  # the line names the three largest; the others add up to the total
+        cpu += f", {len(rest)} more {format_bytes(sum(value for _, value in rest))}"
     lines.append(Text(cpu))
     for decision in result.decisions:
         lines.append(Text(f"offload: {decision}", style="yellow"))

@@ -62,7 +62,8 @@ def print_plans(console, outcome) -> None:
     """The table of plans, best first, then what the search did."""
     result = outcome.result
     name = outcome.resolved.model_name or "model"
-    lines = [Line(f"{name}: plans for {outcome.world} GPUs ({outcome.hardware.name}, "
+    gpus = "1 GPU" if outcome.world == 1 else f"{outcome.world} GPUs"
+    lines = [Line(f"{name}: plans for {gpus} ({outcome.hardware.name}, "
                   f"{format_bytes(outcome.gpu_memory)} each), global batch {outcome.global_batch} x "
                   f"{outcome.resolved.job.train.seq_len} tokens, fastest first",
                   style="bold")]

@@ -8,11 +8,14 @@ Exporters and importers are pure: dicts in, dicts out, no files and no printing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import typing
 from typing import Callable, Iterable
 
+from ...spec.common import Size
 from ...spec.errors import Problem
 from ...spec.job import TABLES, JobSpec
 from ...spec.model import ModelShape
+from ...spec.units import format_bytes
 from .offload import OffloadDecision, decided_offload
 
 
@@ -108,17 +111,28 @@ def unexpressed(plan: Plan, covered: Iterable[str], target: str) -> list[Note]:
             continue
         value = getattr(job, table)
         defaults = spec()
+        sizes = _size_fields(spec)
         for key in spec.model_fields:
             path = f"{table}.{key}"
             if path in covered:
                 continue
             mine = getattr(value, key)
             if mine != getattr(defaults, key):
-                notes.append(Note(path, f"{target} cannot express it ({_shown(mine)} is not exported)"))
+                notes.append(Note(path, f"{target} cannot express it ({_shown(mine, key in sizes)} is not exported)"))
     return notes
 
 
-def _shown(value: object) -> str:
+def _size_fields(spec) -> set[str]:
+    """The keys of a job table written as sizes (spec/common.py `Size`: bytes, shown in GiB)."""
+    hints = typing.get_type_hints(spec, include_extras=True)
+    return {key for key in spec.model_fields if hints.get(key) is Size}
+
+
+def _shown(value: object, size: bool = False) -> str:
+    if size and isinstance(value, int):
+        return format_bytes(value)
+    if isinstance(value, bool):
+        return str(value).lower()  # as the job file writes it
     return repr(value) if isinstance(value, str) else str(value)
 
 

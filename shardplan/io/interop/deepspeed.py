@@ -69,6 +69,10 @@ def to_deepspeed(plan: Plan) -> Exported:
         config["fp16"] = {"enabled": True}
     written = _decided_offload(plan, notes) if plan.offload.changed else None
     stage = zero.stage if written is None else written.zero_stage
+    if written is None and (off.optimizer or off.grads) and stage == 0:
+        # ZeRO-Offload runs on ZeRO's optimizer: at stage 0 DeepSpeed ignores offload_optimizer.
+        stage = 1
+        notes.append(_stage_note(0, 1, par.dp))
     zero_config: dict = {"stage": stage}
     for key, name in _BUCKETS.items():
         if _applies(key, stage):
@@ -117,6 +121,13 @@ def to_deepspeed(plan: Plan) -> Exported:
     return Exported(config, notes)
 
 
+def _stage_note(stage: int, written: int, dp: int) -> Note:
+    shards = (f"which shards them over the {dp} data-parallel ranks" if dp > 1
+              else "which over one data-parallel rank shards nothing")
+    return Note("zero.stage", "deepspeed offloads optimizer states only with ZeRO stages 1-3 "
+                              f"(offload_optimizer); {stage} is written as {written}, {shards}")
+
+
 def _decided_offload(plan: Plan, notes: list[Note]) -> Offload:
     """What DeepSpeed writes for the offload strategy's decision: offload_optimizer (ZeRO-Offload,
     which moves the gradient partitions with the optimizer states and runs on ZeRO's optimizer,
@@ -129,10 +140,7 @@ def _decided_offload(plan: Plan, notes: list[Note]) -> Offload:
     written = Offload(params=decided.params, grads=moved, optimizer=moved,
                       resident_layers=0 if decided.params else None, zero_stage=max(stage, 1) if moved else stage)
     if written.zero_stage != stage:
-        shards = (f"which shards them over the {dp} data-parallel ranks" if dp > 1
-                  else "which over one data-parallel rank shards nothing")
-        notes.append(Note("zero.stage", "deepspeed offloads optimizer states only with ZeRO stages 1-3 "
-                                        f"(offload_optimizer); {stage} is written as {written.zero_stage}, {shards}"))
+        notes.append(_stage_note(stage, written.zero_stage, dp))
     fit = fit_of(decision, written, TARGET)
     if same(decision, written) and fit.fits:
         return written

@@ -64,6 +64,9 @@ def to_megatron(plan: Plan) -> Exported:
     add("--global-batch-size", plan.global_batch)  # Megatron: microbatches = global / (micro * dp)
     written = _decided_offload(plan, notes) if plan.offload.changed else None
     stage = zero.stage if written is None else written.zero_stage
+    if written is None and off.optimizer and stage == 0:
+        stage = 1  # --use-precision-aware-optimizer, which the offload needs, needs the distributed optimizer
+        notes.append(_distributed_note(par.dp))
     if stage == 1:
         add("--use-distributed-optimizer")
     elif stage in (2, 3):
@@ -83,7 +86,7 @@ def to_megatron(plan: Plan) -> Exported:
         _optimizer_offload(add)
     elif written is None and off.optimizer:
         _optimizer_offload(add)
-        if zero.stage != 1:
+        if zero.stage not in (0, 1):  # stage 0 is written as 1 (its note above)
             notes.append(Note("offload.optimizer", "megatron offloads the optimizer with its distributed optimizer "
                                                    "(--use-distributed-optimizer, ZeRO-1)"))
     for key in ("params", "grads"):
@@ -138,6 +141,11 @@ def _optimizer_offload(add) -> None:
     add("--use-precision-aware-optimizer")  # validate_args: the offload runs on its code path
 
 
+def _distributed_note(dp: int) -> Note:
+    return Note("zero.stage", "megatron offloads the optimizer only with its distributed optimizer; written with "
+                              f"--use-distributed-optimizer (ZeRO-1 over {dp} data-parallel rank{'s' if dp > 1 else ''})")
+
+
 def _decided_offload(plan: Plan, notes: list[Note]) -> Offload:
     """What Megatron writes for the offload strategy's decision: the optimizer states only
     (--optimizer-cpu-offload; it has no parameter or gradient offload), on the distributed
@@ -150,9 +158,7 @@ def _decided_offload(plan: Plan, notes: list[Note]) -> Offload:
     decided = decision.offload
     written = Offload(optimizer=decided.optimizer, zero_stage=1 if decided.optimizer and stage == 0 else stage)
     if written.zero_stage != stage:
-        notes.append(Note("zero.stage", "megatron offloads the optimizer only with its distributed optimizer; "
-                                        f"written with --use-distributed-optimizer (ZeRO-1 over {dp} data-parallel "
-                                        f"rank{'s' if dp > 1 else ''})"))
+        notes.append(_distributed_note(dp))
     fit = fit_of(decision, replace(written, zero_stage=None))
     if not same(decision, written) or not fit.fits:
         notes.append(Note("offload", f"megatron offloads optimizer states only (--optimizer-cpu-offload); the "
