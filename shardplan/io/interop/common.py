@@ -85,7 +85,9 @@ class Imported:
         self.origin[job_path] = source_key
 
     def note(self, source_key: str, message: str) -> None:
-        self.notes.append(Note(source_key, message))
+        note = Note(source_key, message)
+        if note not in self.notes:  # a key read by two rules is named once
+            self.notes.append(note)
 
     def problem(self, source_key: str, message: str) -> None:
         self.problems.append(Problem(source_key, message))
@@ -158,6 +160,9 @@ def integral(value: object) -> int | None:
     return None
 
 
+AUTO = "'auto' is filled in by the Hugging Face Trainer; not read"
+
+
 class Reader:
     """Typed reads from one table of a foreign config; wrong types become problems, keys
     never read become notes (`unread`)."""
@@ -181,6 +186,11 @@ class Reader:
     def _typed(self, name: str, check: Callable[[object], object | None], what: str) -> object | None:
         value = self.raw(name)
         if value is None:
+            return None
+        if value == "auto" and what in ("an integer", "a number"):
+            # Hugging Face Trainer / accelerate configs leave sizes to the launcher, which fills
+            # them in from the model and its own arguments (transformers integrations/deepspeed.py).
+            self.out.note(self.key(name), AUTO)
             return None
         typed = check(value)
         if typed is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from .common import Exported, Imported, Note, Plan, Reader, unexpressed
+from .common import AUTO, Exported, Imported, Note, Plan, Reader, unexpressed
 from .offload import Offload, fit_of, same
 
 TARGET = "deepspeed"
@@ -160,7 +160,7 @@ def dumps(config: dict) -> str:
 
 
 # -- import ---------------------------------------------------------------------------------
-_AUTO = "'auto' is filled in by the Hugging Face Trainer; not read"
+_AUTO = AUTO
 _OFFLOAD_DEVICES = ("cpu", "nvme", "none")
 
 
@@ -318,6 +318,25 @@ def _zero(top: Reader, out: Imported) -> None:
             if pin is not None:
                 pins.append((pin, reader.key("pin_memory")))
         reader.unread()
+    # The deprecated booleans, which DeepSpeed maps to the sections above when these are absent
+    # (zero/config.py: cpu_offload -> offload_optimizer, cpu_offload_param -> offload_param, with
+    # device "cpu"; cpu_offload_use_pin_memory sets no field).
+    for key, section, job_keys in (("cpu_offload", "offload_optimizer", ("offload.optimizer", "offload.grads")),
+                                   ("cpu_offload_param", "offload_param", ("offload.params",))):
+        if not zero.has(key):
+            continue
+        value = zero.bool(key)
+        if value and zero.has(section):
+            out.note(zero.key(key), f"deprecated; {zero.key(section)} is given and is read instead")
+        elif value:
+            for job_key in job_keys:
+                out.set(job_key, True, zero.key(key))
+            if key == "cpu_offload_param":
+                out.set("offload.gpu_param_budget", 0, zero.key(key))
+            out.note(zero.key(key), f"deprecated form of {section} with device \"cpu\": read as {' and '.join(job_keys)}")
+    if zero.has("cpu_offload_use_pin_memory"):
+        zero.raw("cpu_offload_use_pin_memory")
+        out.note(zero.key("cpu_offload_use_pin_memory"), "deprecated and read by no DeepSpeed field: not read")
     if pins:
         out.set("offload.pin_memory", pins[0][0], pins[0][1])
         if len({pin for pin, _ in pins}) > 1:
@@ -326,7 +345,7 @@ def _zero(top: Reader, out: Imported) -> None:
 
 
 def _precision(top: Reader, out: Imported) -> None:
-    enabled = {}
+    enabled, auto = {}, []
     for key in ("bf16", "bfloat16", "fp16"):
         section = top.table(key) if top.has(key) else None
         if section is None:
@@ -334,6 +353,7 @@ def _precision(top: Reader, out: Imported) -> None:
         reader = Reader(section, key, out)
         if reader.raw("enabled") == "auto":
             out.note(reader.key("enabled"), _AUTO)
+            auto.append(reader.key("enabled"))
         else:
             reader.seen.discard("enabled")
             enabled[key] = (reader.bool("enabled"), reader.key("enabled"))
@@ -348,6 +368,11 @@ def _precision(top: Reader, out: Imported) -> None:
         out.set("train.precision", "fp16-mixed", fp16[1])
     elif enabled:
         out.set("train.precision", "fp32", next(iter(enabled.values()))[1])
+    elif auto:
+        # The Trainer's --bf16 / --fp16 decide: planned as DeepSpeed's default, and said so.
+        out.set("train.precision", "fp32", auto[0])
+        out.note(auto[0], "the Trainer's --bf16 / --fp16 decide the precision: planned as fp32 (DeepSpeed's "
+                          "default); give --set train.precision=bf16-mixed for a bf16 run")
     else:
         out.set("train.precision", "fp32", "")  # DeepSpeed trains in fp32 unless told otherwise
 
