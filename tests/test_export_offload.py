@@ -517,3 +517,14 @@ def test_a_stated_optimizer_offload_at_zero_0_exports_what_the_frameworks_run():
     flags = mg.json["config"]["args"]
     assert "--use-distributed-optimizer" in flags and "--optimizer-cpu-offload" in flags
     assert [n["path"] for n in mg.json["notes"] if n["path"] in ("zero.stage", "offload.optimizer")] == ["zero.stage"]
+
+
+@pytest.mark.parametrize("target", ["accelerate", "torchtitan"])
+def test_the_fit_of_a_zero_1_export_is_the_stage_written(target):
+    """FSDP2 writes ZeRO-1 as reshard_after_forward false, which shards the gradients too
+    (ZeRO-2): the note's fit is that stage's estimate, not ZeRO-1's."""
+    zero2 = run_cli("estimate", "llama-3-8b-h100", "--zero", "2", "--json").json["peak_gpu_bytes"]
+    result = run_cli("export", "llama-3-8b-h100", "--zero", "1", "--to", target, "--json")
+    assert result.code == 0
+    notes = [n["message"] for n in result.json["notes"] if n["path"] == "offload"]
+    assert notes and f"peak {format_bytes(zero2)}" in notes[0] and "which fits" in notes[0], notes

@@ -10,7 +10,7 @@ that setting is estimated again (with the target's own accounting where shardpla
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...core.estimate_inputs import EstimateInputs
 from ...core.memory import Estimate, cpu_limit, estimate_memory
@@ -161,7 +161,8 @@ def whole_model_offload(decision: OffloadDecision, key: str, stage: int, cannot:
     strategy's decision that still fits, and the note that says what was written. Whole
     offload comes first (it offloads what was decided, and more), then none; with neither
     fitting, whole offload is written and the note says it does not fit. `cannot`: why the
-    target cannot offload this plan at all (then false is written); shardplan offloads
+    target cannot offload this plan at all (then false is written). `stage`: the ZeRO stage
+    as the target writes it (FSDP2 writes ZeRO-1 as 2: it shards gradients too). shardplan offloads
     parameters only at `zero.stage` 3 (core/checks.py), so below it whole offload is no option
     and the note says whether stage 3 would fit."""
     framework = "fsdp2"
@@ -170,7 +171,7 @@ def whole_model_offload(decision: OffloadDecision, key: str, stage: int, cannot:
     if cannot:
         return False, f"{cannot}; {head}: written as {key} = false, {fit_of(decision, NONE, framework)}"
     if stage != 3:
-        fit = fit_of(decision, NONE, framework)
+        fit = fit_of(decision, replace(NONE, zero_stage=stage), framework)  # the stage as written
         hint = ""
         if not fit.fits:
             full = fit_of(decision, Offload(True, True, True, 0, zero_stage=3), framework)
