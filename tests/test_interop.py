@@ -512,7 +512,7 @@ def test_torchtitan_shard_degree_left_over(write):
     job, notes = imported(path, "--dp", "4", "--set", "model.preset=llama-3-8b")
     assert job["parallel"]["dp"] == 4 and job["zero"]["stage"] == 3
     result = run_cli("import", path, "--set", "model.preset=llama-3-8b")
-    assert result.code == 0
+    assert result.code == 2  # docs/interop.md: -1 needs --dp or --world
     assert any("-1 takes the ranks left over" in line and ":2:" in line for line in result.err_lines)
     # --world: the shard degree is what the world leaves over tp x pp x cp and the replicate
     # degree (torchtitan/distributed/parallel_dims.py, ParallelDims._validate: dp_shard = -1
@@ -530,7 +530,7 @@ def test_torchtitan_shard_degree_left_over(write):
 
 
 def test_torchtitan_unknown_flavor_is_said(write):
-    result = run_cli("import", write("tt.toml", '[model]\nname = "llama3"\nflavor = "debugmodel"\n'))
+    result = run_cli("import", write("tt.toml", '[model]\nname = "llama3"\nflavor = "debugmodel"\n'), "--dp", "1")
     assert result.code == 0
     assert any("flavor 'debugmodel' has no shardplan preset" in line for line in result.err_lines)
 

@@ -365,9 +365,10 @@ def _read_degrees(par: Reader, out: Imported, dp: int | None, dp_said: str) -> d
         out.problem(par.key("data_parallel_shard_degree"), "must be -1 (the ranks left over) or >= 1 (got 0)")
         shard = 1
     if shard == -1:
-        if dp is None:
-            out.note(par.key("data_parallel_shard_degree"), "-1 takes the ranks left over, which the config does "
-                                                            "not say: give --dp or --world (read as 1 shard rank)")
+        if dp is None:  # read as 1 it plans a job torchtitan would spread over every GPU
+            given = "" if par.has("data_parallel_shard_degree") else "not given, torchtitan's default "
+            out.problem(par.key("data_parallel_shard_degree"), f"{given}-1 takes the ranks left over, which the "
+                                                               "config does not say: give --dp or --world")
             shard = 1
         elif dp % replicate:
             out.problem(par.key("data_parallel_replicate_degree"), f"{replicate} does not divide {dp_said or f'--dp {dp}'}")
