@@ -255,3 +255,13 @@ def test_plan_without_a_model_says_so():
 def test_values_are_quoted_as_the_job_file_writes_them():
     result = run_cli("validate", "llama-3-8b-h100", "--set", "parallel.dp=true")
     assert result.code == 2 and result.err_lines[0].endswith("got a boolean true")
+
+
+def test_bf16_on_a_gpu_without_it_is_warned_about():
+    """Volta has no bf16 (NVIDIA Tesla V100 datasheet: fp16 tensor cores): a warning, not a
+    refusal (the memory estimate holds either way); fp16 is quiet."""
+    bf16 = run_cli("validate", "llama-3-8b-h100", "--set", "cluster.gpu=v100-sxm2-32gb")
+    assert bf16.code == 0 and any("v100-sxm2-32gb has no bf16" in line for line in bf16.err_lines)
+    fp16 = run_cli("validate", "llama-3-8b-h100", "--set", "cluster.gpu=v100-sxm2-32gb",
+                   "--set", "train.precision=fp16-mixed")
+    assert not any("no bf16" in line for line in fp16.err_lines)

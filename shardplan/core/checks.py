@@ -266,6 +266,21 @@ def offload_problems(job: JobSpec) -> list[Problem]:
     return problems
 
 
+# GPU presets without bf16 arithmetic: Volta's tensor cores take fp16 only (NVIDIA Tesla V100
+# datasheet; bf16 arrived with Ampere, NVIDIA A100 datasheet).
+NO_BF16_GPUS = ("v100-sxm2-32gb",)
+
+
+def precision_problems(job: JobSpec) -> list[Problem]:
+    """A bf16 plan on a GPU that has no bf16: its peak (the fp16 tensor-core figure) would not
+    apply; the time model's figures are then not those of any run."""
+    gpu = job.cluster.gpu
+    if gpu in NO_BF16_GPUS and job.train.precision in ("bf16-mixed", "bf16"):
+        return [warning("train.precision", f"{gpu} has no bf16 (Volta tensor cores take fp16 only): use "
+                                           "fp16-mixed; the time model's figures assume a bf16 the GPU lacks")]
+    return []
+
+
 def job_problems(
     job: JobSpec, shape: ModelShape | None, worlds: list[tuple[int, str]]
 ) -> list[Problem]:
@@ -291,6 +306,7 @@ def job_problems(
     problems += sequence_problems(job, shape)
     problems += batch_problems(job)
     problems += lora_problems(job, shape)
+    problems += precision_problems(job)
     placement = layout_problems(degrees, par.order, job.cluster.gpus_per_node,
                                 hybrid=job.zero.hybrid and job.zero.stage >= 2)
     # Partly filled nodes matter only on a machine the job names; the default of 8 GPUs per
