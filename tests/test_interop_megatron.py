@@ -53,3 +53,13 @@ def test_arguments_parse_as_megatrons(write, plan):
         else:
             i += 1
     assert len(set(a for a in args if a.startswith("--"))) == sum(a.startswith("--") for a in args)
+
+
+def test_the_rotary_base_is_said_not_exported():
+    """shardplan keeps no rotary base, and Megatron-LM's --rotary-base defaults to 10000
+    (megatron/training/arguments.py), not Llama 3's 500000: a note says so; GPT-2's learned
+    positions have none."""
+    notes = run_cli("export", "llama-3-8b-h100", "--to", "megatron", "--json").json["notes"]
+    assert any(n["path"] == "model.position_embedding" and "--rotary-base" in n["message"] for n in notes)
+    gpt2 = run_cli("export", "tiny-gpt2-cpu", "--to", "megatron", "--json").json["notes"]
+    assert not any("--rotary-base" in n["message"] for n in gpt2)

@@ -219,6 +219,12 @@ def _model(plan: Plan, add, notes: list[Note]) -> None:
         notes.append(Note("model.activation", "megatron's gated MLP is SwiGLU (--swiglu); geglu is not exported"))
     if shape.position_embedding in _POSITIONS:
         add("--position-embedding-type", _POSITIONS[shape.position_embedding])
+        if shape.position_embedding == "rope":
+            # shardplan's model keeps no rotary base (it moves no byte and no FLOP); Megatron's
+            # --rotary-base defaults to 10000 (arguments.py), which few current models use.
+            notes.append(Note("model.position_embedding", "the rotary base is not exported: give --rotary-base as "
+                                                          "the model's config says (rope_theta; Megatron's default "
+                                                          "is 10000, Llama 3's 500000)"))
     else:
         notes.append(Note("model.position_embedding", f"megatron has no {shape.position_embedding} positions"))
     if not shape.tie_embeddings:
