@@ -289,7 +289,7 @@ def run(
         _check_resume_path(resume)
         world = resolved.world
         if nproc is not None and nproc != world:
-            raise InputError(Problem("--nproc", f"{nproc} workers, but {resolved.degrees.arithmetic()}"))
+            raise InputError(Problem("--nproc", f"{nproc} worker{'s' if nproc != 1 else ''}, but {resolved.degrees.arithmetic()}"))
         options = {"report": report, "resume": resume, "force": force, "verbose": verbose, "json": json_out}
         live = not json_out and sys.stderr.isatty()
         _spawn(nproc or world, max_restarts, _worker_args(file, flags, options), verbose, live)

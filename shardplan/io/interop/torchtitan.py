@@ -259,6 +259,15 @@ def model_preset(data: dict) -> str | None:
     return FLAVORS.get((model.get("name", "llama3"), model.get("flavor", "debugmodel")))
 
 
+def _ordinal(text: str) -> str:
+    """`2` -> `2nd` (torchtitan's selective_ac_option is a layer interval, written as a string)."""
+    number = int(text) if str(text).isdigit() else None
+    if number is None:
+        return f"{text}th"
+    suffix = "th" if 10 <= number % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
+    return f"{number}{suffix}"
+
+
 def from_torchtitan(data: dict, dp: int | None = None, num_layers: int | None = None,
                     model_given: bool = False, dp_said: str = "") -> Imported:
     """Job tables from a torchtitan job config; keys it leaves out take torchtitan's
@@ -301,7 +310,7 @@ def from_torchtitan(data: dict, dp: int | None = None, num_layers: int | None = 
     elif mode == "selective" and option == "1":
         mode = "full"  # every layer recomputed in full
     elif mode == "selective":
-        out.note(ac.key("selective_ac_option"), f"{option!r} (every {option}th layer recomputed in full) is read "
+        out.note(ac.key("selective_ac_option"), f"{option!r} (every {_ordinal(option)} layer recomputed in full) is read "
                                                 "as no recomputation: the estimate keeps more than the run does")
         mode = "none"
     if mode:
