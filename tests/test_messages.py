@@ -212,16 +212,23 @@ def test_the_docs_state_no_gpu_memory_default():
 
 # --- overrides that contradict each other -------------------------------------------------
 
-@pytest.mark.parametrize("args, message", [
-    (["--dp", "4", "--set", "parallel.dp=8"], "--set: parallel.dp=8 contradicts --dp 4: give one of them"),
-    (["--zero", "3", "--set", "zero.stage=2"], "--set: zero.stage=2 contradicts --zero 3: give one of them"),
-    (["--params", "7B", "--set", "model.preset=gpt2"],
-     "--set: two model sources on the command line (--params 7B, --set model.preset=gpt2): give one of them"),
-])
-def test_contradicting_overrides_are_refused(args, message):
-    result = run_cli("validate", "llama-3-8b-h100", *args)
+def test_two_model_sources_are_refused():
+    message = "--set: two model sources on the command line (--params 7B, --set model.preset=gpt2): give one of them"
+    result = run_cli("validate", "llama-3-8b-h100", "--params", "7B", "--set", "model.preset=gpt2")
     assert result.code == 2 and result.err_lines == [message]
-    assert run_cli("validate", "llama-3-8b-h100", *args, "--json").json["error"]["problems"][0]["path"] == "--set"
+    assert run_cli("validate", "llama-3-8b-h100", "--params", "7B", "--set", "model.preset=gpt2",
+                   "--json").json["error"]["problems"][0]["path"] == "--set"
+
+
+def test_a_set_over_a_shortcut_wins_and_says_so():
+    """The planner's "to fit" suggestions are --set flags appended to the command (docs/plan.md):
+    one that changes a shortcut's key wins, with a warning, and a problem with its value is
+    the --set's."""
+    result = run_cli("estimate", "llama-3-8b-h100", "--dp", "4", "--set", "parallel.dp=8", "--json")
+    assert result.code == 0 and result.json["devices"][0]["ranks"] == list(range(8))
+    assert "warning: --set: parallel.dp=8 overrides --dp 4" in result.err_lines
+    bad = run_cli("validate", "llama-3-8b-h100", "--dp", "4", "--set", "parallel.dp=0")
+    assert bad.code == 2 and any(line.startswith("--set: parallel.dp: must be >= 1") for line in bad.err_lines)
 
 
 def test_agreeing_overrides_and_a_repeated_set_are_taken():

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Callable, List, Optional
 
 import typer
 
-from ..io.overrides import SHORTCUTS, collect_overrides, parse_value
+from ..io.overrides import SHORTCUTS, collect_overrides, override_warnings, parse_value
 from ..spec.common import MAX_WORLD_SIZE
 
 if TYPE_CHECKING:
@@ -66,28 +66,32 @@ class PlanFlags:
     shortcuts: dict[str, object] = field(default_factory=dict)
     sets: list[str] = field(default_factory=list)
 
+    def _values(self) -> dict[str, object]:
+        return {k: (parse_value(v) if isinstance(v, str) else v) for k, v in self.shortcuts.items()}
+
     def overrides(self):
-        values = {
-            k: (parse_value(v) if isinstance(v, str) else v) for k, v in self.shortcuts.items()
-        }
-        return collect_overrides(values, self.sets)
+        return collect_overrides(self._values(), self.sets)
 
     def labels(self) -> dict[str, str]:
         """Dotted path -> the flag that set it (for messages)."""
+        overridden = {expression.partition("=")[0].strip() for expression in self.sets or []}
         return {
             SHORTCUTS[k]: f"--{k.replace('_', '-')} {v}"
             for k, v in self.shortcuts.items()
-            if v is not None
+            if v is not None and SHORTCUTS[k] not in overridden  # a later --set gives that key
         }
 
     def load(self, source: str | None, world: int | None = None, check_paths: bool = False,
              warn_only=None) -> ResolvedJob:
         from ..io.job import load_job  # pydantic loads here, not when the command is registered
 
-        return load_job(
-            source, self.overrides(), world=world, flag_labels=self.labels(), check_paths=check_paths,
+        overrides = self.overrides()
+        resolved = load_job(
+            source, overrides, world=world, flag_labels=self.labels(), check_paths=check_paths,
             warn_only=warn_only,
         )
+        resolved.warnings[:0] = override_warnings(self._values(), self.sets)
+        return resolved
 
 
 def plan_flags(func: Callable) -> Callable:

@@ -54,18 +54,16 @@ def parse_set(expression: str) -> Override:
 
 
 def collect_overrides(shortcuts: dict[str, object], sets: list[str]) -> list[Override]:
-    """Shortcut flags first, then `--set` in the order given (a later `--set` of the same key
-    wins). A `--set` that gives a shortcut flag's key another value, and two model sources on
-    the command line (`--params` and `--set model.preset=...`), are bad input: which one was
+    """Shortcut flags first, then `--set` in the order given: a later `--set` of the same key
+    wins, also over a shortcut flag (`override_warnings` says so; the planner's "to fit"
+    suggestions are `--set` flags meant to be appended to the command). Two model sources on
+    the command line (`--params` and `--set model.preset=...`) are bad input: which one was
     meant is not ours to guess."""
     flagged = {SHORTCUTS[name]: (value, f"--{name.replace('_', '-')} {value}")
                for name, value in shortcuts.items() if value is not None}
     overrides: list[Override] = [(path, value) for path, (value, _) in flagged.items()]
     parsed = [parse_set(s) for s in sets or []]
     problems = []
-    for path, value in parsed:
-        if path in flagged and flagged[path][0] != value:
-            problems.append(Problem("--set", f"{path}={value!r} contradicts {flagged[path][1]}: give one of them"))
     named = {}
     for path, value in overrides + parsed:
         section, _, key = path.partition(".")
@@ -97,3 +95,15 @@ def apply_overrides(data: dict, overrides: list[Override]) -> dict:
                 table.pop(other, None)
         table[key] = value
     return result
+
+
+def override_warnings(shortcuts: dict[str, object], sets: list[str]) -> list[Problem]:
+    """A warning for every `--set` that gives a shortcut flag's key another value (it wins)."""
+    found = []
+    for expression in sets or []:
+        path, value = parse_set(expression)
+        for name, given in shortcuts.items():
+            if given is not None and SHORTCUTS[name] == path and given != value:
+                flag = f"--{name.replace('_', '-')} {given}"
+                found.append(Problem("--set", f"{path}={value!r} overrides {flag}", severity="warning"))
+    return found
