@@ -695,8 +695,7 @@ def closest_misses(misses: list[Miss], top_k: int) -> list[Miss]:
     stage it misses by least (`twin_key`'s rule for plans that fit)."""
     shown, seen = [], set()
     for miss in sorted(misses, key=lambda m: (m.short_bytes, m.inputs.zero_stage)):
-        d = miss.inputs.degrees
-        key = miss.inputs.with_(zero_stage=0) if d.dp * d.cp == 1 else miss.inputs
+        key = stage_blind(miss.inputs) or miss.inputs
         if key in seen:
             continue
         seen.add(key)
@@ -709,9 +708,13 @@ def twin_key(inputs: EstimateInputs, asked: EstimateInputs, seconds: float, peak
     only how the runtime wraps the model (stage 1: DDP; 2 and 3: fully_shard over one rank),
     so a plan with the same step time at several stages is listed once, at its least peak
     (then host memory, then stage). None where the stage shards something."""
-    if inputs.degrees.dp * inputs.degrees.cp != 1:
-        return None
-    return (inputs.with_(zero_stage=0), asked.with_(zero_stage=0), seconds)
+    blind = stage_blind(inputs)
+    return None if blind is None else (blind, asked.with_(zero_stage=0), seconds)
+
+
+def stage_blind(inputs: EstimateInputs) -> EstimateInputs | None:
+    """The plan at stage 0 where its ZeRO stage shards nothing (dp = cp = 1), else None."""
+    return inputs.with_(zero_stage=0) if inputs.degrees.dp * inputs.degrees.cp == 1 else None
 
 
 def _keyed(groups: list[Group], bound) -> list[tuple[float, int, int]]:

@@ -58,8 +58,7 @@ def to_accelerate(plan: Plan) -> Exported:
                                             "written with reshard_after_forward false"))
         offload_params, decided_note = off.params, ""
         if plan.offload.changed:  # the offload strategy's decision, in the one setting FSDP2 has
-            offload_params, decided_note = whole_model_offload(plan.offload, "fsdp_offload_params",
-                                                                 2 if zero.stage == 1 else zero.stage)
+            offload_params, decided_note = whole_model_offload(plan.offload, "fsdp_offload_params", zero.stage)
         fsdp_config = {
             "fsdp_version": 2,
             "fsdp_reshard_after_forward": zero.stage == 3,

@@ -183,11 +183,12 @@ class Reader:
         self.seen.add(name)
         return self.data.get(name)
 
-    def _typed(self, name: str, check: Callable[[object], object | None], what: str) -> object | None:
+    def _typed(self, name: str, check: Callable[[object], object | None], what: str,
+               sized: bool = False) -> object | None:
         value = self.raw(name)
         if value is None:
             return None
-        if value == "auto" and what in ("an integer", "a number"):
+        if value == "auto" and sized:
             # Hugging Face Trainer / accelerate configs leave sizes to the launcher, which fills
             # them in from the model and its own arguments (transformers integrations/deepspeed.py).
             self.out.note(self.key(name), AUTO)
@@ -198,7 +199,7 @@ class Reader:
         return typed
 
     def int(self, name: str, minimum: int = 0) -> int | None:
-        value = self._typed(name, integral, "an integer")
+        value = self._typed(name, integral, "an integer", sized=True)
         if value is not None and value < minimum:
             self.out.problem(self.key(name), f"must be >= {minimum} (got {value})")
             return None
@@ -213,7 +214,7 @@ class Reader:
     def number(self, name: str) -> float | None:
         def check(v: object) -> float | None:
             return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-        return self._typed(name, check, "a number")
+        return self._typed(name, check, "a number", sized=True)
 
     def table(self, name: str) -> dict | None:
         return self._typed(name, lambda v: v if isinstance(v, dict) else None, "a table")

@@ -155,14 +155,20 @@ def same(decision: OffloadDecision, written: Offload) -> bool:
             and decision.kept_layers(decided) == decision.kept_layers(written))
 
 
+def fsdp2_stage(stage: int) -> int:
+    """The ZeRO stage an FSDP2 target writes: it cannot shard optimizer states alone, so
+    ZeRO-1 is written as ZeRO-2 (reshard_after_forward false: gradients sharded too)."""
+    return 2 if stage == 1 else stage
+
+
 def whole_model_offload(decision: OffloadDecision, key: str, stage: int, cannot: str = "") -> tuple[bool, str]:
     """For a target whose only CPU offload is FSDP2's CPUOffloadPolicy (`key`: true moves the
     parameters, gradients and optimizer states of every layer): the nearest setting to the
     strategy's decision that still fits, and the note that says what was written. Whole
     offload comes first (it offloads what was decided, and more), then none; with neither
     fitting, whole offload is written and the note says it does not fit. `cannot`: why the
-    target cannot offload this plan at all (then false is written). `stage`: the ZeRO stage
-    as the target writes it (FSDP2 writes ZeRO-1 as 2: it shards gradients too). shardplan offloads
+    target cannot offload this plan at all (then false is written). `stage`: the job's ZeRO
+    stage, estimated as the target writes it (`fsdp2_stage`). shardplan offloads
     parameters only at `zero.stage` 3 (core/checks.py), so below it whole offload is no option
     and the note says whether stage 3 would fit."""
     framework = "fsdp2"
@@ -171,10 +177,10 @@ def whole_model_offload(decision: OffloadDecision, key: str, stage: int, cannot:
     if cannot:
         return False, f"{cannot}; {head}: written as {key} = false, {fit_of(decision, NONE, framework)}"
     if stage != 3:
-        fit = fit_of(decision, replace(NONE, zero_stage=stage), framework)  # the stage as written
+        fit = fit_of(decision, replace(NONE, zero_stage=fsdp2_stage(stage)), framework)
         hint = ""
         if not fit.fits:
-            full = fit_of(decision, Offload(True, True, True, 0, zero_stage=3), framework)
+            full = fit_of(decision, replace(WHOLE, zero_stage=3), framework)
             hint = f"; with zero.stage = 3 and {key} = true it would fit" if full.fits else ""
         return False, (f"{key} offloads every layer's parameters too, which shardplan plans only with "
                        f"zero.stage = 3 (got {stage}); {head}: written as {key} = false, {fit}{hint}")

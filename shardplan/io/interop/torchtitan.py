@@ -171,8 +171,7 @@ def _training(plan: Plan, notes: list[Note]) -> dict:
     if plan.offload.changed:  # the offload strategy's decision, in the one setting torchtitan has
         cannot = "" if _fsdp_applied(shard, par.cp) else f"torchtitan offloads to the CPU only under FSDP, {_NO_FSDP}"
         training["enable_cpu_offload"], note = whole_model_offload(plan.offload, "enable_cpu_offload",
-                                                                   2 if job.zero.stage == 1 else job.zero.stage,
-                                                                   cannot)
+                                                                   job.zero.stage, cannot)
         if note:
             notes.append(Note("offload", note))
         return training
