@@ -272,3 +272,15 @@ def test_bf16_on_a_gpu_without_it_is_warned_about():
     fp16 = run_cli("validate", "llama-3-8b-h100", "--set", "cluster.gpu=v100-sxm2-32gb",
                    "--set", "train.precision=fp16-mixed")
     assert not any("no bf16" in line for line in fp16.err_lines)
+
+
+def test_a_problem_with_an_implied_key_names_where_it_was_given(write):
+    """`zero.stage = "hybrid_shard"` sets zero.hybrid (FSDP's HYBRID_SHARD, spec/job.py): a
+    warning about hybrid sharding points at the stage's line, or at the --set that gave it."""
+    job = write("hy.toml", '[model]\npreset = "tiny-gpt2"\n[parallel]\ndp = 2\n\n[zero]\nstage = "hybrid_shard"\n')
+    warning = "warning: zero.hybrid: on a single node hybrid sharding is the same as sharding over dp"
+    assert f"{job}:7: {warning}" in run_cli("validate", job).err_lines
+    flagged = run_cli("validate", "llama-3-8b-h100", "--set", "zero.stage=hybrid_shard")
+    assert flagged.code == 0 and f"--set: {warning}" in flagged.err_lines
+    written = write("hy2.toml", '[model]\npreset = "tiny-gpt2"\n[parallel]\ndp = 2\n[zero]\nstage = 3\nhybrid = true\n')
+    assert f"{written}:7: {warning}" in run_cli("validate", written).err_lines

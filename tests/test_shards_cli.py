@@ -47,6 +47,35 @@ def test_default_world_and_style_come_from_the_job(write):
     assert run_cli("shards", job3, "--numel", "7", "--json").json["style"] == "zero3"
 
 
+def test_stage_1_under_fsdp2_shows_what_estimate_counts():
+    """FSDP2's stage 1 is DDP with ZeroRedundancyOptimizer: `shards` shows the whole parameters
+    each rank's optimizer holds (torch's partition, tests/test_shards_torch.py), and the
+    estimate's optimizer bytes are shard rank 0's (docs/estimate.md): AdamW's two fp32 moments
+    per element and a 4-byte `step` tensor per parameter (torch/optim/adamw.py `_init_group`)."""
+    doc = run_cli("shards", "tiny-gpt2-cpu", "--set", "zero.stage=1", "--json").json
+    assert doc["assign"] == "zero-optimizer" and "ZeroRedundancyOptimizer" in doc["note"]
+    per_rank = {}
+    for block in doc["blocks"]:
+        elements, tensors = per_rank.get(block["owner"], (0, 0))
+        per_rank[block["owner"]] = (elements + block["numel"], tensors + 1)
+    assert len(per_rank) == doc["world"] == 2
+    estimate = run_cli("estimate", "tiny-gpt2-cpu", "--set", "zero.stage=1", "--json").json
+    elements, tensors = per_rank[0]
+    assert estimate["devices"][0]["gpu"]["optimizer"] == 8 * elements + 4 * tensors
+    text = run_cli("shards", "tiny-gpt2-cpu", "--set", "zero.stage=1").out
+    assert "owned zero-optimizer over 2 ranks" in text and text.rstrip().splitlines()[-1].startswith("note: ")
+    # An explicit style still cuts the tensors as asked.
+    assert run_cli("shards", "tiny-gpt2-cpu", "--set", "zero.stage=1", "--style", "fsdp2", "--json").json.get("note") is None
+
+
+def test_stage_0_shards_nothing():
+    doc = run_cli("shards", "tiny-gpt2-cpu", "--set", "zero.stage=0", "--json").json
+    assert doc["world"] == 1 and "shards nothing" in doc["note"]
+    whole = {p["name"]: p["shards"] for p in doc["params"]}
+    assert all(s[0]["start"] == 0 and s[0]["padding"] == 0 for s in whole.values())
+    assert run_cli("shards", "tiny-gpt2-cpu", "--set", "zero.stage=0", "--world", "2", "--json").json["world"] == 2
+
+
 def test_hybrid_sharding_world_is_the_node_local_group(write):
     job = write("job.toml", "[parallel]\ndp = 16\n[zero]\nstage = 3\nhybrid = true\n[cluster]\nnodes = 2\n")
     assert run_cli("shards", job, "--numel", "100", "--json").json["world"] == 8
@@ -79,7 +108,7 @@ def test_model_document_tiny_gpt2():
 
 
 def test_model_default_world_is_dp_and_tp_pieces(write):
-    job = write("job.toml", "[model]\npreset = \"tiny-llama\"\n[parallel]\ndp = 2\ntp = 2\n")
+    job = write("job.toml", "[model]\npreset = \"tiny-llama\"\n[parallel]\ndp = 2\ntp = 2\n[zero]\nstage = 3\n")
     doc = run_cli("shards", job, "--json").json
     assert (doc["world"], doc["tp"]) == (2, 2)
     q = next(p for p in doc["params"] if p["name"] == "layers.0.attn.q_proj.weight")

@@ -56,6 +56,34 @@ def test_fsdp2_chunk_with_empty_matches():
             assert [c.shape[0] for c in chunks] == chunk_rows(rows, world)
 
 
+def test_zero_optimizer_partition_matches_torch():
+    """torch's own ZeroRedundancyOptimizer._partition_parameters (sizes largest first, each to
+    the least-loaded rank) run unbound on a stand-in holding only what it reads, against
+    `zero_optimizer_partition` on the same sizes, ties included."""
+    import random
+
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from shardplan.core.shards import zero_optimizer_partition
+
+    class StandIn:
+        _get_min_index = ZeroRedundancyOptimizer._get_min_index
+        _partition_param_group = ZeroRedundancyOptimizer._partition_param_group
+        _partition_parameters = ZeroRedundancyOptimizer._partition_parameters
+
+    rng = random.Random(7)
+    for _ in range(200):
+        numels = [rng.choice([1, 3, 8, 8, 64, 100, 4096]) for _ in range(rng.randint(1, 30))]
+        world = rng.randint(1, 9)
+        tensors = [torch.empty(n) for n in numels]
+        stand_in = StandIn()
+        stand_in._partition_parameters_cache, stand_in.world_size = [], world
+        stand_in.param_groups = [{"params": tensors}]
+        per_rank = stand_in._partition_parameters()
+        owner = {id(t): rank for rank, groups in enumerate(per_rank) for t in groups[0]["params"]}
+        assert zero_optimizer_partition(numels, world) == [owner[id(t)] for t in tensors], (numels, world)
+
+
 @pytest.mark.slow
 def test_fully_shard_local_shapes_and_padding(tmp_path, write):
     """One torchrun launch: every rank's local shard shape and padded storage equal

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Optional
 
 import typer
@@ -34,17 +35,49 @@ def default_style(resolved: ResolvedJob) -> str:
     return "zero3" if zero.stage == 3 else "zero12"
 
 
+@dataclass(frozen=True)
+class StageView:
+    """What a job's ZeRO stage shards when it does not shard parameters by dim 0 or flat."""
+
+    note: str
+    assign: str | None = None  # whole parameters owned by one rank each
+    world: int | None = None  # the shard group shown (1: nothing is sharded)
+
+
+def stage_view(resolved: ResolvedJob) -> StageView | None:
+    """Stage 0 shards nothing; FSDP2's stage 1 (DDP with torch's ZeroRedundancyOptimizer)
+    keeps parameters and gradients whole and gives each parameter's optimizer states to one
+    rank (core/states.py): `shards` of such a job shows that, as `estimate` counts it."""
+    zero = resolved.job.zero
+    group = default_world(resolved)
+    if zero.stage == 0:
+        if group == 1:
+            return None
+        return StageView(f"zero.stage = 0 shards nothing: each of the {group} ranks of the shard group holds "
+                         "every parameter whole (shown over 1 rank)", world=1)
+    if zero.stage == 1 and zero.framework == "fsdp2":
+        return StageView("zero.stage = 1 under fsdp2 is DDP with torch's ZeroRedundancyOptimizer: parameters "
+                         "and gradients stay whole on every rank, and each whole parameter's optimizer states "
+                         "live on one rank (shown: --assign zero-optimizer)", assign="zero-optimizer")
+    return None
+
+
 def default_world(resolved: ResolvedJob) -> int:
     """The job's ZeRO/FSDP shard group: dp * cp, or its node-local part with hybrid sharding."""
     job = resolved.job
     return shard_group_size(Layout(resolved.degrees, job.parallel.order, job.cluster.gpus_per_node), job.zero.hybrid)
 
 
-def _show(document: dict, json_out: bool, text) -> None:
+def _show(document: dict, json_out: bool, text, note: str | None = None) -> None:
+    """`note`: why the job's stage is shown this way (the JSON's `note` key, a last line)."""
+    if note:
+        document = {**document, "note": note}
     if json_out:
         write_document(document)
     else:
         stdout_console().print(text(document), soft_wrap=True)
+        if note:
+            stdout_console().print(f"note: {note}", soft_wrap=True, highlight=False, markup=False)
 
 
 @plan_flags
@@ -64,7 +97,7 @@ def shards(
         Optional[int], typer.Option("--blocks", min=1, max=MAX_BLOCKS, help="number of equal blocks to assign")
     ] = None,
     assign: Annotated[
-        Optional[str], typer.Option("--assign", help="contiguous or round-robin: owner of each block (or parameter)")
+        Optional[str], typer.Option("--assign", help="contiguous, round-robin or zero-optimizer: owner of each block (or parameter)")
     ] = None,
     json_out: JsonFlag = False,
     *,
@@ -83,7 +116,7 @@ def shards(
     if assign is not None and assign not in ASSIGNMENTS:
         problems.append(Problem("--assign", f"unknown assignment {assign!r} (one of {', '.join(ASSIGNMENTS)})"))
     if blocks is not None and assign is None:
-        problems.append(Problem("--blocks", "needs --assign contiguous or --assign round-robin"))
+        problems.append(Problem("--blocks", f"needs --assign ({', '.join(ASSIGNMENTS)})"))
     if numel is not None and (blocks is not None or assign is not None):
         problems.append(Problem("--numel", "cannot be combined with --blocks/--assign: one question at a time"))
     if assign is not None and style is not None:
@@ -96,7 +129,10 @@ def shards(
     standalone = numel is not None or blocks is not None
     resolved = flags.load(file, warn_only=(lambda _: True) if standalone else None)
     emit_diagnostics(resolved.warnings)
-    shard_world = world if world is not None else default_world(resolved)
+    view = None if standalone or style or assign or resolved.shape is None else stage_view(resolved)
+    if view is not None:
+        assign = view.assign
+    shard_world = world if world is not None else (view.world if view and view.world else default_world(resolved))
 
     if blocks is not None:
         owners = assign_blocks(blocks, shard_world, assign)
@@ -127,14 +163,13 @@ def shards(
 
     if assign is not None:
         owned, shares = assign_params(placed, shard_world, assign, element_bytes)
-        _show(param_blocks_document(model, shard_world, assign, element_bytes, owned, shares), json_out, param_blocks_text)
+        _show(param_blocks_document(model, shard_world, assign, element_bytes, owned, shares), json_out,
+              param_blocks_text, view and view.note)
         return
     plan = model_shards(placed, shard_world, chosen, element_bytes, min_numel=job.zero.min_num_params)
     context = {"model": model, "tp": par.tp, "tp_rank": 0, "pp": par.pp, "precision": job.train.precision}
-    if json_out:
-        write_document(model_document(context, plan))
-    else:
-        stdout_console().print(model_text(context, plan, shape.num_layers), soft_wrap=True)
+    _show(model_document(context, plan), json_out, lambda _: model_text(context, plan, shape.num_layers),
+          view and view.note)
 
 
 def register(app: typer.Typer) -> None:

@@ -24,7 +24,9 @@ extra elements it stores. A rank with no real data has start = end = numel. Sour
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..spec.errors import PlanError
 from .stages import chunk_size as torch_chunk  # one piece of torch.chunk
@@ -36,7 +38,7 @@ CHUNK_STYLES = ("fsdp1", "fsdp2", "zero3")
 # 4 bytes / sizeof(fp16) = 2 elements (stage_1_and_2.py, nccl_start_alignment_factor).
 NCCL_START_ALIGNMENT_FACTOR = 2
 
-ASSIGNMENTS = ("contiguous", "round-robin")
+ASSIGNMENTS = ("contiguous", "round-robin", "zero-optimizer")
 
 
 @dataclass(frozen=True)
@@ -116,9 +118,30 @@ def chunk_rows(size: int, parts: int) -> list[int]:
 
 
 # -- ownership of whole blocks (optimizer-state sharding by block) -----------------------
+def zero_optimizer_partition(numels: list[int], world: int) -> list[int]:
+    """The rank torch's ZeroRedundancyOptimizer gives each parameter (in module order):
+    parameters sorted by size, largest first (a stable sort), each to the rank holding the
+    fewest elements so far, the lowest such rank on ties
+    (torch/distributed/optim/zero_redundancy_optimizer.py, `_partition_parameters`)."""
+    return list(_zero_partition(tuple(numels), world))
+
+
+@lru_cache(maxsize=1024)
+def _zero_partition(numels: tuple[int, ...], world: int) -> tuple[int, ...]:
+    loads = [(0, rank) for rank in range(world)]  # a heap: the least loaded, lowest rank first
+    owners = [0] * len(numels)
+    for position in sorted(range(len(numels)), key=lambda i: -numels[i]):
+        size, rank = heapq.heappop(loads)
+        owners[position] = rank
+        heapq.heappush(loads, (size + numels[position], rank))
+    return tuple(owners)
+
+
 def assign_blocks(num_blocks: int, world: int, assign: str) -> list[int]:
     """Owner rank of each block. `contiguous`: runs as even as possible, the first
-    num_blocks % world ranks one block more; `round-robin`: block i -> rank i mod world."""
+    num_blocks % world ranks one block more; `round-robin`: block i -> rank i mod world;
+    `zero-optimizer`: torch's ZeroRedundancyOptimizer (`zero_optimizer_partition`; equal
+    blocks go round-robin)."""
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
         raise PlanError(f"the number of blocks must be a non-negative integer (got {num_blocks!r})")
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
@@ -127,6 +150,8 @@ def assign_blocks(num_blocks: int, world: int, assign: str) -> list[int]:
         return [block % world for block in range(num_blocks)]
     if assign == "contiguous":
         return [s.rank for s in shard_ranges(num_blocks, world, "even") for _ in range(s.numel)]
+    if assign == "zero-optimizer":
+        return zero_optimizer_partition([1] * num_blocks, world)
     raise PlanError(f"unknown assignment {assign!r} (one of {', '.join(ASSIGNMENTS)})")
 
 

@@ -20,14 +20,13 @@ Parameters with fewer than `min_num_params` elements stay whole on every rank.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 from .offload import blocks, describe_moments, frees_device_grads, moment_bytes
 from .precision import FP32, ElementBytes
 from .quantized import adamw8bit_bytes
-from .shards import chunk_size as flat_chunk_size
+from .shards import chunk_size as flat_chunk_size, zero_optimizer_partition
 from .stages import LocalParam, RankParams, chunk_size
 from .terms import Term
 
@@ -112,25 +111,6 @@ def _states8(local: int, eb: ElementBytes) -> int:
     """AdamW8bit's bytes for a tensor of `local` elements (0 for another optimizer): torchao
     quantizes each tensor's moments or keeps them plain by its size (core/quantized.py)."""
     return adamw8bit_bytes(local, eb.params) if eb.states8 else 0
-
-
-def zero_optimizer_partition(numels: list[int], degree: int) -> list[int]:
-    return list(_zero_partition(tuple(numels), degree))
-
-
-@lru_cache(maxsize=1024)
-def _zero_partition(numels: tuple[int, ...], degree: int) -> tuple[int, ...]:
-    """The rank torch's ZeroRedundancyOptimizer gives each parameter (in module order):
-    parameters sorted by size, largest first (a stable sort), each to the rank holding the
-    fewest elements so far, the lowest such rank on ties
-    (torch/distributed/optim/zero_redundancy_optimizer.py, `_partition_parameters`)."""
-    loads = [(0, rank) for rank in range(degree)]  # a heap: the least loaded, lowest rank first
-    owners = [0] * len(numels)
-    for position in sorted(range(len(numels)), key=lambda i: -numels[i]):
-        size, rank = heapq.heappop(loads)
-        owners[position] = rank
-        heapq.heappush(loads, (size + numels[position], rank))
-    return tuple(owners)
 
 
 def _zero1_optimizer(rp: RankParams, sharding: Sharding, eb: ElementBytes) -> tuple[TensorStates, TensorStates]:

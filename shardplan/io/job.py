@@ -186,16 +186,31 @@ def external_worlds(job: JobSpec, world: int | None, env: Mapping[str, str]) -> 
     return worlds
 
 
+# Keys a validator sets from another key when they are not written (spec/job.py: an FSDP
+# sharding name in zero.stage sets zero.hybrid): a problem at the first, unwritten, belongs
+# to where the second was given.
+IMPLIED_BY = {"zero.hybrid": "zero.stage"}
+
+
+def _source_path(path: str, doc: Document, flagged: dict[str, str]) -> str:
+    implied = IMPLIED_BY.get(path)
+    if implied and path not in flagged and not _written(doc.data, path) and (
+            implied in flagged or _written(doc.data, implied)):
+        return implied
+    return path
+
+
 def _locate(problems: list[Problem], doc: Document, flagged: dict[str, str]) -> list[Problem]:
     located = []
     for problem in problems:
-        flag = _flag_of(problem.path, doc, flagged) if problem.path else None
+        path = _source_path(problem.path, doc, flagged) if problem.path else ""
+        flag = _flag_of(path, doc, flagged) if path else None
         if problem.file:
             located.append(problem)
         elif flag is not None:
             located.append(problem.at(flag))
         else:
-            located.append(problem.at(doc.path or None, doc.line_of(problem.path) if problem.path else None))
+            located.append(problem.at(doc.path or None, doc.line_of(path) if path else None))
     return located
 
 

@@ -30,6 +30,12 @@ FSDP_STAGE_NAMES = {
 }
 
 
+def _derived_default(schema: dict) -> None:
+    """For the published schema: a key whose value, when not written, comes from other keys
+    (the description says how) shows no fixed `default`."""
+    schema.pop("default", None)
+
+
 class ParallelSpec(Table):
     """How the ranks divide the work."""
 
@@ -155,7 +161,7 @@ class OffloadSpec(Table):
                             "there)")
     cpu_memory_budget: Size = Field(
         2**35, description="CPU memory this job may use per node; when not written: the node's RAM "
-        "(cluster.cpu_memory_per_node) less a reserve of 10% (at least 8 GiB)"
+        "(cluster.cpu_memory_per_node) less a reserve of 10% (at least 8 GiB)", json_schema_extra=_derived_default
     )
     gpu_param_budget: Size = Field(2**31, description="parameter bytes kept on the GPU; blocks beyond stay on the CPU")
     prefetch_layers: Dim = Field(1, description="blocks fetched ahead of the one computing")
@@ -174,7 +180,8 @@ class OffloadSpec(Table):
 class TrainSpec(Table):
     """The training step."""
 
-    seq_len: Dim = Field(2048, description="tokens per sequence")
+    seq_len: Dim = Field(2048, description="tokens per sequence; when not written: 2048, or the model's "
+                         "max_seq_len when that is shorter", json_schema_extra=_derived_default)
     precision: Literal["bf16-mixed", "fp16-mixed", "fp32", "bf16"] = Field(
         "bf16-mixed", description="parameter/compute precision"
     )
@@ -258,7 +265,7 @@ class ClusterSpec(Table):
     gpus_per_node: Degree = Field(8, description="GPUs (ranks) per node")
     gpu_memory: Size = Field(
         80 * 2**30, gt=0, description="memory of one GPU; `estimate` checks the fit only when the job states it "
-        "(here or through a cluster preset)"
+        "(here or through a cluster preset)", json_schema_extra=_derived_default
     )
     cpu_memory_per_node: Size = Field(2**40, gt=0, description="CPU RAM of one node")
     gpu: Optional[str] = Field(
