@@ -68,6 +68,14 @@ def test_stage_1_under_fsdp2_shows_what_estimate_counts():
     assert run_cli("shards", "tiny-gpt2-cpu", "--set", "zero.stage=1", "--style", "fsdp2", "--json").json.get("note") is None
 
 
+def test_deepspeed_stage_1_and_2_say_what_the_flat_partition_holds(write):
+    job = write("job.toml", "[model]\npreset = \"tiny-gpt2\"\n[parallel]\ndp = 4\n[zero]\nstage = 1\nframework = \"deepspeed\"\n")
+    doc = run_cli("shards", job, "--json").json
+    assert doc["style"] == "zero12" and "16-bit parameters whole" in doc["note"]
+    assert "gradients" in run_cli("shards", job, "--set", "zero.stage=2", "--json").json["note"]
+    assert "note" not in run_cli("shards", job, "--set", "zero.stage=3", "--json").json
+
+
 def test_stage_0_shards_nothing():
     doc = run_cli("shards", "tiny-gpt2-cpu", "--set", "zero.stage=0", "--json").json
     assert doc["world"] == 1 and "shards nothing" in doc["note"]

@@ -47,7 +47,9 @@ class StageView:
 def stage_view(resolved: ResolvedJob) -> StageView | None:
     """Stage 0 shards nothing; FSDP2's stage 1 (DDP with torch's ZeroRedundancyOptimizer)
     keeps parameters and gradients whole and gives each parameter's optimizer states to one
-    rank (core/states.py): `shards` of such a job shows that, as `estimate` counts it."""
+    rank (core/states.py): `shards` of such a job shows that, as `estimate` counts it.
+    DeepSpeed's stages 1 and 2 cut one flat buffer (the `zero12` style) of the states they
+    shard, not of the 16-bit parameters: a note says so."""
     zero = resolved.job.zero
     group = default_world(resolved)
     if zero.stage == 0:
@@ -59,6 +61,12 @@ def stage_view(resolved: ResolvedJob) -> StageView | None:
         return StageView("zero.stage = 1 under fsdp2 is DDP with torch's ZeroRedundancyOptimizer: parameters "
                          "and gradients stay whole on every rank, and each whole parameter's optimizer states "
                          "live on one rank (shown: --assign zero-optimizer)", assign="zero-optimizer")
+    if zero.stage in (1, 2) and zero.framework == "deepspeed":
+        held = "fp32 master weights and optimizer states" if zero.stage == 1 else \
+            "gradients, fp32 master weights and optimizer states"
+        return StageView(f"zero.stage = {zero.stage} under deepspeed keeps the 16-bit parameters whole on every "
+                         f"rank; the flat partition shown is how the {held} are split "
+                         "(deepspeed/runtime/zero/stage_1_and_2.py)")
     return None
 
 
