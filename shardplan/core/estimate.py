@@ -1,7 +1,8 @@
 """Per-device GPU memory and per-rank host memory of a training step, as a timeline.
 
 For every pipeline stage the estimate takes the stage's fullest rank (tensor-parallel rank 0,
-shard index 0: `torch.chunk`-style splits give the first ranks the most) and lists, for each
+and shard index 0, as `torch.chunk`-style splits give the first ranks the most, except under
+ZeroRedundancyOptimizer, `fullest_shard_index`) and lists, for each
 moment of the step (core/timeline.py), what is alive in it:
 
     model states held through the step (states.py; deepspeed.py) + the gradients alive then
@@ -60,7 +61,7 @@ from .precision import MIXED, ElementBytes, element_bytes, uses_autocast
 from .schedule import ALL_FORWARDS_FIRST, SPLIT_BACKWARD, chunks_per_rank, held_peak, rank_order
 from .schedule_sim import BACKWARD as BACKWARD_ACTION, WEIGHT, Action
 from .stages import LocalParam, RankParams, chunk_size, rank_params
-from .states import LAYERS, HostGroup, Offload, Sharding, States, rank_states
+from .states import LAYERS, HostGroup, Offload, Sharding, States, fullest_zero1_index, rank_states
 from .terms import Term
 from .timeline import BACKWARD, BACKWARD_END, FORWARD, LOSS, MOMENTS, STEP, Moment, peak
 
@@ -100,7 +101,7 @@ class Coordinates:
 
     pp_rank: int = 0
     tp_rank: int = 0
-    shard_index: int = 0
+    shard_index: int | None = None  # None: the stage's fullest (`fullest_shard_index`)
 
 
 def flat_rank_params(params: int, tp: int, pp: int, tp_rank: int = 0, pp_rank: int = 0) -> RankParams:
@@ -145,6 +146,17 @@ def _rank_params(inputs: EstimateInputs, at: Coordinates) -> RankParams:
         return flat_rank_params(inputs.params or 0, d.tp, d.pp, at.tp_rank, at.pp_rank)
     return rank_params(inputs.shape, d.pp, inputs.virtual, at.pp_rank, d.tp, at.tp_rank, inputs.stage_split,
                        inputs.lora)
+
+
+def fullest_shard_index(inputs: EstimateInputs, rp: RankParams, degree: int) -> int:
+    """The position in its shard group of the rank holding the most model states: 0 where
+    tensors are cut `torch.chunk`-style or flat (the first pieces are the largest); under
+    fsdp2's stage 1 the rank ZeroRedundancyOptimizer gives the most (of the adapters, with
+    LoRA)."""
+    if inputs.framework != "fsdp2" or inputs.zero_stage != 1 or degree <= 1:
+        return 0
+    lora = inputs.lora is not None and inputs.shape is not None
+    return fullest_zero1_index(trainable_params(rp) if lora else rp, degree)
 
 
 def resident_layers(rp: RankParams, eb: ElementBytes, inputs: EstimateInputs, degree: int) -> int:
@@ -622,12 +634,13 @@ def rank_parts(inputs: EstimateInputs, at: Coordinates) -> RankParts:
     rp = _rank_params(inputs, at)
     degree = shard_degree(inputs)
     resident = resident_layers(rp, eb, inputs, degree)
+    index = at.shard_index if at.shard_index is not None else fullest_shard_index(inputs, rp, degree)
     if inputs.lora is not None and inputs.shape is not None:
-        memory, host = _lora(inputs, rp, eb, degree, at.shard_index, resident)
+        memory, host = _lora(inputs, rp, eb, degree, index, resident)
     elif inputs.framework == "deepspeed":
-        memory, host = _deepspeed(inputs, rp, degree, at.shard_index)
+        memory, host = _deepspeed(inputs, rp, degree, index)
     else:
-        memory = _torch_or_paper(inputs, rp, eb, degree, at.shard_index, resident)
+        memory = _torch_or_paper(inputs, rp, eb, degree, index, resident)
         host = rank_host(inputs, rp, eb, degree, resident, memory.cpu, memory.host_groups)
     activations, head_held = activation_terms(inputs, rp, eb, at.pp_rank)
     act = _activation_shape(inputs, eb) if inputs.shape is not None else None

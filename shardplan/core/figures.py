@@ -30,6 +30,7 @@ from .estimate import (
     _recompute_terms,
     _torch_or_paper,
     accumulates_in_backward,
+    fullest_shard_index,
     held_at_peak,
     kept_blocks_bytes,
     last_layer_backward,
@@ -69,12 +70,13 @@ def _framework(inputs: EstimateInputs, rp: RankParams, degree: int, resident: in
     """(GPU params + optimizer, gradients at each moment, buffers at each moment, host while
     training) of the framework's part, as byte totals."""
     eb = element_bytes(inputs.framework, inputs.precision, inputs.optimizer)
+    index = fullest_shard_index(inputs, rp, degree)
     if inputs.lora is not None and inputs.shape is not None:
-        memory, host = _lora(inputs, rp, eb, degree, 0, resident)
+        memory, host = _lora(inputs, rp, eb, degree, index, resident)
     elif inputs.framework == "deepspeed":
-        memory, host = _deepspeed(inputs, rp, degree, 0)
+        memory, host = _deepspeed(inputs, rp, degree, index)
     else:
-        memory = _torch_or_paper(inputs, rp, eb, degree, 0, resident)
+        memory = _torch_or_paper(inputs, rp, eb, degree, index, resident)
         host = rank_host(inputs, rp, eb, degree, resident, memory.cpu, memory.host_groups)
     fixed = _sum(memory.gpu["params"]) + _sum(memory.gpu["optimizer"])
     grads = {m: _sum(memory.grads_at[m]) for m in MOMENTS}
@@ -212,6 +214,6 @@ def rank_states_bytes(inputs: EstimateInputs, at: Coordinates) -> int:
     resident = resident_layers(rp, eb, inputs, degree)
     key = _framework_key(inputs)
     if inputs.lora is None and inputs.framework != "deepspeed":
-        states = torch_or_paper_states(key, rp, eb, degree, 0, resident)
+        states = torch_or_paper_states(key, rp, eb, degree, fullest_shard_index(key, rp, degree), resident)
         return _sum(states.gpu["params"]) + _sum(states.gpu["optimizer"])
     return _framework(key, rp, degree, resident)[0]

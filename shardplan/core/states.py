@@ -113,19 +113,42 @@ def _states8(local: int, eb: ElementBytes) -> int:
     return adamw8bit_bytes(local, eb.params) if eb.states8 else 0
 
 
+def _zero1_order(rp: RankParams) -> tuple[list[LocalParam], int]:
+    """A stage's parameters in module order (embeddings, every layer, then the rest of the
+    root), as ZeroRedundancyOptimizer receives them, and how many come before the layers."""
+    first = [p for p in rp.root if p.info.part in ("embedding", "position")]
+    last = [p for p in rp.root if p.info.part not in ("embedding", "position")]
+    return first + list(rp.layer) * rp.num_layers + last, len(first)
+
+
+def fullest_zero1_index(rp: RankParams, degree: int) -> int:
+    """The shard index whose ZeroRedundancyOptimizer partition holds the most elements (on a
+    tie the most tensors, then the lowest index): the rank with the most optimizer state.
+    The greedy partition keeps ranks within one tensor of each other, but not rank 0 first."""
+    ordered, _ = _zero1_order(rp)
+    return _fullest(tuple(p.numel for p in ordered), degree)
+
+
+@lru_cache(maxsize=1024)
+def _fullest(numels: tuple[int, ...], degree: int) -> int:
+    held = [(0, 0)] * degree
+    for numel, owner in zip(numels, zero_optimizer_partition(list(numels), degree)):
+        elements, tensors = held[owner]
+        held[owner] = (elements + numel, tensors + 1)
+    return max(range(degree), key=lambda index: (*held[index], -index))
+
+
 def _zero1_optimizer(rp: RankParams, sharding: Sharding, eb: ElementBytes) -> tuple[TensorStates, TensorStates]:
     """(layers, root) optimizer elements, tensors and int8 blocks whose optimizer state this
     rank holds under ZeroRedundancyOptimizer; layers are summed over all of them."""
-    first = [p for p in rp.root if p.info.part in ("embedding", "position")]
-    last = [p for p in rp.root if p.info.part not in ("embedding", "position")]
-    ordered = first + list(rp.layer) * rp.num_layers + last
+    ordered, before = _zero1_order(rp)
     owners = zero_optimizer_partition([p.numel for p in ordered], sharding.degree)
     layers, root = NONE, NONE
     for position, (p, owner) in enumerate(zip(ordered, owners)):
         if owner != sharding.index and p.numel >= sharding.min_num_params:
             continue
         held = TensorStates(0, 0, p.numel, 1, blocks(p.numel), _states8(p.numel, eb))
-        if len(first) <= position < len(first) + len(rp.layer) * rp.num_layers:
+        if before <= position < before + len(rp.layer) * rp.num_layers:
             layers += held
         else:
             root += held
