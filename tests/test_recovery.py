@@ -165,7 +165,7 @@ def test_unusable_checkpoints_are_refused(tmp_path):
     proc = shardplan_run(job, "--set", f"checkpoint.dir={tmp_path / 'empty'}", "--resume")
     assert proc.returncode == 3 and "no complete checkpoint" in proc.stderr
     proc = shardplan_run(job, f"--resume={tmp_path / 'nowhere'}")  # refused before torchrun starts
-    assert proc.returncode == 2 and "is not a checkpoint folder" in proc.stderr
+    assert proc.returncode == 3 and proc.stderr == f"checkpoint: {tmp_path / 'nowhere'} is not a checkpoint folder\n"
 
 
 def test_preflight_refuses_a_plan_that_does_not_fit(tmp_path):

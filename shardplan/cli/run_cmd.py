@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -24,6 +25,8 @@ from .options import JsonFlag, PlanFlags, plan_flags
 
 # A worker's failure line (runtime/worker.py `describe_failure`).
 _FAILURE = re.compile(r"^rank (\d+): (.*)$")
+# The log folder torchrun makes for each attempt; attempt_<n> for n >= 1 is the n-th restart.
+_ATTEMPT = re.compile(r"^attempt_(\d+)$")
 # How often the launcher looks for rank 0's next step: a bar that moves at once, for a
 # file read that costs microseconds.
 PROGRESS_POLL_SECONDS = 0.1
@@ -86,20 +89,36 @@ def _check_report_path(report: str | None) -> None:
         check_writable(report, "--report")
 
 
-def _check_resume_path(resume: str | None) -> None:
-    """`--resume=PATH` names a checkpoint folder: the workers' own test (runtime/checkpoint.py
-    `find`), run here before torchrun starts them."""
-    if resume is None or resume == "latest":
+def _check_resume_path(resume: str | None, folder: str) -> None:
+    """`--resume` needs a complete checkpoint in `[checkpoint] dir`, `--resume=PATH` one at
+    PATH: the workers' own test (runtime/resume.py `find`), run here before torchrun starts
+    them. Refused as docs/recovery.md says: one `checkpoint: ...` line, exit 3."""
+    if resume is None:
         return
-    if not Path(resume).is_dir():  # find's first test, without importing torch for it
-        raise InputError(Problem("--resume", f"{resume} is not a checkpoint folder"))
-    from ..runtime.checkpoint import find  # imports torch: `run` has it (checked before)
-    from ..spec.errors import RunFailure
+    from ..runtime.resume import find  # torch-free
 
-    try:
-        find(Path("."), resume)
-    except RunFailure as exc:
-        raise InputError(Problem("--resume", str(exc).removeprefix("checkpoint: "))) from None
+    find(Path(folder), resume)  # raises RunFailure
+
+
+def _check_data_file(resolved, flags: PlanFlags) -> None:
+    """`[data] path` must hold whole token ids of the vocabulary, at least a sequence of them:
+    the ranks' own test (runtime/token_file.py), run here so that a bad file is bad input
+    (exit 2) before torchrun starts rather than a failure of every rank."""
+    job = resolved.job
+    if not job.data.path or resolved.shape is None:
+        return
+    from ..runtime.token_file import check
+
+    problem = check(resolved.data_file or job.data.path, repr(job.data.path), job.data.dtype,
+                    resolved.shape.vocab_size, job.train.seq_len)
+    if problem:
+        flagged = any(expression.split("=", 1)[0].strip() == "data.path" for expression in flags.sets)
+        if flagged or not resolved.file:
+            raise InputError(Problem("data.path", problem).at("--set" if flagged else None))
+        from ..io.files import read_document
+
+        line = read_document(resolved.file).line_of("data.path")  # the file was read once already
+        raise InputError(Problem("data.path", problem).at(resolved.file, line))
 
 
 def _worker_args(file: str, flags: PlanFlags, options: dict) -> list[str]:
@@ -145,17 +164,65 @@ def _drain(stream, into: list[str], echo: bool = False) -> threading.Thread:
     return thread
 
 
-def _watch(proc: subprocess.Popen, progress_path: Path) -> None:
-    """Draw rank 0's progress on this terminal until torchrun exits."""
+class Restarts:
+    """torchrun's restarts of the workers (`--max-restarts`), seen as torchrun makes each
+    attempt's log folder (torch/distributed/elastic/multiprocessing/api.py `DefaultLogsSpecs`:
+    `<log-dir>/<run id>/attempt_<restart>/<local rank>/stderr.log`). Each is announced in one
+    line on stderr: what failed and where the restarted workers resume (runtime/resume.py,
+    the rule the workers follow). The workers' stderr goes to those logs, so without this a
+    restart would pass unseen."""
+
+    def __init__(self, logs: Path, max_restarts: int, captured: list[str], folder: str, resume: str | None):
+        self.logs, self.max_restarts, self.captured = logs, max_restarts, captured
+        self.folder, self.resume = folder, resume
+        self.announced = 0
+        self.start = 0  # the first of torchrun's stderr lines of the current attempt
+
+    def _attempts(self) -> dict[int, Path]:
+        found = {}
+        for path in self.logs.glob("*/attempt_*"):
+            match = _ATTEMPT.match(path.name)
+            if match:
+                found[int(match.group(1))] = path
+        return found
+
+    def poll(self) -> None:
+        """Announce the restarts that happened since the last call."""
+        from ..runtime.resume import restart_line
+
+        attempts = self._attempts()
+        for restart in sorted(n for n in attempts if n > self.announced):
+            end = len(self.captured)  # the drain thread appends meanwhile
+            failed = attempts.get(restart - 1)
+            cause = _signal_lines("".join(self.captured[self.start:end])) + (_failure_lines(failed) if failed else [])
+            self.start, self.announced = end, restart
+            sys.stderr.write(restart_line(restart, self.max_restarts, self.folder, self.resume, "; ".join(cause)) + "\n")
+            sys.stderr.flush()
+
+    def last_attempt(self, logs: Path) -> tuple[Path, str]:
+        """The log folder and torchrun's stderr of the last attempt: a final failure is its."""
+        text = "".join(self.captured[self.start:])
+        return self._attempts().get(self.announced, logs), text
+
+
+def _watch(proc: subprocess.Popen, progress_path: Path | None, restarts: Restarts | None) -> None:
+    """Until torchrun exits: draw rank 0's progress on this terminal (with `progress_path`),
+    and announce torchrun's restarts (above the bar when there is one)."""
+    if progress_path is None and restarts is None:
+        return
     from ..io.progress import ProgressReader
     from ..render.run import progress_bar
 
-    reader = ProgressReader(progress_path)
-    with progress_bar(None) as bar:
+    reader = ProgressReader(progress_path) if progress_path else None
+    with progress_bar(None) if reader else contextlib.nullcontext() as bar:
         while proc.poll() is None:
-            bar.show(reader.poll())
+            if reader:
+                bar.show(reader.poll())
+            if restarts:
+                restarts.poll()
             time.sleep(PROGRESS_POLL_SECONDS)
-        bar.show(reader.poll())
+        if reader:
+            bar.show(reader.poll())
 
 
 def threads_per_worker(nproc: int) -> int:
@@ -173,12 +240,15 @@ def threads_per_worker(nproc: int) -> int:
     return max(1, cores // nproc)
 
 
-def _spawn(nproc: int, max_restarts: int, argv: list[str], verbose: bool, live: bool) -> None:
+def _spawn(nproc: int, max_restarts: int, argv: list[str], verbose: bool, live: bool,
+           checkpoint_dir: str = "", resume: str | None = None) -> None:
     """torchrun on this node; a failure raises `WorkersFailed` with the workers' exit code
     (torchrun's own is 1 for any failure). Workers' stderr goes to files and their failure
     lines come back as one summary instead of every rank's traceback and torchrun's report;
     `--verbose` shows everything. With `live` (a terminal, no --json) this process draws rank
-    0's progress and prints the workers' output once the bar is done."""
+    0's progress and prints the workers' output once the bar is done. Each restart (with
+    `max_restarts`) is announced in one line (`Restarts`; under --verbose rank 0 says it);
+    the workers resume from `checkpoint_dir` or `resume` as runtime/resume.py decides."""
     torchrun = shutil.which("torchrun")
     command = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
     env = dict(os.environ)
@@ -198,15 +268,19 @@ def _spawn(nproc: int, max_restarts: int, argv: list[str], verbose: bool, live: 
         readers = [_drain(proc.stderr, captured, echo=verbose)]
         if live:
             readers.append(_drain(proc.stdout, output))
-            _watch(proc, progress_path)
+        restarts = Restarts(Path(logs), max_restarts, captured, checkpoint_dir, resume) \
+            if max_restarts and not verbose else None
+        _watch(proc, progress_path if live else None, restarts)
         proc.wait()
         for reader in readers:
             reader.join()
+        if restarts:
+            restarts.poll()  # one torchrun made after the last look
         sys.stdout.write("".join(output))
         if proc.returncode == 0:
             return
-        text = "".join(captured)
-        lines = _signal_lines(text) + _failure_lines(Path(logs)) or _tail(text)
+        attempt_logs, text = restarts.last_attempt(Path(logs)) if restarts else (Path(logs), "".join(captured))
+        lines = _signal_lines(text) + _failure_lines(attempt_logs) or _tail(text)
         raise WorkersFailed(lines, _worker_exit_code(text))
 
 
@@ -286,13 +360,15 @@ def run(
     _require_torch(resolved.job)
     if not under_torchrun():
         _check_report_path(report)  # before torchrun starts: not after the whole run
-        _check_resume_path(resume)
+        _check_resume_path(resume, resolved.job.checkpoint.dir)
+        _check_data_file(resolved, flags)
         world = resolved.world
         if nproc is not None and nproc != world:
             raise InputError(Problem("--nproc", f"{nproc} worker{'s' if nproc != 1 else ''}, but {resolved.degrees.arithmetic()}"))
         options = {"report": report, "resume": resume, "force": force, "verbose": verbose, "json": json_out}
         live = not json_out and sys.stderr.isatty()
-        _spawn(nproc or world, max_restarts, _worker_args(file, flags, options), verbose, live)
+        _spawn(nproc or world, max_restarts, _worker_args(file, flags, options), verbose, live,
+               resolved.job.checkpoint.dir, resume)
         return
     from ..runtime.worker import RunOptions, describe_failure, fail, run_worker
 

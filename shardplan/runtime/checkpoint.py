@@ -1,6 +1,6 @@
 """Sharded checkpoints that a crash at any moment cannot break.
 
-Layout of `[checkpoint] dir` (docs/checkpoints.md):
+Layout of `[checkpoint] dir` (docs/recovery.md):
 
     step-00000040/            a complete checkpoint (only complete ones have this name)
         .metadata, *.distcp   torch.distributed.checkpoint shards: model and optimizer
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -32,26 +31,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from ..spec.errors import RunFailure
 from . import faults
+from .resume import META, PARTIAL, complete_checkpoints, find  # noqa: F401 - find: the workers' resume test
+from .resume import checkpoint_name as _name
 
 FORMAT_VERSION = 1
-META = "shardplan.json"
-_COMPLETE = re.compile(r"^step-(\d{8})$")
-
-
-def _name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
-    """(step, path) of the complete checkpoints in `folder`, oldest first."""
-    if not folder.is_dir():
-        return []
-    found = []
-    for entry in folder.iterdir():
-        match = _COMPLETE.match(entry.name)
-        if match and (entry / META).is_file():
-            found.append((int(match.group(1)), entry))
-    return sorted(found)
 
 
 class _WholeModel(nn.Module):
@@ -98,7 +81,7 @@ def save(folder: Path, step: int, modules: list[nn.Module], optimizer: torch.opt
     """Write the checkpoint of `step` (every rank calls this); returns its final path."""
     rank = dist.get_rank()
     final = folder / _name(step)
-    partial = folder / f"{_name(step)}.partial"
+    partial = folder / f"{_name(step)}{PARTIAL}"
     if rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
         if partial.exists():
@@ -145,7 +128,7 @@ def _prune(folder: Path, keep: int) -> None:
     for _, path in complete[:-keep]:
         shutil.rmtree(path, ignore_errors=True)
     for entry in folder.iterdir():
-        if entry.name.endswith(".partial"):
+        if entry.name.endswith(PARTIAL):
             shutil.rmtree(entry, ignore_errors=True)
 
 
@@ -154,23 +137,6 @@ def _rng_state() -> dict:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
-
-
-def find(folder: Path, requested: str) -> Path:
-    """The checkpoint to resume: the latest complete one, or the path given."""
-    if requested == "latest":
-        complete = complete_checkpoints(folder)
-        if not complete:
-            partial = [e.name for e in folder.iterdir() if e.name.endswith(".partial")] if folder.is_dir() else []
-            why = f" (only the unfinished {', '.join(partial)})" if partial else ""
-            raise RunFailure(f"checkpoint: no complete checkpoint in {folder}{why}")
-        return complete[-1][1]
-    path = Path(requested)
-    if not path.is_dir():
-        raise RunFailure(f"checkpoint: {requested} is not a checkpoint folder")
-    if path.name.endswith(".partial") or not (path / META).is_file():
-        raise RunFailure(f"checkpoint: {requested} is incomplete (written by a run that stopped while saving)")
-    return path
 
 
 def read_meta(path: Path) -> dict:

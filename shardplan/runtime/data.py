@@ -8,12 +8,14 @@ single-process reference and a dp x tp x pp run train on identical data.
 from __future__ import annotations
 
 import mmap
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..spec.errors import RunFailure
+from ..spec.errors import InputError, Problem
+from . import token_file
 
 # Synthetic sequences are arithmetic progressions modulo the vocabulary: token k is
 # start + stride * k. After two tokens the rest is predictable, so the loss falls.
@@ -52,24 +54,24 @@ class SyntheticTokens:
 
 
 class FileTokens:
-    """A flat file of token ids (uint16 or uint32), memory-mapped; windows at random offsets."""
+    """A flat file of token ids (uint16 or uint32), memory-mapped; windows at random offsets.
+    A file that cannot serve is bad input (exit 2), here as in the launcher's check before
+    torchrun starts (runtime/token_file.py)."""
 
     def __init__(self, path: str, dtype: str, vocab_size: int, seq_len: int, seed: int):
         self.vocab, self.seq_len, self.seed = vocab_size, seq_len, seed
-        if dtype == "auto":
-            dtype = "uint16" if vocab_size <= 2**16 else "uint32"
-        self.width = 2 if dtype == "uint16" else 4
+        dtype = token_file.token_dtype(dtype, vocab_size)
+        self.width = token_file.WIDTHS[dtype]
         try:
-            handle = Path(path).open("rb")
-            size = Path(path).stat().st_size
-            self.map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+            with Path(path).open("rb") as handle:
+                size = os.fstat(handle.fileno()).st_size
+                problem = token_file.size_problem(path, size, dtype, seq_len)
+                if problem:
+                    raise InputError(Problem("data.path", problem))
+                self.map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)  # stays open without the handle
         except OSError as exc:
-            raise RunFailure(f"data.path: cannot read {path}: {exc.strerror or exc}") from None
-        if size % self.width:
-            raise RunFailure(f"data.path: {path} has {size} bytes, not a multiple of {self.width} ({dtype})")
+            raise InputError(Problem("data.path", f"{path}: cannot read: {exc.strerror or exc}")) from None
         self.count = size // self.width
-        if self.count < seq_len + 1:
-            raise RunFailure(f"data.path: {path} holds {self.count} tokens, fewer than seq_len + 1 = {seq_len + 1}")
         storage = torch.int16 if self.width == 2 else torch.int32
         self.tokens = torch.frombuffer(self.map, dtype=storage)
         self.mask = 0xFFFF if self.width == 2 else 0xFFFFFFFF
@@ -80,10 +82,9 @@ class FileTokens:
         offset = int(torch.randint(self.count - self.seq_len, (1,), generator=generator))
         window = self.tokens[offset:offset + self.seq_len + 1].to(torch.int64) & self.mask
         if int(window.max()) >= self.vocab:
-            raise RunFailure(
-                f"data.path: token {int(window.max())} at offset {offset} of {self.path} is outside the "
-                f"vocabulary ({self.vocab}); is data.dtype right?"
-            )
+            first = int(torch.nonzero(window >= self.vocab)[0])
+            raise InputError(Problem("data.path", token_file.vocabulary_problem(
+                self.path, int(window[first]), offset + first, self.vocab)))
         return window
 
 

@@ -23,7 +23,7 @@ from ..io.progress import PROGRESS_ENV, ProgressFile
 from ..render.output import emit_diagnostics, emit_line, stdout_console
 from ..render.run import progress_bar, run_table
 from ..spec.errors import RunFailure, ShardplanError
-from . import checkpoint, faults, preflight
+from . import checkpoint, faults, preflight, resume
 from .dist import Runtime, start, stop
 from .measure import PROFILE_ENV, CudaMemory, ProcessMemory, SavedTensorTracker, profiler, write_profile
 from .lora import preload_libraries
@@ -42,7 +42,8 @@ class RunOptions:
 
 
 class Phase:
-    """What this rank is doing, so a failure can say where it happened."""
+    """What this rank is doing, so a failure can say where it happened: set as each phase
+    begins (`describe_failure` names it)."""
 
     current = "starting"
 
@@ -78,6 +79,7 @@ def run_worker(resolved: ResolvedJob, limits_known: bool, options: RunOptions) -
     job = resolved.job
     if os.environ.get("RANK", "0") != "0" and not options.verbose:
         warnings.simplefilter("ignore")
+    Phase.current = "joining the process group"
     runtime = start(resolved.degrees, job.parallel.order, job.cluster.gpus_per_node,
                     job.parallel.communication_timeout, dp_split=dp_split(job))
     try:
@@ -89,16 +91,23 @@ def run_worker(resolved: ResolvedJob, limits_known: bool, options: RunOptions) -
     return report
 
 
-def _resume_point(resolved: ResolvedJob, options: RunOptions, plan: dict):
+def _restart() -> int:
+    """Which restart of torchrun's (--max-restarts) this attempt is; 0 for the first attempt."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def _resume_point(resolved: ResolvedJob, options: RunOptions, plan: dict, rank0: bool):
     """(checkpoint path, meta, resharding note) to resume from, or None to start afresh.
 
     `--resume` asks for it; a worker restarted by torchrun (--max-restarts) resumes from the
-    latest complete checkpoint by itself."""
+    latest complete checkpoint by itself, and rank 0 says so in one line (the launcher that
+    started torchrun says it on the user's terminal instead: cli/run_cmd.py)."""
     folder = resolved.job.checkpoint.dir
-    requested = options.resume
-    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-    if requested is None and restarted and folder and checkpoint.complete_checkpoints(Path(folder)):
-        requested = "latest"
+    restart = _restart()
+    if restart and rank0:
+        emit_diagnostics([resume.restart_line(restart, int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", restart)),
+                                              folder, options.resume)])
+    requested = resume.resume_request(folder, options.resume, restarted=restart > 0)
     if requested is None:
         return None
     if requested == "latest" and not folder:
@@ -113,17 +122,18 @@ def _train(resolved: ResolvedJob, runtime: Runtime, limits_known: bool, options:
     rank0 = runtime.rank == 0
     # The offload strategy's decision (what is offloaded, how many layers stay resident) is
     # the plan this rank builds, checks before starting and reports beside its measurements.
+    Phase.current = "preflight"
     decided = estimate_memory(replace(inputs_from_job(job, resolved.shape, limits_known), on_gpu=runtime.on_gpu))
     inputs = decided.inputs
     mine = rank_estimate(inputs, rank_coordinates(inputs, runtime.rank), [runtime.rank])
-    Phase.current = "preflight"
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     preflight.check(mine, runtime.on_gpu, runtime.device.index, local_world, options.force)
     plan = plan_record(resolved, runtime)
     Phase.current = "reading the checkpoint"
-    resume = _resume_point(resolved, options, plan)
-    if resume is not None and resume[1]["step"] >= job.train.steps:
-        return _already_complete(resume[0], resume[1]["step"], job.train.steps, rank0, options)
+    resume_at = _resume_point(resolved, options, plan, rank0)
+    if resume_at is not None and resume_at[1]["step"] >= job.train.steps:
+        return _already_complete(resume_at[0], resume_at[1]["step"], job.train.steps, rank0, options)
+    Phase.current = "loading the fine-tuning libraries"
     preload_libraries(job)  # their import is not the model's memory
     process = ProcessMemory()
     cuda = CudaMemory(runtime.device) if runtime.on_gpu else None
@@ -134,13 +144,13 @@ def _train(resolved: ResolvedJob, runtime: Runtime, limits_known: bool, options:
     Phase.current = "building the model"
     trainer = Trainer(resolved, runtime, inputs, mine.resident_layers)
     first_step, resumed = 0, None
-    if resume is not None:
-        path, meta, resharded = resume
+    if resume_at is not None:
+        path, meta, resharded = resume_at
         Phase.current = f"loading {path}"
         checkpoint.load(path, [m for _, m in trainer.modules], trainer.optimizer, same_layout=resharded is None)
         first_step = meta["step"]
         resumed = {"step": first_step, "path": str(path), "resharded": resharded}
-        if rank0:
+        if rank0 and not _restart():  # a restart said where it resumes already
             emit_diagnostics([f"resuming from {path} after step {first_step}" + (f", {resharded}" if resharded else "")])
     if rank0 and decided.decisions and options.verbose:
         emit_diagnostics(f"offload: {d}" for d in decided.decisions)
@@ -153,6 +163,7 @@ def _train(resolved: ResolvedJob, runtime: Runtime, limits_known: bool, options:
     if options.table:
         stdout_console().print(run_table(report, resolved.model_name))
     if options.report_path:
+        Phase.current = f"writing the report {options.report_path}"
         Path(options.report_path).write_text(json.dumps({"schema_version": 1, **report}, indent=2) + "\n",
                                              encoding="utf-8")
     return report
@@ -245,6 +256,7 @@ def _progress(rank0: bool, table: bool, total: int, completed: int):
 
 
 def _gather(runtime, trainer, tracker, states, mine, process, cuda) -> list[dict]:
+    Phase.current = "gathering the measurements"
     measured = {kind: sum(states[kind].values()) for kind in ("params", "grads", "optimizer")}
     measured["placement"] = states
     measured["activations"] = tracker.peak
@@ -265,7 +277,6 @@ def _gather(runtime, trainer, tracker, states, mine, process, cuda) -> list[dict
         "estimated": rank_estimates(mine, runtime.on_gpu),
     }
     entries = [None] * runtime.world
-    Phase.current = "gathering the measurements"
     dist.all_gather_object(entries, entry)
     return entries
 
