@@ -116,7 +116,9 @@ def test_export_torchtitan_stages(write):
     assert parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "output"]
     # pipeline: the local batch is cut into microbatches of pipeline_parallel_microbatch_size
     assert config["training"]["local_batch_size"] == 16 and par["pipeline_parallel_microbatch_size"] == 1
-    assert config["checkpoint"] == {"enable": True, "folder": "ckpt", "interval": 50, "keep_latest_k": 3}
+    # torchtitan saves to {job.dump_folder}/{folder}, dump_folder "./outputs" by default
+    # (torchtitan/components/checkpoint.py, CheckpointManager: os.path.join(base_folder, folder)).
+    assert config["checkpoint"] == {"enable": True, "folder": "../ckpt", "interval": 50, "keep_latest_k": 3}
 
 
 def test_export_megatron_arguments(write):

@@ -8,6 +8,8 @@ world size; torch's `get_schedule_class` resolves the pipeline schedule name;
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from conftest import run_cli
@@ -69,8 +71,11 @@ def test_torchtitan_reads_the_exported_config(write, plan):
     assert config.optimizer.lr == train.lr and config.debug.seed == train.seed
     if job.checkpoint.dir:
         c = config.checkpoint
-        assert (c.enable, c.folder, c.interval, c.keep_latest_k) == (True, job.checkpoint.dir, job.checkpoint.every,
-                                                                     job.checkpoint.keep)
+        # torchtitan saves to {job.dump_folder}/{folder} (components/checkpoint.py, CheckpointManager:
+        # os.path.join(base_folder, folder) with base_folder = job.dump_folder).
+        folder = os.path.normpath(os.path.join(config.job.dump_folder, c.folder))
+        assert (c.enable, folder, c.interval, c.keep_latest_k) == (True, os.path.normpath(job.checkpoint.dir),
+                                                                   job.checkpoint.every, job.checkpoint.keep)
 
 
 def test_torchtitan_stage_split_is_shardplans(write):

@@ -12,7 +12,7 @@ import typer
 
 from ..io.files import Document
 from ..io.interop.common import Imported, model_parallel_size
-from ..io.interop.source import FORMATS, read_source
+from ..io.interop.source import FORMATS, Referenced, read_referenced, read_source
 from ..io.job import resolve_document
 from ..io.overrides import apply_overrides
 from ..io.presets import find_preset
@@ -44,10 +44,11 @@ def _model_layers(overrides: list[tuple[str, object]], preset: str | None) -> in
     return layers if isinstance(layers, int) else None
 
 
-def convert(fmt: str, data: dict, overrides: list[tuple[str, object]], world: int | None = None) -> Imported:
+def convert(fmt: str, data: dict, overrides: list[tuple[str, object]], world: int | None = None,
+            referenced: dict[str, Referenced] | None = None) -> Imported:
     """Run the importer of `fmt` with what the command line already decides. Without --dp,
     --world gives the data-parallel size as DeepSpeed and torchtitan derive it: the world
-    over tp x pp x cp."""
+    over tp x pp x cp. `referenced`: the files the config names (source.py `read_referenced`)."""
     given = dict(overrides)
     dp = given.get("parallel.dp") if isinstance(given.get("parallel.dp"), int) else None
     said = ""
@@ -71,7 +72,7 @@ def convert(fmt: str, data: dict, overrides: list[tuple[str, object]], world: in
         return from_torchtitan(data, dp, layers, model_given, said)
     from ..io.interop.accelerate import from_accelerate
 
-    return from_accelerate(data)
+    return from_accelerate(data, referenced)
 
 
 def job_text(tables: dict, source: str, fmt: str) -> str:
@@ -99,23 +100,26 @@ def import_config(
     """
     fmt, doc = read_source(file)
     overrides = flags.overrides()
-    imported = convert(fmt, doc.data, overrides, world)
+    imported = convert(fmt, doc.data, overrides, world, read_referenced(fmt, doc))
 
-    def located(problem: Problem) -> Problem:
-        return problem.at(file, doc.line_of(problem.path) if problem.path else None)
+    def located(problem: Problem) -> Problem:  # in the source, unless it names a referenced file
+        return problem if problem.file else problem.at(file, doc.line_of(problem.path) if problem.path else None)
 
     if imported.problems:
         raise InputError([located(p) for p in imported.problems])
-    ordered = sorted(imported.notes, key=lambda n: doc.line_of(n.path) or 1 << 30)  # in the file's order
-    notes = [f"import: {located(Problem(n.path, n.message))}" for n in ordered]
-    lines = {path: doc.line_of(key) for path, key in imported.origin.items() if key and doc.line_of(key)}
+    notes_at = [located(Problem(n.path, n.message, file=n.file, line=n.line)) for n in imported.notes]
+    ordered = sorted(notes_at, key=lambda p: (p.file != file, p.file, p.line or 1 << 30))  # in the files' order
+    notes = [f"import: {p}" for p in ordered]
+    lines = {path: doc.line_of(key) for path, key in imported.origin.items()
+             if key and path not in imported.elsewhere and doc.line_of(key)}
     built = Document(file, apply_overrides(imported.tables, overrides), lines)
 
     def named(problem: Problem) -> Problem:  # messages name the user's key, then shardplan's
         key = imported.origin.get(problem.path)
         if not key or problem.file != file:
             return problem
-        return replace(problem, path=key, message=f"{problem.path}: {problem.message}")
+        there, line = imported.elsewhere.get(problem.path, (file, problem.line))
+        return replace(problem, path=key, message=f"{problem.path}: {problem.message}", file=there, line=line)
 
     try:
         resolved = resolve_document(built, overrides, world=world, flag_labels=flags.labels())
@@ -129,8 +133,8 @@ def import_config(
         write_text(output, text, "--output")
     if json_out:
         emit_json({"format": fmt, "file": output, "job": tables,
-                   "notes": [{"path": n.path, "line": doc.line_of(n.path), "message": n.message}
-                             for n in imported.notes]})
+                   "notes": [{"path": p.path, "file": p.file, "line": p.line, "message": p.message}
+                             for p in notes_at]})
     elif not output:
         sys.stdout.write(text)
     emit_diagnostics(notes)

@@ -10,7 +10,8 @@ sharding strategies FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SH
 1-5; `fsdp_offload_params` is FSDP2's CPUOffloadPolicy, which moves a module's parameters,
 gradients and optimizer step to the CPU; `fsdp_activation_checkpointing` recomputes every
 wrapped transformer block), accelerate/parallelism_config.py (dp_replicate, dp_shard, tp, cp;
-FSDP2 only).
+FSDP2 only). Under `distributed_type: DEEPSPEED`, `DeepSpeedPlugin` (the same dataclasses.py)
+takes `deepspeed_config_file`, a DeepSpeed config JSON that the DeepSpeed importer reads.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from __future__ import annotations
 import math
 
 from ...spec.job import FSDP_STAGE_NAMES
-from .common import Exported, Imported, Note, Plan, Reader, unexpressed
+from .common import Exported, Imported, Note, Plan, Reader, float8_not_modelled, integral, unexpressed
 from .offload import whole_model_offload
+from .source import Referenced
 
 TARGET = "accelerate"
 
@@ -114,14 +116,19 @@ def to_accelerate(plan: Plan) -> Exported:
                                          f"written as data parallel ({par.dp * par.pp} data-parallel ranks of "
                                          f"{plan.world} processes)"))
     if par.micro_batch_size > 1 or par.num_microbatches > 1:
-        notes.append(Note("parallel.num_microbatches", "accelerate takes batch size and gradient accumulation in the "
-                                                       "training script (Accelerator(gradient_accumulation_steps=...)); "
-                                                       f"micro batch {par.micro_batch_size}, {par.num_microbatches} steps"))
+        # One line for both keys, named by the one the plan changes (accumulation first).
+        steps = f"{par.num_microbatches} step{'s' if par.num_microbatches > 1 else ''}"
+        notes.append(Note("parallel.num_microbatches" if par.num_microbatches > 1 else "parallel.micro_batch_size",
+                          "accelerate takes batch size and gradient accumulation in the training script "
+                          "(Accelerator(gradient_accumulation_steps=...)); "
+                          f"micro batch {par.micro_batch_size}, {steps}"))
     if job.model.source is not None:
         notes.append(Note("model", "accelerate's config has no model: the training script builds it"))
     covered = COVERED if fsdp else ("parallel.dp", "train.precision", "offload.params", "offload.grads",
                                     "offload.optimizer", "train.activation_checkpointing")
     said = {note.path for note in notes}
+    if said & {"parallel.micro_batch_size", "parallel.num_microbatches"}:
+        said |= {"parallel.micro_batch_size", "parallel.num_microbatches"}  # the batch line says both
     notes += [note for note in unexpressed(plan, covered, TARGET) if note.path not in said]
     return Exported(config, notes)
 
@@ -133,7 +140,10 @@ def dumps(config: dict) -> str:
 
 
 # -- import ---------------------------------------------------------------------------------
-def from_accelerate(data: dict) -> Imported:
+def from_accelerate(data: dict, referenced: dict[str, Referenced] | None = None) -> Imported:
+    """Job tables from an accelerate config. `referenced`: the files it names, read by the
+    caller (source.py `read_referenced`), by dotted key: the DeepSpeed config of
+    `deepspeed_config.deepspeed_config_file`."""
     out = Imported()
     top = Reader(data, "", out)
     kind = top.choice("distributed_type", ("NO", "MULTI_GPU", "FSDP", "DEEPSPEED", "MULTI_CPU", "MEGATRON_LM",
@@ -149,7 +159,7 @@ def from_accelerate(data: dict) -> Imported:
     out.set("cluster.gpus_per_node", processes // machines, "num_processes")
     mixed = top.choice("mixed_precision", ("no", "fp16", "bf16", "fp8")) if top.has("mixed_precision") else "no"
     if mixed == "fp8":
-        out.note("mixed_precision", "fp8 is planned as bf16 mixed precision")
+        out.note("mixed_precision", f"fp8 is read as bf16-mixed: {float8_not_modelled('bf16-mixed')}")
     if mixed:
         out.set("train.precision", {"no": "fp32", "fp16": "fp16-mixed"}.get(mixed, "bf16-mixed"), "mixed_precision")
     tp = cp = 1
@@ -189,7 +199,7 @@ def from_accelerate(data: dict) -> Imported:
         _fsdp(Reader(fsdp or {}, "fsdp_config", out), out, replicate, dp)
     elif kind == "DEEPSPEED":
         ds = top.table("deepspeed_config") if top.has("deepspeed_config") else {}
-        _deepspeed(Reader(ds or {}, "deepspeed_config", out), out)
+        _deepspeed(Reader(ds or {}, "deepspeed_config", out), out, top, processes, referenced or {})
     elif kind in ("NO", "MULTI_GPU", "MULTI_CPU"):
         out.set("zero.stage", 0, "distributed_type")
     elif kind:
@@ -234,30 +244,87 @@ def _fsdp(fsdp: Reader, out: Imported, replicate: int | None, dp: int) -> None:
         out.set("offload.gpu_param_budget", 0, fsdp.key("fsdp_offload_params"))
     if fsdp.bool("fsdp_activation_checkpointing"):
         out.set("train.activation_checkpointing", "full", fsdp.key("fsdp_activation_checkpointing"))
-    policy = fsdp.str("fsdp_auto_wrap_policy") if fsdp.has("fsdp_auto_wrap_policy") else None
+    # accelerate's policies (accelerate/utils/constants.py, FSDP_AUTO_WRAP_POLICY, read upper-cased);
+    # none given is NO_WRAP (FullyShardedDataParallelPlugin: FSDP_AUTO_WRAP_POLICY's default).
+    policy = fsdp.choice("fsdp_auto_wrap_policy", ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")) \
+        if fsdp.has("fsdp_auto_wrap_policy") else "NO_WRAP"
     if policy == "SIZE_BASED_WRAP":
         size = fsdp.int("fsdp_min_num_params") if fsdp.has("fsdp_min_num_params") else None
         if size:
             out.set("zero.min_num_params", size, fsdp.key("fsdp_min_num_params"))
-    else:
-        fsdp.raw("fsdp_min_num_params")  # accelerate ignores it without SIZE_BASED_WRAP
-    for key in ("fsdp_state_dict_type", "fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states",
-                "fsdp_transformer_layer_cls_to_wrap", "fsdp_use_orig_params", "fsdp_forward_prefetch",
-                "fsdp_backward_prefetch"):
-        fsdp.raw(key)
+    elif fsdp.has("fsdp_min_num_params"):
+        fsdp.raw("fsdp_min_num_params")
+        out.note(fsdp.key("fsdp_min_num_params"), "not read: accelerate uses it only with fsdp_auto_wrap_policy "
+                                                  "SIZE_BASED_WRAP")
+    if policy == "NO_WRAP":
+        given = "" if fsdp.has("fsdp_auto_wrap_policy") else "not given, accelerate's default NO_WRAP: "
+        out.note(fsdp.key("fsdp_auto_wrap_policy"), f"{given}the whole model is one FSDP unit, all its parameters "
+                                                    "gathered at once; shardplan plans one unit per transformer block")
+    if strategy is not None and reshard is not None:
+        out.note(fsdp.key("fsdp_sharding_strategy"), "not read: fsdp_reshard_after_forward is given and is read "
+                                                     "instead (accelerate deprecates fsdp_sharding_strategy for it)")
+    for key, why in _FSDP_NOT_CARRIED.items():
+        if fsdp.has(key):
+            fsdp.raw(key)
+            out.note(fsdp.key(key), f"not read: {why}")
     fsdp.unread()
 
 
-def _deepspeed(ds: Reader, out: Imported) -> None:
-    if ds.has("deepspeed_config_file"):
-        out.note(ds.key("deepspeed_config_file"), "read that file with `shardplan import` for the whole plan")
+# fsdp_config keys that shardplan reads but does not carry over, and why: what each does is
+# accelerate's (accelerate/utils/dataclasses.py, FullyShardedDataParallelPlugin: the fields'
+# help and, in __post_init__, what FSDP2 drops); what shardplan plans instead is FSDP2 as
+# `shardplan run` executes it (core/buffers.py: offload.prefetch_layers blocks gathered ahead;
+# core/host.py: the model built on the meta device, one block materialized at a time).
+_PLANS_FSDP2_PREFETCH = ("shardplan plans FSDP2, which gathers offload.prefetch_layers blocks (1 unless set) "
+                         "ahead in forward and backward")
+_FSDP_NOT_CARRIED = {
+    "fsdp_backward_prefetch": f"FSDP1's backward prefetch policy (accelerate drops it under FSDP2); "
+                              f"{_PLANS_FSDP2_PREFETCH}",
+    "fsdp_forward_prefetch": f"FSDP1's explicit forward prefetch (not implemented in FSDP2); {_PLANS_FSDP2_PREFETCH}",
+    "fsdp_use_orig_params": "FSDP1's flat parameters (unless true); shardplan plans FSDP2, which always keeps the "
+                            "original parameters (accelerate drops the key under FSDP2)",
+    "fsdp_sync_module_states": "broadcasts rank 0's weights once at start-up (FSDP1; accelerate drops it under "
+                               "FSDP2); no effect on the training step shardplan plans",
+    "fsdp_cpu_ram_efficient_loading": "how pretrained weights are loaded at start-up (only the first process reads "
+                                      "them); shardplan's start-up host memory is that of `shardplan run`, which "
+                                      "builds the model on the meta device and materializes one block at a time",
+    "fsdp_state_dict_type": "how checkpoints are gathered and saved; no effect on the training step shardplan plans",
+    "fsdp_transformer_layer_cls_to_wrap": "shardplan shards every transformer block as one unit (what "
+                                          "TRANSFORMER_BASED_WRAP does with the model's block class)",
+    "fsdp_activation_checkpointing_offload": "moves each recomputed block's input to pinned CPU memory; shardplan "
+                                             "keeps the inputs of recomputed blocks on the GPU",
+}
+
+# accelerate config keys that accelerate refuses beside deepspeed_config_file, which decides
+# them (accelerate/utils/dataclasses.py, DeepSpeedPlugin._deepspeed_config_checks; the
+# top-level mixed_precision counts when the YAML gives one, accelerate/commands/launch.py
+# `launch_command`, and `accelerate config` writes null there with a file).
+_DECIDED_BY_FILE = ("gradient_accumulation_steps", "gradient_clipping", "zero_stage", "offload_optimizer_device",
+                    "offload_param_device", "offload_param_nvme_path", "offload_optimizer_nvme_path",
+                    "zero3_save_16bit_model")
+_REFUSED_BESIDE_FILE = ("accelerate refuses it beside deepspeed_config_file, whose DeepSpeed config decides it "
+                        "(DeepSpeedPlugin._deepspeed_config_checks)")
+# accelerate's ZeRO stage when the config gives none (DeepSpeedPlugin.__post_init__:
+# ACCELERATE_DEEPSPEED_ZERO_STAGE, default 2).
+_ZERO_STAGE_DEFAULT = 2
+
+
+def _deepspeed(ds: Reader, out: Imported, top: Reader, processes: int, referenced: dict[str, Referenced]) -> None:
     out.set("zero.framework", "deepspeed", "distributed_type")
-    stage = ds.int("zero_stage") if ds.has("zero_stage") else None
+    if ds.has("deepspeed_config_file"):
+        name = ds.str("deepspeed_config_file")
+        file = referenced.get(ds.key("deepspeed_config_file"))
+        if name is not None and file is None:
+            out.problem(ds.key("deepspeed_config_file"), f"{name}: the DeepSpeed config was not read")
+        elif file is not None:
+            _deepspeed_file(ds, out, top, processes, file)
+        return
+    stage = ds.int("zero_stage") if ds.has("zero_stage") else _ZERO_STAGE_DEFAULT
     if stage is not None:
         if stage > 3:
             out.problem(ds.key("zero_stage"), f"must be 0, 1, 2 or 3 (got {stage})")
         else:
-            out.set("zero.stage", stage, ds.key("zero_stage"))
+            out.set("zero.stage", stage, ds.key("zero_stage") if ds.has("zero_stage") else "distributed_type")
     for key, job_keys in (("offload_optimizer_device", ("offload.optimizer", "offload.grads")),
                           ("offload_param_device", ("offload.params",))):
         device = ds.choice(key, ("none", "cpu", "nvme")) if ds.has(key) else None
@@ -269,6 +336,52 @@ def _deepspeed(ds: Reader, out: Imported) -> None:
     steps = ds.int("gradient_accumulation_steps", minimum=1) if ds.has("gradient_accumulation_steps") else None
     if steps:
         out.set("parallel.num_microbatches", steps, ds.key("gradient_accumulation_steps"))
-    for key in ("zero3_init_flag", "zero3_save_16bit_model", "deepspeed_multinode_launcher"):
-        ds.raw(key)
+    _deepspeed_extras(ds, out)
+
+
+def _deepspeed_file(ds: Reader, out: Imported, top: Reader, processes: int, file: Referenced) -> None:
+    """The DeepSpeed config JSON that deepspeed_config_file names, read by the DeepSpeed
+    importer with the data-parallel size accelerate launches (num_processes over its
+    tensor_parallel.autotp_size); its notes and problems point into that file."""
+    from .deepspeed import from_deepspeed, model_parallel_degrees
+
+    where, doc = ds.key("deepspeed_config_file"), file.doc
+    if file.resolved:
+        out.note(where, file.resolved)
+    for key in _DECIDED_BY_FILE:
+        if ds.has(key):
+            ds.raw(key)
+            out.problem(ds.key(key), f"{_REFUSED_BESIDE_FILE}: remove it here and set it in {doc.path}")
+    if top.has("mixed_precision") and top.raw("mixed_precision") is not None:
+        out.problem("mixed_precision", f"{_REFUSED_BESIDE_FILE}: remove it (`accelerate config` writes null) and "
+                                       f"set bf16 / fp16 in {doc.path}")
+    if "zero_optimization" not in doc.data:
+        out.problem(where, f"{doc.path} has no zero_optimization, which accelerate requires of a DeepSpeed config "
+                           "file (DeepSpeedPlugin: 'Please specify the ZeRO optimization config')")
+        return
+    tp = integral(model_parallel_degrees(doc.data).get("parallel.tp", 1))
+    tp = tp if tp is not None and tp >= 1 else 1  # the DeepSpeed importer names a bad autotp_size
+    if processes % tp:
+        out.problem(where, f"num_processes ({processes}) is not a multiple of {doc.path}'s "
+                           f"tensor_parallel.autotp_size ({tp})")
+        return
+    said = f"num_processes {processes}" + (f" / autotp_size {tp} makes dp {processes // tp}" if tp > 1 else "")
+    out.merge(from_deepspeed(doc.data, processes // tp, said), doc.path, doc.line_of)
+    _deepspeed_extras(ds, out)
+
+
+def _deepspeed_extras(ds: Reader, out: Imported) -> None:
+    """deepspeed_config's keys beside the plan's, each with why it is not carried over."""
+    stage = out.tables.get("zero", {}).get("stage")
+    if ds.has("zero3_init_flag"):
+        init = ds.bool("zero3_init_flag")
+        if init is False and stage == 3:
+            out.note(ds.key("zero3_init_flag"), "not read: shardplan's ZeRO-3 start-up assumes deepspeed.zero.Init "
+                                                "(true), which partitions the model while it is built; false "
+                                                "builds each rank's whole model on the CPU first")
+    if ds.has("zero3_save_16bit_model"):
+        ds.raw("zero3_save_16bit_model")
+        out.note(ds.key("zero3_save_16bit_model"), "not read: how the model is saved at the end; no effect on the "
+                                                   "training step shardplan plans")
+    ds.raw("deepspeed_multinode_launcher")  # the launcher (pdsh, standard, ...), as the other launch keys
     ds.unread()

@@ -23,10 +23,14 @@ from .offload import OffloadDecision, decided_offload
 class Note:
     """One key a conversion could not carry (or carried approximately), and why.
 
-    `path` is a dotted key: of the job file on export, of the source file on import."""
+    `path` is a dotted key: of the job file on export, of the source file on import. `file`
+    and `line` are set for a key of a file the source refers to (accelerate's
+    deepspeed_config_file); otherwise the key is in the source itself."""
 
     path: str
     message: str
+    file: str | None = None
+    line: int | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,8 @@ class Imported:
     origin: dict[str, str] = field(default_factory=dict)
     notes: list[Note] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
+    # job key -> (file, line) of its source key, for keys read from a file the source refers to
+    elsewhere: dict[str, tuple[str, int | None]] = field(default_factory=dict)
 
     def set(self, job_path: str, value: object, source_key: str) -> None:
         table, key = job_path.split(".")
@@ -91,6 +97,24 @@ class Imported:
 
     def problem(self, source_key: str, message: str) -> None:
         self.problems.append(Problem(source_key, message))
+
+    def merge(self, other: Imported, file: str, line_of: Callable[[str], int | None]) -> None:
+        """Take in what an importer read from `file`, a file the source refers to: its tables
+        (over this import's), its notes and problems located in that file (`line_of`: the line
+        of a dotted key there), and where each job key it wrote came from."""
+        for table, values in other.tables.items():
+            for key, value in values.items():
+                job_path = f"{table}.{key}"
+                self.tables.setdefault(table, {})[key] = value
+                source_key = other.origin.get(job_path, "")
+                if source_key:  # else the value came from the caller (a size it passed in)
+                    self.origin[job_path] = source_key
+                    self.elsewhere[job_path] = (file, line_of(source_key))
+        for note in other.notes:
+            located = Note(note.path, note.message, file, line_of(note.path) if note.path else None)
+            if located not in self.notes:
+                self.notes.append(located)
+        self.problems += [p.at(file, line_of(p.path) if p.path else None) for p in other.problems]
 
 
 # Tables and keys that never reach a framework's config, whatever the target:
@@ -161,6 +185,17 @@ def integral(value: object) -> int | None:
 
 
 AUTO = "'auto' is filled in by the Hugging Face Trainer; not read"
+
+
+def float8_not_modelled(precision: str | None, what: str = "float8") -> str:
+    """What shardplan does with float8 training (torchao's Float8Linear behind torchtitan's
+    float8 converter, accelerate's fp8; `what` names it, or MX formats): it has no 8-bit
+    datatype, so the linears' matmuls, the activations they save and FSDP's all-gathers are
+    estimated at the job's precision."""
+    bits = 32 if precision == "fp32" else 16
+    kept = f"train.precision = {precision!r}" if precision else "the job's train.precision"
+    return (f"{what} is not modelled: memory and step time are estimated as the same run without it "
+            f"({kept}: matmuls, saved activations and all-gathers in {bits} bits)")
 
 
 class Reader:

@@ -183,6 +183,14 @@ def from_deepspeed(data: dict, dp: int | None = None, dp_said: str = "") -> Impo
     _batch(top, out, dp, dp_said or f"--dp {dp}")
     if dp is not None and "dp" not in out.tables.get("parallel", {}):
         out.set("parallel.dp", dp, "")  # the command line's (--world's) data-parallel size
+    elif dp is None and "dp" not in out.tables.get("parallel", {}) and not out.problems:
+        # DeepSpeed takes the data-parallel size from the launch (the world over the model-parallel
+        # degrees, config.py `_set_batch_related_parameters`); without train_batch_size and all
+        # three batch keys the config does not say it.
+        given = next((k for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+                      if k in data), "")
+        out.note(given, "the data-parallel degree is not in the config (DeepSpeed takes it from the launch): "
+                        "planned as dp 1; give --dp N or --world N")
     _zero(top, out)
     _precision(top, out)
     _optimizer(top, out)

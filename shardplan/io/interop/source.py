@@ -3,12 +3,16 @@
 A DeepSpeed config is a JSON object, a torchtitan job config a TOML file, an accelerate
 config a YAML file; each parses into a `Document` whose `lines` map dotted keys to lines,
 so problems point at the user's line. The file's name is not trusted: a `ds_config.txt` or
-a YAML file without a suffix are read for what they contain.
+a YAML file without a suffix are read for what they contain. A file a source refers to
+(accelerate's `deepspeed_config_file`) is read here too, so that importers stay pure.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from ...spec.errors import InputError, Problem
@@ -154,8 +158,95 @@ def read_source(path: str) -> tuple[str, Document]:
         if doc.data:
             raise InputError(Problem("", f"{_NONE_OF_THEM}: TOML without torchtitan's tables "
                                          "([parallelism], [training], [model], ...)", file=path))
-    doc = yaml_document(text, path)
+    try:
+        doc = yaml_document(text, path)
+    except InputError:
+        _refuse_arguments(text, path)
+        raise
     found = detect(doc, "yaml")
     if found:
         return found, doc
+    if set(doc.data) == {""}:  # not a mapping: a YAML scalar, as a shell script's words parse
+        _refuse_arguments(text, path)
     raise InputError(Problem("", _NONE_OF_THEM, file=path))
+
+
+# A long option (`--tensor-model-parallel-size`, `--bf16`, `--lr=3e-4`), not YAML's `---`.
+_FLAG = re.compile(r"--[A-Za-z][\w-]*")
+
+
+def _refuse_arguments(text: str, path: str) -> None:
+    """One clear line for a file of command-line arguments (what `export --to megatron` writes,
+    or a launch script): it names the first option given to the training script (the first
+    after a `*.py` word, else the first) and its line. Nothing happens when the text has none."""
+    first = after_script = None
+    seen_script = False
+    for number, line in enumerate(text.splitlines(), start=1):
+        for word in line.split("#", 1)[0].split():
+            if word.endswith(".py"):
+                seen_script = True
+                continue
+            flag = _FLAG.fullmatch(word.split("=", 1)[0])
+            if flag is None:
+                continue
+            first = first or (number, flag.group(0))
+            if seen_script:
+                after_script = after_script or (number, flag.group(0))
+    found = after_script or first
+    if found is None:
+        return
+    line, flag = found
+    raise InputError(Problem(flag, "command-line arguments (Megatron-LM's pretrain_gpt.py takes these) are not "
+                                   "imported: `shardplan import` reads a DeepSpeed JSON, a torchtitan TOML or an "
+                                   "accelerate YAML config; `shardplan export --to megatron` writes Megatron-LM "
+                                   "arguments", file=path, line=line))
+
+
+DEEPSPEED_CONFIG_FILE = "deepspeed_config.deepspeed_config_file"
+
+
+@dataclass(frozen=True)
+class Referenced:
+    """A file a source config names, as read, and how its path was resolved where that is
+    not plain (a sentence for a note at the source's key; empty otherwise)."""
+
+    doc: Document
+    resolved: str = ""
+
+
+def read_referenced(fmt: str, doc: Document) -> dict[str, Referenced]:
+    """The files a source config names and its importer reads, by the source's dotted key:
+    accelerate's `deepspeed_config_file` under `distributed_type: DEEPSPEED`.
+
+    accelerate opens that path as it is, from the working directory of `accelerate launch`
+    (accelerate/utils/deepspeed.py, `HfDeepSpeedConfig`: `os.path.exists(config_file_or_dict)`,
+    then `open`); a relative path not found there is looked for beside the YAML file. Where
+    the two folders differ, the note says which file was read. Found in neither: one problem
+    naming the path, at the YAML's key."""
+    if fmt != "accelerate":
+        return {}
+    kind = doc.data.get("distributed_type")
+    section = doc.data.get("deepspeed_config")
+    name = section.get("deepspeed_config_file") if isinstance(section, dict) else None
+    if not (isinstance(kind, str) and kind.upper() == "DEEPSPEED" and isinstance(name, str) and name):
+        return {}  # a value that is not a path: the importer names what is wrong with it
+    beside = os.path.join(os.path.dirname(doc.path), name)
+    here, there = os.path.isfile(name), os.path.isfile(beside)
+    same_folder = os.path.isabs(name) or os.path.realpath(beside) == os.path.realpath(name)
+    if not (here or there):
+        places = name if same_folder else f"{name} (the working directory) and {beside}"
+        raise InputError(Problem(DEEPSPEED_CONFIG_FILE, f"{name}: no such file (accelerate opens it from the "
+                                                        f"working directory of `accelerate launch`; looked for "
+                                                        f"{places})", file=doc.path,
+                                 line=doc.line_of(DEEPSPEED_CONFIG_FILE)))
+    found, resolved = (name if here else beside), ""
+    if not same_folder and here:
+        other = f", not {beside} beside this file" if there else ""
+        resolved = f"read {name} from the working directory, where accelerate opens it{other}"
+    elif not same_folder:
+        resolved = (f"{name} is not in the working directory, where accelerate opens it (from where "
+                    f"`accelerate launch` runs): read {beside}, beside this file")
+    text = _read_text(Path(found), found)
+    referenced = parse_json(text, found)
+    referenced.lines = json_key_lines(text)
+    return {DEEPSPEED_CONFIG_FILE: Referenced(referenced, resolved)}

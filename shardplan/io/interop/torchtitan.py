@@ -16,9 +16,11 @@ global_batch_size / (local_batch_size * data-parallel degree)).
 from __future__ import annotations
 
 import math
+import posixpath
 
 from ...core.pipeline import split_layers
-from .common import Exported, Imported, Note, Plan, Reader, unexpressed
+from ...spec.job import CheckpointSpec
+from .common import Exported, Imported, Note, Plan, Reader, float8_not_modelled, unexpressed
 from .offload import whole_model_offload
 
 TARGET = "torchtitan"
@@ -55,6 +57,9 @@ DEFAULTS = {
     "dtype": "float32", "mixed_precision_param": "bfloat16", "lr": 8e-4,
     "ac_mode": "selective", "reshard": "default", "schedule": "1F1B", "microbatch_size": 1,
     "first_less": 1, "last_less": 1, "train_timeout": 100,
+    # [job] and [checkpoint]: checkpoints go to {dump_folder}/{folder} (components/checkpoint.py,
+    # CheckpointManager: os.path.join(base_folder, folder), base_folder = job.dump_folder).
+    "dump_folder": "./outputs", "checkpoint_folder": "checkpoint", "checkpoint_interval": 500, "keep_latest_k": 10,
 }
 
 COVERED = (
@@ -134,8 +139,7 @@ def to_torchtitan(plan: Plan) -> Exported:
                                                             "train.activation_checkpointing = \"op\""))
     config["activation_checkpoint"] = ac
     if ckpt.dir:
-        config["checkpoint"] = {"enable": True, "folder": ckpt.dir, "interval": ckpt.every,
-                                "keep_latest_k": ckpt.keep}
+        config["checkpoint"] = _checkpoint(ckpt, notes)
     timeout = par.communication_timeout
     config["comm"] = {"train_timeout_seconds": math.ceil(timeout)}
     if not float(timeout).is_integer():
@@ -190,6 +194,20 @@ def _training(plan: Plan, notes: list[Note]) -> dict:
         notes.append(Note("offload.gpu_param_budget", "torchtitan offloads every layer; the plan keeps "
                                                       f"{off.gpu_param_budget} bytes of layers on the GPU"))
     return training
+
+
+def _checkpoint(ckpt: CheckpointSpec, notes: list[Note]) -> dict:
+    """[checkpoint] for checkpoint.dir / every / keep. torchtitan saves to
+    {job.dump_folder}/{folder}, dump_folder "./outputs" unless given; the [job] table is left
+    to torchtitan's default (it holds the run's other outputs too), so a relative dir is
+    written relative to it ("../ckpt" for "ckpt"), an absolute one as it is."""
+    folder = ckpt.dir if posixpath.isabs(ckpt.dir) else posixpath.relpath(ckpt.dir, DEFAULTS["dump_folder"])
+    keep = ckpt.keep
+    if keep == 1:  # components/checkpoint.py, CheckpointManager: keep_latest_k 1 raises ValueError
+        keep = 2
+        notes.append(Note("checkpoint.keep", "torchtitan keeps at least 2 checkpoints (the last may still be "
+                                             "saving) and refuses keep_latest_k = 1: written as 2"))
+    return {"enable": True, "folder": folder, "interval": ckpt.every, "keep_latest_k": keep}
 
 
 # torchtitan/distributed/parallel_dims.py: `fsdp_enabled` is dp_shard > 1 or cp > 1, and
@@ -315,15 +333,9 @@ def from_torchtitan(data: dict, dp: int | None = None, num_layers: int | None = 
     if mode:
         out.set("train.activation_checkpointing", mode, ac.key("mode"))
     ac.unread()
-    ckpt = Reader(tables["checkpoint"], "checkpoint", out)
-    if ckpt.bool("enable"):
-        folder = ckpt.str("folder") if ckpt.has("folder") else "checkpoint"
-        out.set("checkpoint.dir", folder, ckpt.key("folder"))
-        for job_key, key in (("checkpoint.every", "interval"), ("checkpoint.keep", "keep_latest_k")):
-            value = ckpt.int(key, minimum=1) if ckpt.has(key) else None
-            if value:
-                out.set(job_key, value, ckpt.key(key))
-    ckpt.unread()
+    job = Reader(top.table("job") if top.has("job") else {}, "job", out)
+    _read_checkpoint(Reader(tables["checkpoint"], "checkpoint", out), job, out)
+    job.unread("not read: no effect on the plan")
     comm = Reader(tables["comm"], "comm", out)
     timeout = comm.int("train_timeout_seconds", minimum=1) if comm.has("train_timeout_seconds") else DEFAULTS["train_timeout"]
     if timeout:
@@ -334,6 +346,7 @@ def from_torchtitan(data: dict, dp: int | None = None, num_layers: int | None = 
     if seed is not None:
         out.set("train.seed", seed, debug.key("seed"))
     debug.unread()
+    _read_low_precision(Reader(tables["model"], "model", out), top, out)
     top.unread("not read: no effect on the plan")
     return out
 
@@ -347,7 +360,97 @@ def _read_model(model: Reader, out: Imported) -> None:
     else:
         out.note(model.key("flavor"), f"torchtitan model {name!r} flavor {flavor!r} has no shardplan preset "
                                       "(give --set model.preset=NAME or an inline shape)")
+    model.seen.add("converters")  # _read_low_precision says what they do
     model.unread("not read: no effect on the plan")
+
+
+# model.converters that swap the linears for low-precision ones (torchtitan 0.2.2 registers
+# "quantize.linear.float8", "quantize.grouped_mm.float8", "quantize.linear.mx" and
+# "quantize.grouped_mm.mx": components/quantization/float8.py and mx.py; torchtitan before 0.2
+# named them "float8" and "mx", with [float8] and [mx] tables, which 0.2.2's ConfigManager refuses).
+_FLOAT8 = {"float8", "quantize.linear.float8", "quantize.grouped_mm.float8"}
+_MX = {"mx", "quantize.linear.mx", "quantize.grouped_mm.mx"}
+_OLD_TABLES = {"float8": "quantize.linear.float8", "mx": "quantize.linear.mx"}
+
+
+def _read_low_precision(model: Reader, top: Reader, out: Imported) -> None:
+    """model.converters and the tables configuring them ([quantize], or [float8] / [mx] of
+    torchtitan before 0.2): float8 and MX training are not modelled, and the notes say what
+    the estimate is instead."""
+    precision = out.tables.get("train", {}).get("precision")
+    converters = model.data.get("converters") if model.has("converters") else []
+    names = [converters] if isinstance(converters, str) else converters if isinstance(converters, list) else []
+    names = [n for part in names if isinstance(part, str) for n in part.split(",") if n.strip()]
+    low = [n.strip() for n in names if n.strip() in _FLOAT8 | _MX]
+    if low:
+        kinds = " and ".join(k for k, group in (("float8", _FLOAT8), ("MX (mxfp8)", _MX)) if set(low) & group)
+        renamed = [f"{n!r} (torchtitan 0.2 names it {_OLD_TABLES[n]!r})" if n in _OLD_TABLES else repr(n) for n in low]
+        out.note(model.key("converters"), f"{', '.join(renamed)}: {float8_not_modelled(precision, kinds)}")
+    others = [n.strip() for n in names if n.strip() not in _FLOAT8 | _MX]
+    if others or (model.has("converters") and not names):
+        out.note(model.key("converters"), f"not read: {', '.join(others) or repr(converters)}: shardplan has "
+                                          "no setting for it")
+    for table in ("quantize", *_OLD_TABLES):
+        if not top.has(table):
+            continue
+        top.raw(table)
+        where, inner = table, top.data[table]
+        while isinstance(inner, dict) and len(inner) == 1 and isinstance(next(iter(inner.values())), dict):
+            key, inner = next(iter(inner.items()))  # [quantize.linear.float8]: the line of that table
+            where = f"{where}.{key}"
+        moved = f"torchtitan 0.2 moved [{table}] to [{_OLD_TABLES[table]}] (0.2.2 refuses it); " \
+            if table in _OLD_TABLES else ""
+        if low:
+            out.note(where, f"{moved}configures the converters of model.converters, which are not modelled")
+        else:
+            out.note(where, f"{moved}not read: no effect without a float8 or mx converter in model.converters")
+
+
+def _read_checkpoint(ckpt: Reader, job: Reader, out: Imported) -> None:
+    """checkpoint.dir / every / keep from [checkpoint] with torchtitan's defaults (DEFAULTS;
+    torchtitan/config/job_config.py, `Checkpoint`): the folder is {job.dump_folder}/{folder},
+    as components/checkpoint.py joins them; `enable_checkpoint` is the name torchtitan gave
+    `enable` before 0.2 (torchtitan PR #1607 renamed it; 0.2.2's ConfigManager refuses it)."""
+    if ckpt.has("enable"):
+        enabled, where = ckpt.bool("enable"), ckpt.key("enable")
+    elif ckpt.has("enable_checkpoint"):
+        enabled, where = ckpt.bool("enable_checkpoint"), ckpt.key("enable_checkpoint")
+        out.note(where, "torchtitan 0.2 renamed it checkpoint.enable and refuses this name: read as enable")
+    else:
+        enabled, where = False, ""
+    if not enabled:
+        for key in ("folder", "interval", "keep_latest_k"):
+            if ckpt.has(key):
+                ckpt.raw(key)
+                out.note(ckpt.key(key), "not read: checkpoint.enable is not true, so torchtitan saves no checkpoints")
+        ckpt.unread()
+        return
+    dump = job.str("dump_folder") if job.has("dump_folder") else DEFAULTS["dump_folder"]
+    folder = ckpt.str("folder") if ckpt.has("folder") else DEFAULTS["checkpoint_folder"]
+    if dump is not None and folder is not None:
+        path = posixpath.normpath(posixpath.join(dump, folder))
+        out.set("checkpoint.dir", path, ckpt.key("folder") if ckpt.has("folder") else where)
+        if job.has("dump_folder") and not posixpath.isabs(folder):
+            out.note(job.key("dump_folder"), f"read for checkpoint.dir ({path}) only: shardplan has no setting for "
+                                             "torchtitan's other outputs (logs, traces)")
+    interval = ckpt.int("interval", minimum=1) if ckpt.has("interval") else DEFAULTS["checkpoint_interval"]
+    if interval:
+        out.set("checkpoint.every", interval, ckpt.key("interval") if ckpt.has("interval") else where)
+    keep = ckpt.int("keep_latest_k") if ckpt.has("keep_latest_k") else DEFAULTS["keep_latest_k"]
+    if keep == 1:  # components/checkpoint.py, CheckpointManager.__init__
+        out.problem(ckpt.key("keep_latest_k"), "torchtitan refuses 1: it keeps at least 2 checkpoints, as the last "
+                                               "may still be saving (components/checkpoint.py, CheckpointManager); "
+                                               "give 0 (keep all) or >= 2")
+    elif keep == 0 and interval:
+        # torchtitan saves every `interval` steps and at the last step (CheckpointManager._should_save).
+        steps = out.tables.get("train", {}).get("steps", DEFAULTS["steps"])
+        count = max(1, math.ceil(steps / interval))
+        out.set("checkpoint.keep", count, ckpt.key("keep_latest_k"))
+        out.note(ckpt.key("keep_latest_k"), f"0 keeps every checkpoint: read as the {count} this run saves "
+                                            f"(one every {interval} of {steps} steps and one at the last)")
+    elif keep:
+        out.set("checkpoint.keep", keep, ckpt.key("keep_latest_k") if ckpt.has("keep_latest_k") else where)
+    ckpt.unread()
 
 
 # [parallelism]'s model-parallel degrees, by the job key each sets.
@@ -484,6 +587,12 @@ def _read_pipeline(par: Reader, out: Imported, degrees: dict, num_layers: int | 
     if degrees.get("accumulation", 1) > 1:
         out.note("training.global_batch_size", "gradient accumulation over pipeline steps is planned as more "
                                                "microbatches per step")
+    first_less, last_less = first_less or 0, last_less or 0
+    if layers_per_stage and num_layers is not None:
+        refused = _refused_layers_per_stage(raw, pp, num_layers, first_less, last_less, layers_per_stage)
+        if refused:
+            out.problem(par.key("pipeline_parallel_layers_per_stage"), refused)
+            return
     if isinstance(fqns, list) and fqns and all(isinstance(p, list) for p in fqns):
         counts = [sum(1 for name in part if str(name).startswith("layers.")) for part in fqns]
         where = par.key("module_fqns_per_model_part")
@@ -495,11 +604,16 @@ def _read_pipeline(par: Reader, out: Imported, degrees: dict, num_layers: int | 
             out.note(par.key("pipeline_parallel_degree"), "without the model's layers torchtitan's stage split "
                                                           "cannot be read; planned as the even split")
             return
-        per_rank = 1 if schedule in _SINGLE_STAGE else 2
-        if layers_per_stage:
-            stages = math.ceil((num_layers + (first_less or 0) + (last_less or 0)) / layers_per_stage)
-            per_rank = max(1, stages // pp)
-        counts = torchtitan_split(pp * per_rank, num_layers, first_less or 0, last_less or 0)
+        if layers_per_stage:  # pipeline_llm: ceil(effective layers / layers per stage) stages
+            num_stages = math.ceil((num_layers + first_less + last_less) / layers_per_stage)
+        else:  # pipeline_llm's default: one stage per rank for single-stage schedules, else two
+            num_stages = pp * (1 if _TORCH_SINGLE_STAGE.get(raw.lower(), schedule in _SINGLE_STAGE) else 2)
+        refused = _refused_split(num_stages, num_layers, first_less, last_less)
+        if refused:
+            key = "pipeline_parallel_layers_per_stage" if layers_per_stage else "pipeline_parallel_degree"
+            out.problem(par.key(key), refused)
+            return
+        counts = torchtitan_split(num_stages, num_layers, first_less, last_less)
         where = par.key("pipeline_parallel_first_stage_less_layers")
     if len(counts) % pp:
         out.problem(where, f"{len(counts)} stages do not divide over pipeline_parallel_degree {pp}")
@@ -522,6 +636,59 @@ def _read_pipeline(par: Reader, out: Imported, degrees: dict, num_layers: int | 
             if mine != counts:
                 out.note(where, f"stages of {counts} layers: shardplan keeps the first ({first}) and last ({last}) "
                                 f"and splits the rest evenly: {mine}")
+
+
+# torch's schedule classes by the name torchtitan hands to `get_schedule_class`
+# (torch/distributed/pipelining/schedules.py): True for PipelineScheduleSingle subclasses, one
+# stage per rank; False for PipelineScheduleMulti subclasses, several.
+_TORCH_SINGLE_STAGE = {
+    "1f1b": True, "gpipe": True, "pipelineschedulesingle": True, "interleaved1f1b": False, "loopedbfs": False,
+    "interleavedzerobubble": False, "pipelineschedulemulti": False, "zbvzerobubble": False, "dualpipev": False,
+}
+_PIPELINE_LLM = "torchtitan/distributed/pipeline_parallel.py, pipeline_llm"
+_FQN_SPLIT = "torchtitan/distributed/pipeline_parallel.py, generate_llm_fqn_per_model_part"
+
+
+def _refused_layers_per_stage(schedule: str, pp: int, num_layers: int, first_less: int, last_less: int,
+                              layers_per_stage: int) -> str | None:
+    """Why torchtitan refuses pipeline_parallel_layers_per_stage, else None: its number of
+    virtual stages, ceil((layers + first_stage_less_layers + last_stage_less_layers) /
+    layers_per_stage), must be divisible by the pipeline degree, giving exactly one stage per
+    rank to a single-stage schedule and at least two to a multi-stage one (pipeline_llm)."""
+    stages = math.ceil((num_layers + first_less + last_less) / layers_per_stage)
+    made = (f"{layers_per_stage} layers per stage make ceil(({num_layers} layers + first_stage_less_layers "
+            f"{first_less} + last_stage_less_layers {last_less}) / {layers_per_stage}) = {stages} stages")
+    if stages % pp:
+        return (f"{made}, which pipeline_parallel_degree {pp} does not divide; torchtitan refuses it (the number "
+                f"of virtual stages must be divisible by the pipeline parallel size: {_PIPELINE_LLM})")
+    per_rank = stages // pp
+    single = _TORCH_SINGLE_STAGE.get(schedule.lower())
+    if single is True and per_rank != 1:
+        return (f"{made}, {per_rank} per rank; torchtitan refuses it ({schedule} is a single-stage schedule, "
+                f"which requires exactly 1 stage per rank: {_PIPELINE_LLM})")
+    if single is False and per_rank < 2:
+        return (f"{made}, {per_rank} per rank; torchtitan refuses it ({schedule} is a multi-stage schedule, "
+                f"which requires at least 2 stages per rank: {_PIPELINE_LLM})")
+    return None
+
+
+def _refused_split(num_stages: int, num_layers: int, first_less: int, last_less: int) -> str | None:
+    """Why torchtitan's own stage split refuses these stages, else None: at most one stage per
+    effective layer, and the embedding's and head's weights at most the smallest stage's share
+    (generate_llm_fqn_per_model_part)."""
+    if num_stages == 1:
+        return None
+    effective = num_layers + first_less + last_less
+    counted = f"{effective} effective layers ({num_layers} + first_stage_less_layers {first_less} + " \
+              f"last_stage_less_layers {last_less})"
+    if num_stages > effective:
+        return f"{num_stages} stages exceed the {counted}; torchtitan refuses it ({_FQN_SPLIT})"
+    share = effective // num_stages
+    for name, weight in (("first", first_less), ("last", last_less)):
+        if weight > share:
+            return (f"pipeline_parallel_{name}_stage_less_layers {weight} exceeds the {share} layers of the smallest "
+                    f"of {num_stages} stages over {counted}; torchtitan refuses it ({_FQN_SPLIT})")
+    return None
 
 
 def dumps(config: dict) -> str:

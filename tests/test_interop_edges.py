@@ -1,0 +1,574 @@
+"""`shardplan import` / `export` at the edges a new user meets first.
+
+- accelerate's `deepspeed_config_file` is read as accelerate reads it (and refused where
+  accelerate refuses it); every fsdp_config key read but not carried over is named;
+- torchtitan's float8 converters, its rule on pipeline_parallel_layers_per_stage and its
+  [checkpoint] folder, interval and keep_latest_k with its defaults;
+- a DeepSpeed config that does not say its data-parallel degree says so;
+- one export note per key; a file of command-line arguments gets one clear line.
+
+Expected values come from the frameworks' own code where it is installed (the `interop`
+extra: accelerate 1.15, torchtitan 0.2.2, deepspeed 0.19.8), else from the file and line
+cited beside them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import run_cli
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def notes_of(result) -> list[str]:
+    return [line for line in result.err_lines if line.startswith("import: ") or line.startswith("export: ")]
+
+
+# -- accelerate: deepspeed_config_file -------------------------------------------------------
+
+# A DeepSpeed config as accelerate's docs show it for `deepspeed_config_file` (ZeRO-3 with
+# CPU optimizer offload), with explicit batch keys.
+DS_FILE = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 4,
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "contiguous_gradients": True},
+}
+
+# What `accelerate config` writes with a DeepSpeed file: mixed_precision null
+# (accelerate/commands/config/cluster.py: `if distributed_type == DEEPSPEED and
+# use_deepspeed_config: mixed_precision = None`).
+ACC_WITH_FILE = """compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  deepspeed_config_file: ds.json
+  zero3_init_flag: true
+mixed_precision: null
+num_machines: 1
+num_processes: 8
+"""
+
+
+def accelerate_plugin(config: str, monkeypatch):
+    """accelerate's own reading of a config: the launch parser and config loader
+    (`_validate_launch_command`), the fields `launch_command` passes on, the worker's
+    environment (`prepare_deepspeed_cmd_env`) and the worker's `DeepSpeedPlugin()` built from
+    it (accelerate/commands/launch.py, accelerate/utils/launch.py, accelerate/utils/dataclasses.py)."""
+    pytest.importorskip("accelerate", reason="accelerate is in the `interop` extra")
+    pytest.importorskip("deepspeed", reason="deepspeed is in the `interop` extra")
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import DeepSpeedPlugin
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    args = launch_command_parser().parse_args(["--config_file", config, "train.py"])
+    args, defaults, mixed_from_config = _validate_launch_command(args)
+    fields = list(defaults.deepspeed_config.keys()) + (["mixed_precision"] if mixed_from_config else [])
+    args.deepspeed_fields_from_accelerate_config = ",".join(fields)  # as launch_command sets it
+    _, env = prepare_deepspeed_cmd_env(args)
+    for key, value in env.items():
+        if key.startswith("ACCELERATE_"):
+            monkeypatch.setenv(key, value)
+    return DeepSpeedPlugin()
+
+
+def test_accelerate_reads_the_deepspeed_file_as_accelerate_does(tmp_path, monkeypatch):
+    (tmp_path / "acc.yaml").write_text(ACC_WITH_FILE)
+    text = json.dumps(DS_FILE, indent=2)
+    (tmp_path / "ds.json").write_text(text)
+    line = next(i for i, t in enumerate(text.splitlines(), 1) if '"contiguous_gradients"' in t)
+    monkeypatch.chdir(tmp_path)
+    result = run_cli("import", "acc.yaml", "--set", "model.preset=llama-3-8b", "--json")
+    assert result.code == 0, result.err
+    job = result.json["job"]
+    plugin = accelerate_plugin("acc.yaml", monkeypatch)
+    assert job["zero"]["stage"] == plugin.zero_stage == 3
+    assert job["parallel"]["num_microbatches"] == plugin.gradient_accumulation_steps == 4
+    assert job["parallel"]["micro_batch_size"] == plugin.deepspeed_config["train_micro_batch_size_per_gpu"]
+    assert plugin.offload_optimizer_device == "cpu" and job["offload"]["optimizer"] is True
+    assert job["train"]["precision"] == "bf16-mixed" and plugin.deepspeed_config["bf16"]["enabled"] is True
+    # The same plan as the DeepSpeed file imported alone over accelerate's 8 processes.
+    alone = run_cli("import", "ds.json", "--dp", "8", "--set", "model.preset=llama-3-8b", "--json")
+    assert alone.code == 0, alone.err
+    for table in ("parallel", "zero", "offload", "train"):
+        assert job[table] == alone.json["job"][table], table
+    # Notes about the DeepSpeed file's keys point into it, at their lines.
+    notes = notes_of(result)
+    assert f"import: ds.json:{line}: zero_optimization.contiguous_gradients: not read: shardplan has no setting " \
+           "for it" in notes
+    assert {"path": "zero_optimization.contiguous_gradients", "file": "ds.json", "line": line,
+            "message": "not read: shardplan has no setting for it"} in result.json["notes"]
+    assert not any("deepspeed_config_file" in line for line in notes)  # read, and no contradiction
+
+
+def test_accelerate_opens_the_file_from_the_working_directory(tmp_path, monkeypatch):
+    """accelerate opens deepspeed_config_file as written, from where `accelerate launch` runs
+    (accelerate/utils/deepspeed.py, HfDeepSpeedConfig: `os.path.exists(config_file_or_dict)`),
+    not beside the YAML: with a ds.json in both folders, the working directory's is read."""
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "acc.yaml").write_text(ACC_WITH_FILE)
+    (tmp_path / "configs" / "ds.json").write_text(json.dumps(DS_FILE))
+    (tmp_path / "ds.json").write_text(json.dumps({**DS_FILE, "zero_optimization": {"stage": 2}}))
+    monkeypatch.chdir(tmp_path)
+    plugin = accelerate_plugin("configs/acc.yaml", monkeypatch)
+    result = run_cli("import", "configs/acc.yaml", "--set", "model.preset=llama-3-8b", "--json")
+    assert result.code == 0, result.err
+    assert result.json["job"]["zero"]["stage"] == plugin.zero_stage == 2
+    assert "import: configs/acc.yaml:4: deepspeed_config.deepspeed_config_file: read ds.json from the working " \
+           "directory, where accelerate opens it, not configs/ds.json beside this file" in result.err_lines
+
+
+def test_accelerate_file_beside_the_yaml_is_read_with_a_note(tmp_path, monkeypatch):
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "acc.yaml").write_text(ACC_WITH_FILE)
+    (tmp_path / "configs" / "ds.json").write_text(json.dumps(DS_FILE))
+    monkeypatch.chdir(tmp_path)
+    result = run_cli("import", "configs/acc.yaml", "--set", "model.preset=llama-3-8b", "--json")
+    assert result.code == 0, result.err
+    assert result.json["job"]["zero"]["stage"] == 3
+    assert any(line.startswith("import: configs/acc.yaml:4: deepspeed_config.deepspeed_config_file: ds.json is not "
+                               "in the working directory") and "read configs/ds.json, beside this file" in line
+               for line in result.err_lines), result.err
+
+
+def test_accelerate_missing_deepspeed_file_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "acc.yaml").write_text(ACC_WITH_FILE)
+    monkeypatch.chdir(tmp_path)
+    result = run_cli("import", "configs/acc.yaml", "--set", "model.preset=llama-3-8b")
+    assert result.code == 2 and result.out == ""
+    assert result.err_lines == [
+        "configs/acc.yaml:4: deepspeed_config.deepspeed_config_file: ds.json: no such file (accelerate opens it "
+        "from the working directory of `accelerate launch`; looked for ds.json (the working directory) and "
+        "configs/ds.json)"]
+    doc = run_cli("import", "configs/acc.yaml", "--json").json
+    assert doc["error"]["exit_code"] == 2
+    assert [(p["file"], p["line"], p["path"]) for p in doc["error"]["problems"]] == [
+        ("configs/acc.yaml", 4, "deepspeed_config.deepspeed_config_file")]
+
+
+@pytest.mark.parametrize("line,key", [("mixed_precision: bf16", "mixed_precision"),
+                                      ("  zero_stage: 2", "deepspeed_config.zero_stage")])
+def test_accelerate_refuses_settings_beside_the_file(tmp_path, monkeypatch, line, key):
+    """With deepspeed_config_file, accelerate refuses the accelerate keys the file decides
+    (DeepSpeedPlugin._deepspeed_config_checks: ValueError "When using `deepspeed_config_file`,
+    the following accelerate config variables will be ignored"); so does the import."""
+    text = ACC_WITH_FILE.replace("mixed_precision: null", line) if key == "mixed_precision" else \
+        ACC_WITH_FILE.replace("  zero3_init_flag: true", f"  zero3_init_flag: true\n{line}")
+    (tmp_path / "acc.yaml").write_text(text)
+    (tmp_path / "ds.json").write_text(json.dumps(DS_FILE))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="When using `deepspeed_config_file`"):
+        accelerate_plugin("acc.yaml", monkeypatch)
+    result = run_cli("import", "acc.yaml", "--set", "model.preset=llama-3-8b")
+    assert result.code == 2 and len(result.err_lines) == 1, result.err
+    assert result.err_lines[0].startswith(f"acc.yaml:{text.splitlines().index(line) + 1}: {key}: accelerate refuses "
+                                          "it beside deepspeed_config_file")
+
+
+def test_accelerate_deepspeed_file_without_zero_optimization_is_refused(tmp_path, monkeypatch):
+    """accelerate requires zero_optimization in the file (DeepSpeedPlugin.__post_init__: "Please
+    specify the ZeRO optimization config in the DeepSpeed config.")."""
+    (tmp_path / "acc.yaml").write_text(ACC_WITH_FILE)
+    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 2}))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="Please specify the ZeRO optimization config"):
+        accelerate_plugin("acc.yaml", monkeypatch)
+    result = run_cli("import", "acc.yaml")
+    assert result.code == 2 and len(result.err_lines) == 1
+    assert "deepspeed_config.deepspeed_config_file: ds.json has no zero_optimization" in result.err
+
+
+def test_accelerate_deepspeed_file_problems_point_into_it(tmp_path, monkeypatch):
+    """A rule broken by the DeepSpeed file's keys is reported at that file's line."""
+    bad = {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}
+    (tmp_path / "acc.yaml").write_text(ACC_WITH_FILE)
+    (tmp_path / "ds.json").write_text(json.dumps(bad, indent=2))
+    monkeypatch.chdir(tmp_path)
+    result = run_cli("import", "acc.yaml", "--set", "model.preset=llama-3-8b")
+    assert result.code == 2
+    assert any(line.startswith("ds.json:5: zero_optimization.offload_param.device: offload.params:")
+               for line in result.err_lines), result.err
+
+
+def test_accelerate_inline_deepspeed_defaults_to_zero_2(write, monkeypatch):
+    """Without zero_stage accelerate runs ZeRO-2 (DeepSpeedPlugin.__post_init__:
+    ACCELERATE_DEEPSPEED_ZERO_STAGE defaults to 2), not stage 0."""
+    path = write("acc.yaml", "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero3_init_flag: false\n"
+                             "num_machines: 1\nnum_processes: 8\n")
+    result = run_cli("import", path, "--set", "model.preset=llama-3-8b", "--json")
+    assert result.code == 0, result.err
+    assert result.json["job"]["zero"]["stage"] == accelerate_plugin(path, monkeypatch).zero_stage == 2
+
+
+# -- accelerate: fsdp_config keys read but not carried over -----------------------------------
+
+ACC_FSDP1 = """compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+fsdp_config:
+  fsdp_version: 1
+  fsdp_sharding_strategy: FULL_SHARD
+  fsdp_backward_prefetch: BACKWARD_PRE
+  fsdp_forward_prefetch: false
+  fsdp_use_orig_params: true
+  fsdp_sync_module_states: true
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_min_num_params: 1000000
+  fsdp_activation_checkpointing_offload: false
+  fsdp_offload_params: false
+mixed_precision: bf16
+num_machines: 1
+num_processes: 8
+"""
+# The keys accelerate's FullyShardedDataParallelPlugin takes (accelerate/utils/dataclasses.py)
+# that do not change a job key: each must be named with its line and why.
+NOT_CARRIED = ("fsdp_backward_prefetch", "fsdp_forward_prefetch", "fsdp_use_orig_params", "fsdp_sync_module_states",
+               "fsdp_cpu_ram_efficient_loading", "fsdp_state_dict_type", "fsdp_transformer_layer_cls_to_wrap",
+               "fsdp_min_num_params", "fsdp_activation_checkpointing_offload")
+
+
+def test_accelerate_fsdp_keys_not_carried_are_named(write):
+    path = write("acc.yaml", ACC_FSDP1)
+    result = run_cli("import", path, "--set", "model.preset=llama-3-8b", "--json")
+    assert result.code == 0, result.err
+    lines = ACC_FSDP1.splitlines()
+    noted = {n["path"]: n for n in result.json["notes"]}
+    for key in NOT_CARRIED:
+        note = noted[f"fsdp_config.{key}"]
+        assert note["line"] == next(i for i, line in enumerate(lines, 1) if line.strip().startswith(f"{key}:"))
+        assert note["message"].startswith("not read: ") and len(note["message"]) > len("not read: ") + 20
+    # One line per key on stderr, in the file's order.
+    said = [line for line in notes_of(result) if "fsdp_config." in line]
+    assert len(said) == len(set(said)) == len(NOT_CARRIED)
+    assert said == sorted(said, key=lambda line: int(line.split(":")[2]))
+    assert result.json["job"]["zero"]["stage"] == 3  # FULL_SHARD, read
+
+
+def test_accelerate_no_wrap_is_said(write):
+    """accelerate's default policy is NO_WRAP (FullyShardedDataParallelPlugin: FSDP_AUTO_WRAP_POLICY
+    defaults to "NO_WRAP"): the whole model is one FSDP unit."""
+    text = "distributed_type: FSDP\nnum_processes: 8\nfsdp_config:\n  fsdp_version: 2\n" \
+           "  fsdp_reshard_after_forward: true\n"
+    result = run_cli("import", write("acc.yaml", text), "--set", "model.preset=llama-3-8b")
+    assert result.code == 0, result.err
+    assert any("fsdp_config.fsdp_auto_wrap_policy: not given, accelerate's default NO_WRAP: the whole model is one "
+               "FSDP unit" in line for line in result.err_lines), result.err
+    bad = run_cli("import", write("bad.yaml", text + "  fsdp_auto_wrap_policy: LAYER_WRAP\n"))
+    assert bad.code == 2 and "fsdp_config.fsdp_auto_wrap_policy: must be one of TRANSFORMER_BASED_WRAP" in bad.err
+
+
+# -- float8 -----------------------------------------------------------------------------------
+
+FLOAT8_NOTE = ("float8 is not modelled: memory and step time are estimated as the same run without it "
+               "(train.precision = 'bf16-mixed': matmuls, saved activations and all-gathers in 16 bits)")
+
+
+def test_torchtitan_float8_says_what_is_estimated(write):
+    """torchtitan 0.2.2 registers the converter as "quantize.linear.float8"
+    (components/quantization/float8.py, register_model_converter) configured by
+    [quantize.linear.float8] (config/job_config.py, Quantize)."""
+    text = ('[model]\nname = "llama3"\nflavor = "8B"\nconverters = ["quantize.linear.float8"]\n'
+            '[quantize.linear.float8]\nenable_fsdp_float8_all_gather = true\n[parallelism]\n'
+            'data_parallel_shard_degree = 8\n')
+    result = run_cli("import", write("tt.toml", text))
+    assert result.code == 0, result.err
+    notes = notes_of(result)
+    assert f"import: {write('tt.toml', text)}:4: model.converters: 'quantize.linear.float8': {FLOAT8_NOTE}" in notes
+    assert any(":5: quantize.linear.float8: configures the converters of model.converters, which are not modelled"
+               in line for line in notes), notes
+    assert not any("no effect" in line for line in notes), notes
+    assert tomllib.loads(result.out)["train"]["precision"] == "bf16-mixed"
+
+
+def test_torchtitan_old_float8_table_is_named(write):
+    """torchtitan before 0.2 had [float8] and the converter "float8"; 0.2.2's ConfigManager
+    refuses the table (unknown field of JobConfig)."""
+    text = ('[model]\nname = "llama3"\nflavor = "8B"\nconverters = ["float8"]\n[float8]\n'
+            'enable_fsdp_float8_all_gather = true\n[parallelism]\ndata_parallel_shard_degree = 8\n')
+    path = write("tt.toml", text)
+    result = run_cli("import", path)
+    assert result.code == 0, result.err
+    assert f"import: {path}:4: model.converters: 'float8' (torchtitan 0.2 names it 'quantize.linear.float8'): " \
+           f"{FLOAT8_NOTE}" in result.err_lines
+    assert f"import: {path}:5: float8: torchtitan 0.2 moved [float8] to [quantize.linear.float8] (0.2.2 refuses " \
+           "it); configures the converters of model.converters, which are not modelled" in result.err_lines
+    config_module = pytest.importorskip("torchtitan.config", reason="torchtitan is in the `interop` extra")
+    with pytest.raises(ValueError, match="float8"):
+        config_module.ConfigManager().parse_args(["--job.config_file", path])
+
+
+def test_accelerate_fp8_says_the_same(write):
+    text = "distributed_type: FSDP\nmixed_precision: fp8\nnum_processes: 8\nfsdp_config:\n  fsdp_version: 2\n" \
+           "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+    result = run_cli("import", write("acc.yaml", text), "--set", "model.preset=llama-3-8b")
+    assert result.code == 0, result.err
+    assert any(line.endswith(f":2: mixed_precision: fp8 is read as bf16-mixed: {FLOAT8_NOTE}")
+               for line in result.err_lines), result.err
+
+
+# -- torchtitan: pipeline_parallel_layers_per_stage -------------------------------------------
+
+def torchtitan_stages(path: str, num_layers: int, pp: int):
+    """What torchtitan's own `pipeline_llm` makes of the config (torchtitan/distributed/
+    pipeline_parallel.py): the module names of every stage, or the ValueError it raises. The
+    split into modules is stopped before it needs a model or a device mesh."""
+    config_module = pytest.importorskip("torchtitan.config", reason="torchtitan is in the `interop` extra")
+    from torchtitan.distributed import pipeline_parallel
+
+    class Accepted(Exception):
+        pass
+
+    def stop(model, pp_mesh, schedule, device, module_names_per_stage):
+        raise Accepted(module_names_per_stage)
+
+    job_config = config_module.ConfigManager().parse_args(["--job.config_file", path])
+    saved = pipeline_parallel.pipeline_module_split
+    pipeline_parallel.pipeline_module_split = stop
+    try:
+        pipeline_parallel.pipeline_llm(None, SimpleNamespace(pp=pp, get_mesh=lambda name: None), job_config, None,
+                                       SimpleNamespace(n_layers=num_layers), None, None)
+    except Accepted as accepted:
+        return accepted.args[0]
+    except ValueError as refused:
+        return refused
+    finally:
+        pipeline_parallel.pipeline_module_split = saved
+    raise AssertionError("pipeline_llm returned without splitting")
+
+
+# (pp, schedule, layers_per_stage or None): llama3 8B has 32 layers (torchtitan's
+# models/llama3/__init__.py, "8B": n_layers=32); embedding and head weigh one layer each.
+PIPELINE_CASES = [
+    (4, "Interleaved1F1B", 5),  # ceil(34 / 5) = 7 stages over 4 ranks
+    (4, "Interleaved1F1B", 4),  # 9 stages
+    (4, "Interleaved1F1B", 17),  # 2 stages
+    (4, "Interleaved1F1B", 9),  # 4 stages: 1 per rank, a multi-stage schedule needs 2
+    (4, "Interleaved1F1B", 3),  # 12 stages: 3 per rank
+    (4, "1F1B", 9),  # 4 stages, 1 per rank
+    (2, "1F1B", 9),  # 4 stages, 2 per rank on a single-stage schedule
+    (2, "GPipe", 17),  # 2 stages
+    (8, "LoopedBFS", 2),  # 17 stages
+    (8, "LoopedBFS", None),  # torchtitan's default: 2 stages per rank
+    (16, "Interleaved1F1B", None),  # 32 stages of 34 effective layers: 1 each, weights fit
+    (32, "Interleaved1F1B", None),  # 64 stages > 34 effective layers
+    (32, "1F1B", 1),  # 34 stages over 32 ranks
+]
+
+
+@pytest.mark.parametrize("pp,schedule,layers_per_stage", PIPELINE_CASES)
+def test_layers_per_stage_follow_torchtitan(write, pp, schedule, layers_per_stage):
+    text = (f'[model]\nname = "llama3"\nflavor = "8B"\n[training]\nlocal_batch_size = {2 * pp}\n'
+            f'[parallelism]\ndata_parallel_shard_degree = 2\npipeline_parallel_degree = {pp}\n'
+            f'pipeline_parallel_schedule = "{schedule}"\n'
+            + (f"pipeline_parallel_layers_per_stage = {layers_per_stage}\n" if layers_per_stage else ""))
+    path = write("tt.toml", text)
+    theirs = torchtitan_stages(path, 32, pp)
+    mine = run_cli("import", path, "--json")
+    if isinstance(theirs, ValueError):
+        assert mine.code == 2, mine.out
+        assert len(mine.err_lines) == 1, mine.err
+        key = "pipeline_parallel_layers_per_stage" if layers_per_stage else "pipeline_parallel_degree"
+        assert f"parallelism.{key}: " in mine.err_lines[0] and "torchtitan refuses it" in mine.err_lines[0]
+        assert "pipeline_parallel.py" in mine.err_lines[0]
+        return
+    assert mine.code == 0, mine.err
+    par = mine.json["job"]["parallel"]
+    counts = [sum(name.startswith("layers.") for name in part) for part in theirs]
+    chunks = len(counts) // pp
+    assert par.get("virtual_stages", 1) == chunks
+    if len(set(counts)) > 1 and 0 not in counts:  # shardplan keeps the first and last stage's layers
+        assert (par["first_stage_layers"], par["last_stage_layers"]) == (counts[0], counts[-1])
+
+
+def test_refused_layers_per_stage_message(write):
+    text = ('[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ndata_parallel_shard_degree = 2\n'
+            'pipeline_parallel_degree = 4\npipeline_parallel_schedule = "Interleaved1F1B"\n'
+            'pipeline_parallel_layers_per_stage = 5\n')
+    path = write("tt.toml", text)
+    result = run_cli("import", path)
+    # torchtitan/distributed/pipeline_parallel.py, pipeline_llm: num_virtual_stages =
+    # ceil((n_layers + first_stage_less_layers + last_stage_less_layers) / layers_per_stage) must be
+    # divisible by the pipeline parallel size: ceil((32 + 1 + 1) / 5) = 7, and 4 does not divide 7.
+    assert result.code == 2 and result.err_lines == [
+        f"{path}:8: parallelism.pipeline_parallel_layers_per_stage: 5 layers per stage make ceil((32 layers + "
+        "first_stage_less_layers 1 + last_stage_less_layers 1) / 5) = 7 stages, which pipeline_parallel_degree 4 "
+        "does not divide; torchtitan refuses it (the number of virtual stages must be divisible by the pipeline "
+        "parallel size: torchtitan/distributed/pipeline_parallel.py, pipeline_llm)"]
+
+
+# -- torchtitan: [checkpoint] ------------------------------------------------------------------
+
+def torchtitan_checkpoint(path: str) -> tuple[str, int, int] | None:
+    """(folder, interval, keep_latest_k) as torchtitan's CheckpointManager takes them from the
+    parsed config: folder = os.path.join(job.dump_folder, checkpoint.folder)
+    (torchtitan/components/checkpoint.py, CheckpointManager.__init__; base_folder is
+    job.dump_folder, torchtitan/train.py)."""
+    config_module = pytest.importorskip("torchtitan.config", reason="torchtitan is in the `interop` extra")
+    config = config_module.ConfigManager().parse_args(["--job.config_file", path])
+    c = config.checkpoint
+    if not c.enable:
+        return None
+    return os.path.normpath(os.path.join(config.job.dump_folder, c.folder)), c.interval, c.keep_latest_k
+
+
+@pytest.mark.parametrize("tables", [
+    '[checkpoint]\nenable = true\n',  # every default: ./outputs/checkpoint, 500, 10
+    '[job]\ndump_folder = "./runs/8b"\n[checkpoint]\nenable = true\nfolder = "ckpt"\ninterval = 250\n',
+    '[checkpoint]\nenable = true\nfolder = "/scratch/ckpt"\ninterval = 100\nkeep_latest_k = 3\n',
+    '[checkpoint]\nfolder = "ckpt"\ninterval = 100\n',  # not enabled
+])
+def test_torchtitan_checkpoint_is_read_and_written_back(write, tables):
+    text = f'[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ndata_parallel_shard_degree = 8\n{tables}'
+    path = write("tt.toml", text)
+    theirs = torchtitan_checkpoint(path)
+    result = run_cli("import", path, "--json")
+    assert result.code == 0, result.err
+    job = result.json["job"]
+    if theirs is None:
+        assert "checkpoint" not in job
+        assert any("checkpoint.folder: not read: checkpoint.enable is not true" in line for line in result.err_lines)
+        return
+    ckpt = job["checkpoint"]
+    assert (os.path.normpath(ckpt["dir"]), ckpt["every"], ckpt["keep"]) == theirs
+    # Exported back, torchtitan saves to the same folder, as often, keeping as many.
+    back = write("back.toml", run_cli("export", write("job.toml", run_cli("import", path).out), "--to",
+                                      "torchtitan").out)
+    assert torchtitan_checkpoint(back) == theirs
+
+
+def test_torchtitan_checkpoint_defaults_without_torchtitan(write):
+    """torchtitan 0.2.2's defaults (config/job_config.py: Job.dump_folder "./outputs",
+    Checkpoint.folder "checkpoint", interval 500, keep_latest_k 10)."""
+    path = write("tt.toml", '[parallelism]\ndata_parallel_shard_degree = 8\n[checkpoint]\nenable = true\n')
+    result = run_cli("import", path, "--set", "model.preset=llama-3-8b", "--json")
+    assert result.code == 0, result.err
+    assert result.json["job"]["checkpoint"] == {"dir": "outputs/checkpoint", "every": 500, "keep": 10}
+
+
+def test_torchtitan_keep_latest_k_edges(write):
+    base = '[parallelism]\ndata_parallel_shard_degree = 8\n[training]\nsteps = 1000\n[checkpoint]\nenable = true\n'
+    # 0 keeps every checkpoint (job_config.py, keep_latest_k: "If 0, keep all checkpoints"): one
+    # every 300 steps and one at the last step (components/checkpoint.py, _should_save): 4.
+    zero = run_cli("import", write("zero.toml", base + "interval = 300\nkeep_latest_k = 0\n"),
+                   "--set", "model.preset=llama-3-8b", "--json")
+    assert zero.code == 0, zero.err
+    assert zero.json["job"]["checkpoint"]["keep"] == math.ceil(1000 / 300) == 4
+    # 1 is refused (CheckpointManager.__init__: "We need to maintain at least 2 checkpoint replicas").
+    one = run_cli("import", write("one.toml", base + "keep_latest_k = 1\n"), "--set", "model.preset=llama-3-8b")
+    assert one.code == 2 and len(one.err_lines) == 1 and ":7: checkpoint.keep_latest_k: torchtitan refuses 1" in one.err
+    # A shardplan job keeping 1 is written as 2, with a note.
+    job = write("job.toml", '[model]\npreset = "llama-3-8b"\n[parallel]\ndp = 8\n[zero]\nstage = 3\n'
+                            '[checkpoint]\ndir = "ckpt"\nkeep = 1\n')
+    exported = run_cli("export", job, "--to", "torchtitan")
+    assert exported.code == 0, exported.err
+    assert tomllib.loads(exported.out)["checkpoint"]["keep_latest_k"] == 2
+    assert any(line.startswith("export: checkpoint.keep: torchtitan keeps at least 2") for line in exported.err_lines)
+
+
+def test_torchtitan_enable_checkpoint_old_name(write):
+    """`enable_checkpoint` was torchtitan's name before 0.2 (renamed `enable` in torchtitan PR
+    #1607); 0.2.2's ConfigManager refuses it. The import reads it, and says so."""
+    path = write("tt.toml", '[parallelism]\ndata_parallel_shard_degree = 8\n[checkpoint]\nenable_checkpoint = true\n'
+                            'folder = "ckpt"\ninterval = 250\n')
+    result = run_cli("import", path, "--set", "model.preset=llama-3-8b", "--json")
+    assert result.code == 0, result.err
+    assert result.json["job"]["checkpoint"] == {"dir": "outputs/ckpt", "every": 250, "keep": 10}
+    assert f"import: {path}:4: checkpoint.enable_checkpoint: torchtitan 0.2 renamed it checkpoint.enable and " \
+           "refuses this name: read as enable" in result.err_lines
+    config_module = pytest.importorskip("torchtitan.config", reason="torchtitan is in the `interop` extra")
+    with pytest.raises(ValueError, match="enable_checkpoint"):
+        config_module.ConfigManager().parse_args(["--job.config_file", path])
+
+
+# -- DeepSpeed: the data-parallel degree --------------------------------------------------------
+
+def test_deepspeed_micro_batch_alone_says_dp_is_assumed(write):
+    """DeepSpeed derives the data-parallel size from the launch: train_batch_size =
+    micro batch x accumulation x data-parallel world size (deepspeed/runtime/config.py,
+    `_set_batch_related_parameters`); a config with the micro batch alone does not say it."""
+    path = write("ds.json", json.dumps({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}))
+    result = run_cli("import", path, "--set", "model.preset=llama-3-8b", "--json")
+    assert result.code == 0, result.err
+    assert result.json["job"]["parallel"] == {"micro_batch_size": 4, "num_microbatches": 1}
+    assert f"import: {path}:1: train_micro_batch_size_per_gpu: the data-parallel degree is not in the config " \
+           "(DeepSpeed takes it from the launch): planned as dp 1; give --dp N or --world N" in result.err_lines
+    for flags in (("--dp", "8"), ("--world", "8")):
+        given = run_cli("import", path, "--set", "model.preset=llama-3-8b", "--json", *flags)
+        assert given.code == 0, given.err
+        assert given.json["job"]["parallel"]["dp"] == 8
+        assert not any("data-parallel degree" in line for line in given.err_lines)
+    # All three batch keys say it: no note.
+    full = write("full.json", json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4,
+                                          "gradient_accumulation_steps": 2}))
+    assert not any("data-parallel degree" in line for line in run_cli("import", full).err_lines)
+
+
+# -- export: one note per key -------------------------------------------------------------------
+
+def test_accelerate_export_of_tiny_gpt2_cpu_names_the_batch_once():
+    result = run_cli("export", "tiny-gpt2-cpu", "--to", "accelerate")
+    assert result.code == 0, result.err
+    notes = notes_of(result)
+    batch = [line for line in notes if "micro batch" in line or "micro_batch_size" in line]
+    # presets/jobs/tiny-gpt2-cpu.toml: micro_batch_size = 4, no accumulation.
+    assert batch == ["export: parallel.micro_batch_size: accelerate takes batch size and gradient accumulation in "
+                     "the training script (Accelerator(gradient_accumulation_steps=...)); micro batch 4, 1 step"]
+
+
+@pytest.mark.parametrize("target", ("deepspeed", "torchtitan", "accelerate", "megatron"))
+@pytest.mark.parametrize("preset", ("tiny-gpt2-cpu", "llama-3-8b-h100", "llama-2-70b-3d", "gpt2-xl-offload-a100-40gb",
+                                    "llama-3-70b-qlora", "mixtral-8x7b-h100"))
+def test_export_names_each_key_once(preset, target):
+    result = run_cli("export", preset, "--to", target, "--json")
+    assert result.code == 0, result.err
+    paths = [note["path"] for note in result.json["notes"]]
+    assert len(paths) == len(set(paths)), paths
+
+
+# -- a file of command-line arguments -----------------------------------------------------------
+
+def test_megatron_arguments_are_one_clear_line(tmp_path):
+    out = str(tmp_path / "args.txt")
+    assert run_cli("export", "llama-2-70b-3d", "--to", "megatron", "-o", out).code == 0
+    result = run_cli("import", out)
+    assert result.code == 2 and result.out == ""
+    assert result.err_lines == [
+        f"{out}:1: --tensor-model-parallel-size: command-line arguments (Megatron-LM's pretrain_gpt.py takes these) "
+        "are not imported: `shardplan import` reads a DeepSpeed JSON, a torchtitan TOML or an accelerate YAML config; "
+        "`shardplan export --to megatron` writes Megatron-LM arguments"]
+
+
+@pytest.mark.parametrize("text,line,flag", [
+    ("#!/bin/bash\n# pretrain\ntorchrun --nproc_per_node 8 pretrain_gpt.py \\\n  --num-layers 32 \\\n"
+     "  --bf16 $EXTRA\n", 4, "--num-layers"),
+    ("--tensor-model-parallel-size 8 \\\n--num-layers: 80\n", 1, "--tensor-model-parallel-size"),  # not YAML either
+    ("--lr=3e-4 --bf16\n", 1, "--lr"),
+])
+def test_launch_scripts_are_one_clear_line(write, text, line, flag):
+    path = write("pretrain.sh", text)
+    result = run_cli("import", path, "--json")
+    assert result.code == 2 and len(result.err_lines) == 1, result.err
+    assert result.err_lines[0].startswith(f"{path}:{line}: {flag}: command-line arguments")
+    [problem] = result.json["error"]["problems"]
+    assert (problem["line"], problem["path"]) == (line, flag)
+
+
+def test_a_yaml_mapping_is_not_taken_for_arguments(write):
+    """Only text that is not a YAML mapping (a shell script's words parse as one YAML scalar)
+    is read as command-line arguments; a mapping keeps the usual message."""
+    path = write("m.yaml", "args: --foo 1\n")
+    result = run_cli("import", path)
+    assert result.code == 2 and result.err_lines == [
+        f"{path}: not a DeepSpeed config (JSON), a torchtitan job config (TOML) or an accelerate config (YAML)"]
