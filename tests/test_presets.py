@@ -132,3 +132,19 @@ def test_presets_command_lists_gpus():
     assert rows["h100-sxm"]["kind"] == "gpu" and rows["h100-sxm"]["params"] is None
     shown = run_cli("presets", "h100-sxm", "--json").json
     assert shown["table"]["cluster"]["peak_tflops"] == 989.4
+
+
+def test_a_gpu_named_over_a_cluster_preset_brings_its_own_memory(write):
+    """The cluster preset gives the node (GPUs per node, RAM); a GPU named beside it replaces
+    the preset GPU's figures: the L40S has 48 GB (L40S datasheet, presets/gpus/l40s.toml), not
+    the H100's 80."""
+    job = write("job.toml", '[model]\npreset = "tiny-gpt2"\n[cluster]\npreset = "h100-80gb"\ngpu = "l40s"\n')
+    doc = run_cli("estimate", job, "--json").json
+    assert doc["gpu_memory"] == 48 * 10**9
+    flagged = run_cli("estimate", "llama-3-8b-h100", "--set", "cluster.gpu=l40s", "--json").json
+    assert flagged["gpu_memory"] == 48 * 10**9
+    same = run_cli("estimate", "llama-3-8b-h100", "--set", "cluster.gpu=h100-sxm", "--json").json
+    assert same["gpu_memory"] == 85017493504  # presets/clusters/h100-80gb.toml keeps its own
+    written = write("w.toml", '[model]\npreset = "tiny-gpt2"\n[cluster]\npreset = "h100-80gb"\ngpu = "l40s"\n'
+                              'gpu_memory = "40GB"\n')
+    assert run_cli("estimate", written, "--json").json["gpu_memory"] == 40 * 10**9

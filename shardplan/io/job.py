@@ -106,8 +106,24 @@ def _expand_cluster_preset(data: dict) -> list[Problem]:
             problems += exc.problems
             continue
         base = read_document(preset.path).data.get("cluster", {})
+        if key == "preset":
+            base = _without_other_gpu(base, cluster)
         data["cluster"] = {**base, **cluster}
     return problems
+
+
+def _without_other_gpu(base: dict, cluster: dict) -> dict:
+    """A cluster preset's keys, less its GPU's figures when the job names another GPU: the
+    node's shape and RAM stay the preset's, the memory and speeds are the named GPU's (its
+    preset fills them next)."""
+    gpu = cluster.get("gpu")
+    if not isinstance(gpu, str) or not isinstance(base.get("gpu"), str) or base["gpu"] == gpu:
+        return base
+    try:
+        figures = read_document(find_preset(base["gpu"], "gpus", "cluster.gpu").path).data.get("cluster", {})
+    except InputError:
+        return base
+    return {k: v for k, v in base.items() if k not in figures}
 
 
 def _unknown_model_preset(data: dict) -> list[Problem]:
