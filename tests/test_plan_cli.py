@@ -85,7 +85,10 @@ def test_written_job_is_the_plan(job, tmp_path):
 
 @pytest.mark.parametrize("extra", [
     "",
-    '[lora]\nrank = 8\n',  # `run`: LoRA under FSDP2, no pipeline, no sequence parallel, no stage 1
+    '[lora]\nrank = 8\n',  # `run`: LoRA under FSDP2, no sequence parallel, no stage 1
+    # Tied embeddings (Llama 3.2 1B, Gemma): `run` executes them without tensor parallel.
+    '[model]\nfamily = "llama"\nnum_layers = 4\nhidden_size = 256\nnum_heads = 4\nnum_kv_heads = 4\n'
+    'ffn_hidden_size = 512\nvocab_size = 1024\nmax_seq_len = 128\ntie_embeddings = true\n',
     # QLoRA: no tensor parallel, NF4 in torchao's whole blocks (a model whose linears have them)
     '[lora]\nrank = 8\nbase_dtype = "nf4"\n[model]\nfamily = "llama"\nnum_layers = 4\nhidden_size = 256\n'
     'num_heads = 4\nnum_kv_heads = 4\nffn_hidden_size = 512\nvocab_size = 1024\nmax_seq_len = 128\n',

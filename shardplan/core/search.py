@@ -134,14 +134,16 @@ def degree_options(shape: ModelShape, space: Space, fixed: Fixed, seq_len: int,
     """dp x tp x pp x cp = world, each allowed by the model (core/checks.py's rules): tp
     divides the query heads and divides or is a multiple of the key/value heads (and, for
     `run`, is at most them), pp at most the layers, cp splits the sequence into 2*cp
-    chunks (`run`: cp 1). `run` executes QLoRA without tensor parallelism
-    (runtime/capabilities.py)."""
+    chunks (`run`: cp 1). `run` executes QLoRA, and models with tied embeddings, without
+    tensor parallelism (runtime/capabilities.py)."""
     world = space.world
     heads, kv = shape.num_heads, shape.num_kv_heads
     for tp in _options(fixed.tp, divisors(world)):
         if world % tp or heads % tp or (kv % tp and tp % kv) or (space.runnable and tp > kv):
             continue
         if space.runnable and lora is not None and lora.nf4 and tp > 1:
+            continue
+        if space.runnable and shape.tie_embeddings and tp > 1:  # `run` refuses tied tp (capabilities.py)
             continue
         for cp in _options(fixed.cp, [1] if space.runnable else divisors(world // tp)):
             if world % (tp * cp) or (cp > 1 and seq_len % (2 * cp)):
