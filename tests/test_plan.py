@@ -406,7 +406,8 @@ def _published_search(run, fixed: Fixed, runnable: bool = True):
                             cpu_memory_budget=default_cpu_budget(DGX_HOST))
     timer, bound, refine = timers(run.constants)
     batch = base.degrees.dp * base.micro_batch * base.num_microbatches
-    space = Space(world=run.gpus, global_batch=batch, runnable=runnable, offload=False)
+    # Megatron-LM splits tied embeddings over tensor parallel (its vocabulary-parallel embedding).
+    space = Space(world=run.gpus, global_batch=batch, runnable=runnable, offload=False, tied_tp=True)
     result = search(base.with_(degrees=Degrees(dp=run.gpus)), space, fixed, timer, top_k=5, bound=bound,
                     refine=refine)
     return base, timer, result

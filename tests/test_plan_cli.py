@@ -407,3 +407,29 @@ def test_write_failing_midway_keeps_the_old_file(job, tmp_path, monkeypatch):
             assert json.loads(result.out)["error"]["exit_code"] == 3
         assert out.read_text() == "old\n"
         assert sorted(p.name for p in tmp_path.iterdir()) == ["best.toml", "job.toml"]
+
+
+def test_fixed_schedule_keys_stay(write):
+    """docs/plan.md: keys the job gives stay fixed. Virtual stages fix an interleaved schedule
+    (core/checks.py: chunks per rank need one), a first-stage layer count an uneven split, and
+    both keep pp > 1 (Llama-3 8B: 32 layers)."""
+    job = write("job.toml", JOB)
+    for setting, check in (
+        ("parallel.virtual_stages=2", lambda p: p["pipeline_schedule"] == "interleaved-1f1b" and p["virtual_stages"] == 2),
+        ("parallel.first_stage_layers=6", lambda p: p["pp"] > 1 and p["first_stage_layers"] == 6),
+    ):
+        doc = run_cli("plan", job, "--gpus", "16", "--global-batch", "64", "--top", "20", "--set", setting, "--json").json
+        assert doc["plans"] and all(check(plan["job"]["parallel"]) for plan in doc["plans"]), setting
+
+
+def test_a_fixed_key_no_plan_keeps_is_named(write):
+    """A fixed key outside the space (32 layers take no 3 virtual stages per rank of any
+    pipeline; `run` executes no tensor parallel beyond Llama-3 8B's 8 key/value heads, nor ZeRO-1
+    with tp) is bad input naming it (exit 2), not a plan that does not fit (exit 1)."""
+    job = write("job.toml", JOB)
+    for flags, named in ((("--set", "parallel.virtual_stages=3"), "parallel.virtual_stages = 3"),
+                         (("--tp", "16"), "parallel.tp = 16"),
+                         (("--tp", "8", "--zero", "1"), "parallel.tp = 8, zero.stage = 1")):
+        result = run_cli("plan", job, "--gpus", "16", "--global-batch", "64", *flags)
+        assert result.code == 2 and len(result.err_lines) == 1, (flags, result.err)
+        assert f"the job fixes {named}, which no plan of 16 GPUs keeps" in result.err, result.err

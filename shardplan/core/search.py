@@ -76,6 +76,9 @@ class Space:
     world: int
     global_batch: int  # sequences per optimizer step
     runnable: bool = True  # only plans `shardplan run` executes (fsdp2)
+    # Tensor parallel over tied embeddings in the runnable space: `run` does not execute it,
+    # Megatron-LM does (the space of its published runs, tests/test_plan.py).
+    tied_tp: bool = False
     offload: bool = True  # try the offload strategy when nothing fits without
     max_microbatch: int = 64
 
@@ -143,7 +146,7 @@ def degree_options(shape: ModelShape, space: Space, fixed: Fixed, seq_len: int,
             continue
         if space.runnable and lora is not None and lora.nf4 and tp > 1:
             continue
-        if space.runnable and shape.tie_embeddings and tp > 1:  # `run` refuses tied tp (capabilities.py)
+        if space.runnable and not space.tied_tp and shape.tie_embeddings and tp > 1:  # runtime/capabilities.py
             continue
         for cp in _options(fixed.cp, [1] if space.runnable else divisors(world // tp)):
             if world % (tp * cp) or (cp > 1 and seq_len % (2 * cp)):
@@ -164,18 +167,31 @@ def schedule_options(shape: ModelShape, pp: int, space: Space, fixed: Fixed) -> 
     (Megatron-LM's first/last pipeline layers; Llama 3 405B: one fewer on each). Interleaved
     1F1B takes the virtual stages that divide the layers evenly (its validation rule)."""
     if pp == 1:
+        if (fixed.virtual or 1) > 1 or fixed.first_stage_layers or fixed.last_stage_layers:
+            return []  # chunks per rank or an uneven split need a pipeline
         return [(fixed.schedule or "1f1b", 1, (0, 0))]
     schedules = [fixed.schedule] if fixed.schedule else list(RUN_SCHEDULES if space.runnable else
                                                               ("1f1b", "interleaved-1f1b", "zero-bubble"))
     out = []
     layers = shape.num_layers
+    fixed_split = (fixed.first_stage_layers or 0, fixed.last_stage_layers or 0)
     for schedule in schedules:
         if schedule in CHUNKED_SCHEDULES:
+            if fixed.virtual == 1:
+                continue
             virtuals = [fixed.virtual] if fixed.virtual else [v for v in range(2, layers // pp + 1)
                                                               if layers % (pp * v) == 0 and v <= 8]
             for v in virtuals:
-                if v > 1 and layers % (pp * v) == 0:
+                if v <= 1 or v * pp > layers:
+                    continue
+                # A split the job fixes is taken over the pp * v stages (core/checks.py), else the even one.
+                if any(fixed_split):
+                    if not split_problem(layers, pp * v, *fixed_split):
+                        out.append((schedule, v, fixed_split))
+                elif layers % (pp * v) == 0:
                     out.append((schedule, v, (0, 0)))
+            continue
+        if fixed.virtual and fixed.virtual > 1:  # chunks per rank need a chunked schedule
             continue
         base = -(-layers // pp)
         firsts = [fixed.first_stage_layers] if fixed.first_stage_layers is not None else sorted({0, base - 1, base - 2} - {-1})

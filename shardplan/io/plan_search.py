@@ -192,6 +192,46 @@ def _check_fixed(fixed: Fixed, world: int, batch: int) -> None:
                                                  "or give a global batch that makes a divisor of the GPUs (--global-batch)"))
 
 
+# Fixed's fields and the job keys that fix them (io/plan_job.py `fixed_keys`).
+FIXED_KEYS = {
+    "dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp",
+    "sequence_parallel": "parallel.sequence_parallel", "schedule": "parallel.pipeline_schedule",
+    "virtual": "parallel.virtual_stages", "first_stage_layers": "parallel.first_stage_layers",
+    "last_stage_layers": "parallel.last_stage_layers", "micro_batch": "parallel.micro_batch_size",
+    "num_microbatches": "parallel.num_microbatches", "zero_stage": "zero.stage", "hybrid": "zero.hybrid",
+    "recompute": "train.activation_checkpointing", "offload": "offload",
+}
+
+
+def _blame_fixed(base: EstimateInputs, space: Space, fixed: Fixed, timer, ranking: dict) -> None:
+    """The search found no candidate at all: when a key the job fixes is why (a plan of the
+    space exists without it), that is bad input, named (exit 2), not a plan that does not
+    fit. Each fixed key is let go alone, then all together; a search that evaluates nothing
+    is quick, so this costs little."""
+    given = {name: value for name, value in vars(fixed).items() if value is not None}
+    if not given:
+        return
+
+    def searches(relaxed: Fixed) -> bool:
+        return search(base, space, relaxed, timer, top_k=1, **ranking).evaluated > 0
+
+    alone = [name for name in given if searches(replace(fixed, **{name: None}))]
+    culprits = alone or (list(given) if searches(Fixed()) else [])
+    if not culprits:
+        return
+    text = ", ".join(f"{FIXED_KEYS[name]} = {_value(given[name])}" for name in culprits)
+    what = "the plans `shardplan run` executes" if space.runnable else "the plans of the job's framework"
+    either = "it" if len(culprits) == 1 else ("one of them" if alone else "them")
+    tables = {FIXED_KEYS[name].split(".")[0] for name in culprits}
+    raise InputError(Problem(tables.pop() if len(tables) == 1 else "", f"the job fixes {text}, which no plan of "
+                             f"{_gpus(space.world)} keeps (among {what}, for this model and batch): leave {either} "
+                             "out of the job to let the plan choose"))
+
+
+def _value(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else f'"{value}"' if isinstance(value, str) else str(value)
+
+
 class _Progress:
     """A rich progress bar on stderr, shown only when the search takes longer than a moment."""
 
@@ -312,6 +352,8 @@ def _run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None,
         estimate = estimate_memory(found.asked)  # what `estimate` does with the written job
         timing = step_time(estimate.inputs, hardware, lora=lora)
         entries.append(PlanEntry(estimate.inputs, plan_tables(found.asked, batch), estimate, timing))
+    if not result.evaluated:
+        _blame_fixed(base, space, fixed, timer, ranking)
     outcome = PlanOutcome(resolved, document, world, batch, job.cluster.gpu_memory, entries, result, fixed, hardware,
                           folders=folders)
     if not entries:

@@ -17,13 +17,19 @@ def _schedule(inputs) -> str:
         return "-"
     text = inputs.schedule + (f" v{inputs.virtual}" if inputs.virtual > 1 else "")
     first, last = inputs.stage_split
-    if first or last:  # uneven end stages: the layers of the first, the others, the last
+    if first or last:  # uneven end stages: every stage's layers, or the first, the others' range, the last
         from ..core.pipeline import split_layers
 
-        counts = split_layers(inputs.shape.num_layers, d.pp, first, last)
-        middle = f"/{max(counts[1:-1])}" if d.pp > 2 else ""
-        text += f", layers {counts[0]}{middle}/{counts[-1]}"
+        counts = split_layers(inputs.shape.num_layers, d.pp * inputs.virtual, first, last)
+        if len(counts) <= SPLIT_SHOWN:
+            text += ", layers " + "/".join(map(str, counts))
+        else:
+            low, high = min(counts[1:-1]), max(counts[1:-1])
+            text += f", layers {counts[0]}/{low if low == high else f'{low}-{high}'}/{counts[-1]}"
     return text
+
+
+SPLIT_SHOWN = 8  # stages whose layer counts are listed one by one
 
 
 def _offload(entry) -> str:
