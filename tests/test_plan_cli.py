@@ -305,7 +305,7 @@ FIXED_BATCH = "[parallel]\ndp = 8\nmicro_batch_size = 1\nnum_microbatches = 1\n"
     (("--gpus", "8", "--global-batch", "512"), JOB + FIXED_BATCH,
      "parallel.dp = 8 x parallel.micro_batch_size = 1 x parallel.num_microbatches = 1 (8 sequences per step), "
      "which is not the global batch of 512 sequences"),
-    (("--gpus", "8", "--global-batch", str(2**40)), JOB + FIXED_BATCH, "(--global-batch 8)"),
+    (("--gpus", "8", "--global-batch", str(2**31)), JOB + FIXED_BATCH, "(--global-batch 8)"),
     # The micro batch and the microbatches leave 3 data-parallel ranks, which 8 GPUs cannot hold.
     (("--gpus", "8", "--global-batch", "6"), JOB + "[parallel]\nmicro_batch_size = 1\nnum_microbatches = 2\n",
      "leaves 3 data-parallel ranks"),
@@ -433,3 +433,9 @@ def test_a_fixed_key_no_plan_keeps_is_named(write):
         result = run_cli("plan", job, "--gpus", "16", "--global-batch", "64", *flags)
         assert result.code == 2 and len(result.err_lines) == 1, (flags, result.err)
         assert f"the job fixes {named}, which no plan of 16 GPUs keeps" in result.err, result.err
+
+
+def test_global_batch_is_bounded_as_the_job_key_is(job):
+    """`--global-batch` takes what `train.global_batch_size` takes (at most 2**31): a larger
+    one is a typing mistake, and searching its divisors would take minutes."""
+    assert run_cli("plan", job, "--gpus", "8", "--global-batch", str(2**32)).code == 2

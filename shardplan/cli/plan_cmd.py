@@ -25,7 +25,7 @@ def plan(
     file: Annotated[Optional[str], typer.Argument(help="job file (TOML/JSON) or job preset name")] = None,
     gpus: Annotated[Optional[int], typer.Option("--gpus", min=1, help="GPUs (ranks) to plan for")] = None,
     nodes: Annotated[Optional[int], typer.Option("--nodes", min=1, help="nodes to plan for (x gpus_per_node)")] = None,
-    global_batch: Annotated[Optional[int], typer.Option("--global-batch", min=1,
+    global_batch: Annotated[Optional[int], typer.Option("--global-batch", min=1, max=2**31,
                                                         help="sequences per optimizer step")] = None,
     top: Annotated[int, typer.Option("--top", min=1, max=100, help="plans to show")] = 5,
     write: Annotated[Optional[str], typer.Option("--write", help="write the best plan as a job file")] = None,

@@ -85,7 +85,7 @@ def _title(layout: Layout) -> str:
     return (
         f"world {layout.world} = dp {d['dp']} x tp {d['tp']} x pp {d['pp']} x cp {d['cp']}, "
         f"order {layout.order_string} ({layout.axes[0]} fastest), {nodes} node{'s' if nodes != 1 else ''} "
-        f"of {layout.gpus_per_node} GPUs"
+        f"of {layout.gpus_per_node} GPU{'s' if layout.gpus_per_node != 1 else ''}"
     )
 
 
@@ -184,7 +184,7 @@ def rank_text(document: dict) -> Text:
     """`--rank R`: one rank's coordinates, node, neighbours and groups."""
     r = document["rank"]
     out = Text(f"rank {r['rank']} of {document['world_size']} (order {document['order']})\n", style="bold")
-    out.append(f"  node {r['node']}, local rank {r['local_rank']} (nodes of {document['gpus_per_node']} GPUs)\n")
+    out.append(f"  node {r['node']}, local rank {r['local_rank']} (nodes of {document['gpus_per_node']} GPU{'s' if document['gpus_per_node'] != 1 else ''})\n")
     out.append(f"  coordinates: dp {r['dp']}, tp {r['tp']}, pp {r['pp']}, cp {r['cp']}\n")
     stage = "first and last stage" if r["first_stage"] and r["last_stage"] else (
         "first stage" if r["first_stage"] else "last stage" if r["last_stage"] else "middle stage"

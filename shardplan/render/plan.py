@@ -84,7 +84,7 @@ def print_plans(console, outcome) -> None:
 
         lines.append(Line(line(headers)))
         lines += [Line(line(r)) for r in rows]
-    searched = f"evaluated {result.evaluated:,} plans in {result.seconds:.2f} s"
+    searched = f"evaluated {result.evaluated:,} plan{'s' if result.evaluated != 1 else ''} in {result.seconds:.2f} s"
     if result.rejected:
         searched += "; rejected: " + ", ".join(f"{n:,} {reason}" for reason, n in result.rejected.most_common())
     lines.append(Line(searched, style="dim"))

@@ -14,5 +14,5 @@ def job_summary_line(file: str, summary: dict) -> str:
     return (
         f"{file}: valid: {model}{params}; world {summary['world_size']} = dp {d['dp']} x tp {d['tp']} "
         f"x pp {d['pp']} x cp {d['cp']} on {nodes} node{'s' if nodes != 1 else ''} "
-        f"of {summary['gpus_per_node']} GPUs"
+        f"of {summary['gpus_per_node']} GPU{'s' if summary['gpus_per_node'] != 1 else ''}"
     )
