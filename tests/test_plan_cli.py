@@ -439,3 +439,20 @@ def test_global_batch_is_bounded_as_the_job_key_is(job):
     """`--global-batch` takes what `train.global_batch_size` takes (at most 2**31): a larger
     one is a typing mistake, and searching its divisors would take minutes."""
     assert run_cli("plan", job, "--gpus", "8", "--global-batch", str(2**32)).code == 2
+
+
+def test_each_plan_says_what_it_offloads(write, tmp_path):
+    """A plan the strategy offloads (Llama-3 8B full training on 2 GPUs of 40 GB, docs/plan.md)
+    says in JSON what the estimate of its written job keeps on the CPU."""
+    job = write("job.toml", '[model]\npreset = "llama-3-8b"\n[train]\nseq_len = 4096\n'
+                            '[cluster]\npreset = "a100-40gb"\ngpus_per_node = 2\n')
+    out = tmp_path / "best.toml"
+    doc = run_cli("plan", job, "--gpus", "2", "--global-batch", "8", "--json", "--write", str(out)).json
+    assert doc["offloaded"] and doc["plans"]
+    best = doc["plans"][0]["offload"]
+    estimate = run_cli("estimate", str(out), "--json").json
+    decided = estimate["assumptions"]["offload"]
+    assert (best["params"], best["grads"], best["optimizer"]) == (decided["params"], decided["grads"],
+                                                                   decided["optimizer"])
+    assert best["optimizer"] and all(p["offload"]["params"] or p["offload"]["resident_layers"] is None
+                                     for p in doc["plans"])

@@ -44,6 +44,15 @@ def _offload(entry) -> str:
     return "+".join(kinds) + note
 
 
+def _offload_document(entry) -> dict:
+    """What the plan keeps on the CPU, as its estimate decided (the job file writes only the
+    offload the job asked for: the strategy decides the rest again, docs/plan.md)."""
+    inputs = entry.inputs
+    resident = entry.estimate.assumptions.get("offload", {}).get("resident_layers")
+    return {"params": inputs.offload_params, "grads": inputs.offload_grads, "optimizer": inputs.offload_optimizer,
+            "resident_layers": list(resident) if inputs.offload_params and resident else None}
+
+
 def plan_rows(outcome) -> tuple[list[str], list[list[str]]]:
     headers = ["#", "dp", "tp", "pp", "cp", "sp", "sharding", "recompute", "mbs x acc", "schedule",
                "peak GPU", "step s", "tok/s/GPU", "MFU", "bottleneck"]
@@ -107,6 +116,7 @@ def plan_document(outcome) -> dict:
             "peak_gpu_bytes": entry.estimate.peak_gpu_bytes,
             "cpu_bytes_per_node": entry.estimate.cpu_bytes_per_node,
             "time": time_document(entry.timing, False),
+            "offload": _offload_document(entry),
         })
     result = outcome.result
     return {
