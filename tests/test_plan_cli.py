@@ -456,3 +456,16 @@ def test_each_plan_says_what_it_offloads(write, tmp_path):
                                                                    decided["optimizer"])
     assert best["optimizer"] and all(p["offload"]["params"] or p["offload"]["resident_layers"] is None
                                      for p in doc["plans"])
+
+
+def test_misses_found_by_their_states_alone_say_at_least(write):
+    """docs/plan.md's example: Llama-3 70B full training on 8 A100s without offload; every
+    candidate's model states alone exceed 80 GiB, so each miss is a lower bound and says so."""
+    job = write("ft.toml", '[model]\npreset = "llama-3-70b"\n[train]\nseq_len = 4096\nglobal_batch_size = 64\n'
+                           '[cluster]\npreset = "a100-80gb"\nnodes = 1\n[offload]\nstrategy = "conservative"\n')
+    result = run_cli("plan", job, "--gpus", "8", "--json")
+    assert result.code == 1
+    misses = result.json["misses"]
+    assert misses and all(m["at_least"] for m in misses)
+    closest = [line for line in result.err_lines if line.startswith("plan: closest:")]
+    assert closest and all(line.endswith("(the whole step by more)") for line in closest)

@@ -68,7 +68,9 @@ class PlanOutcome:
         lines = [f"plan: no plan of {_gpus(self.world)} fits (evaluated {self.result.evaluated:,}"
                  + (f"; {reasons})" if reasons else ")")]
         shown = set()
-        for miss in self.result.misses:
+        # Misses timed whole first: a miss found by its model states alone is over by at least
+        # its figure, so it cannot be said to be closer than one measured whole.
+        for miss in sorted(self.result.misses, key=lambda m: bool(m.at_least)):
             d = miss.inputs.degrees
             key = (d, miss.inputs.zero_stage, miss.at_least or (miss.inputs.recompute, miss.inputs.micro_batch))
             if key in shown:
@@ -77,10 +79,12 @@ class PlanOutcome:
             if len(shown) > 3:
                 break
             what = "GPU" if miss.reason == "GPU memory" else "host"
-            detail = ("its parameters and optimizer states with the CUDA allowances alone are " if miss.at_least else
-                      f"{miss.inputs.recompute} recomputation, micro batch {miss.inputs.micro_batch}: ")
-            lines.append(f"plan: closest: dp {d.dp} tp {d.tp} pp {d.pp} cp {d.cp}, ZeRO {miss.inputs.zero_stage}, "
-                         f"{detail}{format_bytes(miss.short_bytes)} over the {what} memory")
+            head = f"plan: closest: dp {d.dp} tp {d.tp} pp {d.pp} cp {d.cp}, ZeRO {miss.inputs.zero_stage}, "
+            short = format_bytes(miss.short_bytes)
+            lines.append(head + (f"its parameters and optimizer states with the CUDA allowances alone exceed the "
+                                 f"{what} memory by {short} (the whole step by more)" if miss.at_least else
+                                 f"{miss.inputs.recompute} recomputation, micro batch {miss.inputs.micro_batch}: "
+                                 f"{short} over the {what} memory"))
         lines += [f"plan: {note}" for note in self.notes]
         return lines
 

@@ -131,5 +131,6 @@ def plan_document(outcome) -> dict:
         "misses": [{"job_degrees": {"dp": m.inputs.degrees.dp, "tp": m.inputs.degrees.tp, "pp": m.inputs.degrees.pp,
                                     "cp": m.inputs.degrees.cp}, "zero_stage": m.inputs.zero_stage,
                     "activation_checkpointing": m.inputs.recompute, "micro_batch_size": m.inputs.micro_batch,
-                    "short_bytes": m.short_bytes, "reason": m.reason} for m in result.misses] if not plans else [],
+                    "short_bytes": m.short_bytes, "at_least": bool(m.at_least), "reason": m.reason}
+                   for m in result.misses] if not plans else [],
     }
