@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..spec.common import MAX_WORLD_SIZE
 from ..spec.errors import EXIT_INFEASIBLE, InputError, Problem
 from .options import JsonFlag, PlanFlags, plan_flags
 
@@ -23,8 +24,10 @@ def _searched(problem: Problem) -> bool:
 @plan_flags
 def plan(
     file: Annotated[Optional[str], typer.Argument(help="job file (TOML/JSON) or job preset name")] = None,
-    gpus: Annotated[Optional[int], typer.Option("--gpus", min=1, help="GPUs (ranks) to plan for")] = None,
-    nodes: Annotated[Optional[int], typer.Option("--nodes", min=1, help="nodes to plan for (x gpus_per_node)")] = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", min=1, max=MAX_WORLD_SIZE,
+                                                help="GPUs (ranks) to plan for")] = None,
+    nodes: Annotated[Optional[int], typer.Option("--nodes", min=1, max=MAX_WORLD_SIZE,
+                                                help="nodes to plan for (x gpus_per_node)")] = None,
     global_batch: Annotated[Optional[int], typer.Option("--global-batch", min=1, max=2**31,
                                                         help="sequences per optimizer step")] = None,
     top: Annotated[int, typer.Option("--top", min=1, max=100, help="plans to show")] = 5,
