@@ -17,28 +17,11 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, run_cli
+from test_recovery import JOB as RECOVERY_JOB
 
 pytest.importorskip("torch")  # `run` checks for torch before anything else
 
-JOB = """
-[model]
-preset = "tiny-gpt2"
-[parallel]
-dp = 2
-micro_batch_size = 4
-[zero]
-stage = 3
-[train]
-seq_len = 64
-precision = "fp32"
-steps = 6
-lr = 1e-3
-seed = 3
-[checkpoint]
-dir = "{folder}"
-every = 2
-keep = 2
-"""
+JOB = RECOVERY_JOB.replace("{model}", "tiny-gpt2")  # tests/test_recovery.py's job
 
 
 def _files(folder: Path) -> dict[str, float]:
