@@ -425,11 +425,13 @@ def test_fixed_schedule_keys_stay(write):
 def test_a_fixed_key_no_plan_keeps_is_named(write):
     """A fixed key outside the space (32 layers take no 3 virtual stages per rank of any
     pipeline; `run` executes no tensor parallel beyond Llama-3 8B's 8 key/value heads, nor ZeRO-1
-    with tp) is bad input naming it (exit 2), not a plan that does not fit (exit 1)."""
+    with tp, nor context parallel) is bad input naming it (exit 2), not a plan that does not fit
+    (exit 1)."""
     job = write("job.toml", JOB)
     for flags, named in ((("--set", "parallel.virtual_stages=3"), "parallel.virtual_stages = 3"),
                          (("--tp", "16"), "parallel.tp = 16"),
-                         (("--tp", "8", "--zero", "1"), "parallel.tp = 8, zero.stage = 1")):
+                         (("--tp", "8", "--zero", "1"), "parallel.tp = 8, zero.stage = 1"),
+                         (("--cp", "2"), "parallel.cp = 2")):  # runtime/capabilities.py: no context parallel
         result = run_cli("plan", job, "--gpus", "16", "--global-batch", "64", *flags)
         assert result.code == 2 and len(result.err_lines) == 1, (flags, result.err)
         assert f"the job fixes {named}, which no plan of 16 GPUs keeps" in result.err, result.err

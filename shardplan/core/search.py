@@ -141,6 +141,8 @@ def degree_options(shape: ModelShape, space: Space, fixed: Fixed, seq_len: int,
     tensor parallelism (runtime/capabilities.py)."""
     world = space.world
     heads, kv = shape.num_heads, shape.num_kv_heads
+    if space.runnable and (fixed.cp or 1) > 1:  # `run` executes no context parallel (capabilities.py)
+        return
     for tp in _options(fixed.tp, divisors(world)):
         if world % tp or heads % tp or (kv % tp and tp % kv) or (space.runnable and tp > kv):
             continue
@@ -170,6 +172,8 @@ def schedule_options(shape: ModelShape, pp: int, space: Space, fixed: Fixed) -> 
         if (fixed.virtual or 1) > 1 or fixed.first_stage_layers or fixed.last_stage_layers:
             return []  # chunks per rank or an uneven split need a pipeline
         return [(fixed.schedule or "1f1b", 1, (0, 0))]
+    if space.runnable and fixed.schedule == "zero-bubble":
+        return []  # `run` refuses torch's zero-bubble schedule (runtime/capabilities.py)
     schedules = [fixed.schedule] if fixed.schedule else list(RUN_SCHEDULES if space.runnable else
                                                               ("1f1b", "interleaved-1f1b", "zero-bubble"))
     out = []

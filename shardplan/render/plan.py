@@ -66,7 +66,7 @@ def plan_rows(outcome) -> tuple[list[str], list[list[str]]]:
         row = [str(index), str(d.dp), str(d.tp), str(d.pp), str(d.cp), "yes" if inputs.sequence_parallel else "-",
                _sharding(inputs), inputs.recompute, f"{inputs.micro_batch} x {inputs.num_microbatches}",
                _schedule(inputs), f"{format_bytes(entry.estimate.peak_gpu_bytes)} ({share:.0%})",
-               f"{t.step_seconds:.3f}", f"{t.tokens_per_second_per_gpu:,.0f}", f"{t.mfu:.1%}", t.bottleneck]
+               f"{t.step_seconds:.3f}", f"{t.tokens_per_second_per_gpu:,.0f}", f"{t.mfu:.1%}", t.bottleneck.replace("_", " ")]
         if "offload" in headers:
             row.insert(10, _offload(entry) or "-")
         rows.append(row)
