@@ -34,7 +34,7 @@ from typing import Callable, Iterator
 from ..spec.model import ModelShape
 from .lora import LoraPlan, nf4_problems
 from .degrees import Degrees
-from .estimate import Coordinates, _activation_shape, _first_layer_bytes, _layer_bytes, _rank_params
+from .estimate import Coordinates, _activation_shape, _first_layer_bytes, _layer_bytes, _rank_params, shard_degree
 from .buffers import CUDA_CONTEXT_BYTES, FRAGMENTATION
 from .figures import rank_states_bytes
 from .estimate_inputs import EstimateInputs
@@ -437,7 +437,7 @@ STATES = "model states exceed the GPU memory"
 FORWARD = "GPU memory (states and stage 0's activations)"
 OFFLOAD_FLOOR = "GPU memory even with every offload (activations and what stays on the GPU)"
 NF4_OFFLOAD = "it would offload NF4 weights, which `run` does not"
-TWIN = "the same plan and step at another ZeRO stage with less memory (dp = cp = 1 shards nothing)"
+TWIN = "the same plan and step at another ZeRO stage with less memory (one rank per shard group shards nothing)"
 
 
 class _Walk:
@@ -713,7 +713,7 @@ class _Walk:
 
 def closest_misses(misses: list[Miss], top_k: int) -> list[Miss]:
     """The `top_k` misses closest to fitting, each plan once: with one rank per shard group
-    (dp = cp = 1) the ZeRO stages shard nothing, and a miss at several stages is shown at the
+    (`stage_blind`) the ZeRO stages shard nothing, and a miss at several stages is shown at the
     stage it misses by least (`twin_key`'s rule for plans that fit)."""
     shown, seen = [], set()
     for miss in sorted(misses, key=lambda m: (m.short_bytes, m.inputs.zero_stage)):
@@ -726,7 +726,7 @@ def closest_misses(misses: list[Miss], top_k: int) -> list[Miss]:
 
 
 def twin_key(inputs: EstimateInputs, asked: EstimateInputs, seconds: float, peak: int, host: int) -> tuple | None:
-    """With one rank per shard group (dp = cp = 1) the ZeRO stages shard nothing: they change
+    """With one rank per shard group (`stage_blind`) the ZeRO stages shard nothing: they change
     only how the runtime wraps the model (stage 1: DDP; 2 and 3: fully_shard over one rank),
     so a plan with the same step time at several stages is listed once, at its least peak
     (then host memory, then stage). None where the stage shards something."""
@@ -735,8 +735,10 @@ def twin_key(inputs: EstimateInputs, asked: EstimateInputs, seconds: float, peak
 
 
 def stage_blind(inputs: EstimateInputs) -> EstimateInputs | None:
-    """The plan at stage 0 where its ZeRO stage shards nothing (dp = cp = 1), else None."""
-    return inputs.with_(zero_stage=0) if inputs.degrees.dp * inputs.degrees.cp == 1 else None
+    """The plan at stage 0 without hybrid sharding where its ZeRO stage shards nothing (one
+    rank per shard group: dp = cp = 1, or hybrid sharding inside nodes that hold one rank of
+    the group, as tp 8 on 8-GPU nodes leaves), else None."""
+    return inputs.with_(zero_stage=0, hybrid=False) if shard_degree(inputs) == 1 else None
 
 
 def _keyed(groups: list[Group], bound) -> list[tuple[float, int, int]]:

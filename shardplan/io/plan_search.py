@@ -79,9 +79,12 @@ class PlanOutcome:
             if len(shown) > 3:
                 break
             what = "GPU" if miss.reason == "GPU memory" else "host"
-            head = f"plan: closest: dp {d.dp} tp {d.tp} pp {d.pp} cp {d.cp}, ZeRO {miss.inputs.zero_stage}, "
+            hybrid = " hybrid" if miss.inputs.hybrid else ""
+            head = f"plan: closest: dp {d.dp} tp {d.tp} pp {d.pp} cp {d.cp}, ZeRO {miss.inputs.zero_stage}{hybrid}, "
             short = format_bytes(miss.short_bytes)
-            lines.append(head + (f"its parameters and optimizer states with the CUDA allowances alone exceed the "
+            kept = ("the model states it keeps on the GPU with every offload" if miss.inputs.offload_params
+                    or miss.inputs.offload_optimizer else "its parameters and optimizer states")
+            lines.append(head + (f"{kept} with the CUDA allowances alone exceed the "
                                  f"{what} memory by {short} (the whole step by more)" if miss.at_least else
                                  f"{miss.inputs.recompute} recomputation, micro batch {miss.inputs.micro_batch}: "
                                  f"{short} over the {what} memory"))
@@ -230,6 +233,16 @@ def _blame_fixed(base: EstimateInputs, space: Space, fixed: Fixed, timer, rankin
     raise InputError(Problem(tables.pop() if len(tables) == 1 else "", f"the job fixes {text}, which no plan of "
                              f"{_gpus(space.world)} keeps (among {what}, for this model and batch): leave {either} "
                              "out of the job to let the plan choose"))
+
+
+def _chosen(name: str, inputs: EstimateInputs) -> str:
+    """The value the search chose for a Fixed field, as the job would write it."""
+    values = {"sequence_parallel": inputs.sequence_parallel, "schedule": inputs.schedule,
+              "virtual": inputs.virtual, "first_stage_layers": inputs.stage_split[0],
+              "last_stage_layers": inputs.stage_split[1], "micro_batch": inputs.micro_batch,
+              "num_microbatches": inputs.num_microbatches, "zero_stage": inputs.zero_stage,
+              "hybrid": inputs.hybrid, "recompute": inputs.recompute}
+    return f"{FIXED_KEYS[name]} = {_value(values[name])}"
 
 
 def _value(value: object) -> str:
@@ -418,6 +431,16 @@ def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer,
     if base.strategy == "conservative" and fixed.offload is None and space.offload:
         if searched(base.with_(strategy="balanced"), space.world, True).plans:
             notes.append(f'with offload (--set offload.strategy=balanced) a plan fits {space.world} GPUs')
+    # A key the job fixes (other than the degrees, which more GPUs relax below): a plan of these
+    # GPUs that fits once the search may choose it.
+    for name, value in vars(fixed).items():
+        if value is None or name in ("dp", "tp", "pp", "cp", "offload"):
+            continue
+        relaxed = search(base, space, replace(fixed, **{name: None}), timer, top_k=1, **ranking)
+        if relaxed.plans:
+            chosen = relaxed.plans[0].asked
+            notes.append(f"with {FIXED_KEYS[name]} left to the search instead of {_value(value)} (take it out of "
+                         f"the job) a plan fits {_gpus(space.world)}: {_chosen(name, chosen)}")
     worlds = [space.world * factor for factor in (2, 4, 8, 16, 32, 64) if space.world * factor <= MAX_WORLD_SIZE]
     if not worlds:
         return notes + [f"more GPUs cannot be planned ({space.world} GPUs is over half the largest supported world, "

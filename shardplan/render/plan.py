@@ -130,7 +130,10 @@ def plan_document(outcome) -> dict:
         "offloaded": result.offloaded,
         "misses": [{"job_degrees": {"dp": m.inputs.degrees.dp, "tp": m.inputs.degrees.tp, "pp": m.inputs.degrees.pp,
                                     "cp": m.inputs.degrees.cp}, "zero_stage": m.inputs.zero_stage,
-                    "activation_checkpointing": m.inputs.recompute, "micro_batch_size": m.inputs.micro_batch,
+                    "hybrid": m.inputs.hybrid,
+                    # A miss by its model states alone was measured for no recomputation or micro batch.
+                    "activation_checkpointing": None if m.at_least else m.inputs.recompute,
+                    "micro_batch_size": None if m.at_least else m.inputs.micro_batch,
                     "short_bytes": m.short_bytes, "at_least": bool(m.at_least), "reason": m.reason}
                    for m in result.misses] if not plans else [],
     }
