@@ -471,3 +471,21 @@ def test_misses_found_by_their_states_alone_say_at_least(write):
     assert misses and all(m["at_least"] for m in misses)
     closest = [line for line in result.err_lines if line.startswith("plan: closest:")]
     assert closest and all(line.endswith("(the whole step by more)") for line in closest)
+
+
+def test_a_fixed_key_that_stops_every_plan_is_named_with_what_would_fit(write):
+    """Llama 3.1 405B on 2,048 H100s at tp 8 x pp 8 (the Llama 3 paper's layout): with the
+    job's selective recomputation nothing fits, with full recomputation a plan does; the notes
+    say so, and the hybrid twins of the ZeRO-0 miss (node-local shard groups of one rank) are
+    one miss."""
+    job = write("p405.toml", '[model]\npreset = "llama-3.1-405b"\n[train]\nseq_len = 8192\nglobal_batch_size = 2048\n'
+                             'activation_checkpointing = "selective"\n[cluster]\npreset = "h100-80gb"\n')
+    result = run_cli("plan", job, "--nodes", "256", "--tp", "8", "--pp", "8")
+    assert result.code == 1
+    assert ('plan: with train.activation_checkpointing left to the search instead of "selective" (take it out of '
+            'the job) a plan fits 2048 GPUs: train.activation_checkpointing = "full"') in result.err_lines
+    closest = [line for line in result.err_lines if line.startswith("plan: closest:")]
+    # One miss by the states alone (ZeRO 0); its hybrid ZeRO 2 and 3 twins were listed too.
+    assert [line for line in closest if "alone" in line] == [
+        "plan: closest: dp 32 tp 8 pp 8 cp 1, ZeRO 0, its parameters and optimizer states with the CUDA allowances "
+        "alone exceed the GPU memory by 99.6 MiB (the whole step by more)"]
