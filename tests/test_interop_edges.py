@@ -1,9 +1,11 @@
 """`shardplan import` / `export` at the edges a new user meets first.
 
 - accelerate's `deepspeed_config_file` is read as accelerate reads it (and refused where
-  accelerate refuses it); every fsdp_config key read but not carried over is named;
-- torchtitan's float8 converters, its rule on pipeline_parallel_layers_per_stage and its
-  [checkpoint] folder, interval and keep_latest_k with its defaults;
+  accelerate refuses it); every fsdp_config key read but not carried over is named, and so
+  is every launcher key (use_cpu among them: shardplan has no CPU setting);
+- torchtitan's float8 converters, its rule on pipeline_parallel_layers_per_stage, its
+  [checkpoint] folder, interval and keep_latest_k with its defaults, and the pipeline
+  schedule names torch accepts (others refused);
 - a DeepSpeed config that does not say its data-parallel degree says so;
 - one export note per key; a file of command-line arguments gets one clear line.
 
@@ -572,3 +574,158 @@ def test_a_yaml_mapping_is_not_taken_for_arguments(write):
     result = run_cli("import", path)
     assert result.code == 2 and result.err_lines == [
         f"{path}: not a DeepSpeed config (JSON), a torchtitan job config (TOML) or an accelerate config (YAML)"]
+
+
+# -- torchtitan: a pipeline schedule torch does not know ------------------------------------
+
+# The names torch's `get_schedule_class` accepts, in any case, in its order (torch 2.13.0,
+# torch/distributed/pipelining/schedules.py, get_schedule_class: schedule_map); any other name
+# raises ValueError there. `torch_schedule_names` reads them off torch itself where installed.
+TORCH_SCHEDULES = ["1F1B", "Interleaved1F1B", "GPipe", "LoopedBFS", "InterleavedZeroBubble", "PipelineScheduleSingle",
+                   "PipelineScheduleMulti", "ZBVZeroBubble", "DualPipeV"]
+
+
+def torch_schedule_names() -> list[str]:
+    """The names torch's `get_schedule_class` accepts, as its own refusal lists them ("Unknown
+    schedule name ... The valid options are [...]")."""
+    import ast
+
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules", reason="torch is in the `run` extra")
+    with pytest.raises(ValueError) as refused:
+        schedules.get_schedule_class("NoSuchSchedule")
+    return ast.literal_eval(str(refused.value).split("The valid options are ", 1)[1])
+
+
+TT_SCHEDULE = ('[model]\nname = "llama3"\nflavor = "8B"\n[training]\nlocal_batch_size = 8\n[parallelism]\n'
+               'data_parallel_shard_degree = 2\npipeline_parallel_degree = 2\npipeline_parallel_schedule = "{}"\n')
+
+
+def test_torchtitan_unknown_schedule_is_refused(write):
+    """torchtitan's `pipeline_llm` first asks torch's `get_schedule_class` for the schedule's
+    class (torchtitan/distributed/pipeline_parallel.py), which raises ValueError for a name it
+    does not know: the import refuses it in one line listing torch's names, instead of
+    planning 1F1B."""
+    path = write("tt.toml", TT_SCHEDULE.format("Interleaved1F1Bv2"))
+    result = run_cli("import", path, "--json")
+    assert result.code == 2 and result.out.startswith("{"), result.err
+    assert result.err_lines == [
+        f"{path}:9: parallelism.pipeline_parallel_schedule: must be one of {', '.join(TORCH_SCHEDULES)}, in any case "
+        "(got 'Interleaved1F1Bv2'): torchtitan refuses other names (torch/distributed/pipelining/schedules.py, "
+        "get_schedule_class)"]
+    [problem] = result.json["error"]["problems"]
+    assert (problem["line"], problem["path"]) == (9, "parallelism.pipeline_parallel_schedule")
+    assert torch_schedule_names() == TORCH_SCHEDULES
+    refused = torchtitan_stages(path, 32, 2)  # llama3 8B: 32 layers
+    assert isinstance(refused, ValueError) and "Unknown schedule name 'Interleaved1F1Bv2'" in str(refused)
+
+
+def test_torchtitan_schedules_torch_knows_are_read(write):
+    """Every name torch accepts, in any case, imports (one shardplan does not plan, such as
+    ZBVZeroBubble, with the 1f1b note); torchtitan's `pipeline_llm` accepts each too."""
+    paths = []
+    for name in TORCH_SCHEDULES:
+        for written in (name, name.lower()):
+            paths.append(write(f"{written}-{len(paths)}.toml", TT_SCHEDULE.format(written)))
+            result = run_cli("import", paths[-1])
+            assert result.code == 0, (written, result.err)
+            if name == "ZBVZeroBubble":
+                assert f"import: {paths[-1]}:9: parallelism.pipeline_parallel_schedule: {written!r} has no shardplan " \
+                       "schedule; planned as 1f1b" in result.err_lines
+    for path in paths:
+        assert not isinstance(torchtitan_stages(path, 32, 2), ValueError), path
+
+
+def test_torchtitan_schedule_is_not_read_without_pipeline_parallel(write):
+    """torchtitan builds a schedule only under pipeline parallel (torchtitan/train.py: pipelining_fn
+    only if parallel_dims.pp_enabled), so a name it does not know is refused only then."""
+    text = TT_SCHEDULE.format("NoSuchSchedule").replace("pipeline_parallel_degree = 2", "pipeline_parallel_degree = 1")
+    assert run_cli("import", write("tt.toml", text)).code == 0
+
+
+# -- accelerate: launcher keys and the CPU -----------------------------------------------------
+
+# What `accelerate config` writes for one machine (accelerate/commands/config/cluster.py; the keys
+# are ClusterConfig's fields, accelerate/commands/config/config_args.py), with the launch keys of
+# a multi-machine run.
+ACC_LAUNCH = """compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: MULTI_GPU
+downcast_bf16: 'no'
+enable_cpu_affinity: false
+gpu_ids: all
+machine_rank: 0
+main_process_ip: 10.0.0.1
+main_process_port: 29500
+main_training_function: main
+mixed_precision: bf16
+num_machines: 2
+num_processes: 16
+rdzv_backend: c10d
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+LAUNCHER_NOTE = "not read: a launcher setting (the machines, not the plan)"
+CPU_NOTE = "not read: shardplan has no CPU setting (`shardplan run` uses the CPU with gloo where no GPU exists)"
+
+
+def test_accelerate_launcher_keys_are_named(write):
+    path = write("acc.yaml", ACC_LAUNCH)
+    result = run_cli("import", path, "--set", "model.preset=llama-3-8b", "--json")
+    assert result.code == 0, result.err
+    read = ("distributed_type", "mixed_precision", "num_machines", "num_processes")
+    lines = ACC_LAUNCH.splitlines()
+    expected = [f"import: {path}:{i}: {line.split(':')[0]}: {LAUNCHER_NOTE}" for i, line in enumerate(lines, 1)
+                if line.split(":")[0] not in read]
+    assert notes_of(result) == expected  # each key once, in the file's order, nothing else
+    assert result.json["job"]["cluster"] == {"nodes": 2, "gpus_per_node": 8}
+    # accelerate's own loader takes every key (ClusterConfig refuses unknown ones, from_yaml_file).
+    pytest.importorskip("accelerate", reason="accelerate is in the `interop` extra")
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    assert load_config_from_file(path).rdzv_backend == "c10d"
+
+
+def test_accelerate_use_cpu_says_shardplan_has_no_cpu_setting(write):
+    """`accelerate config` writes use_cpu: true for MULTI_CPU (accelerate/commands/config/cluster.py)."""
+    text = "distributed_type: MULTI_CPU\nnum_processes: 4\nuse_cpu: true\n"
+    path = write("acc.yaml", text)
+    result = run_cli("import", path, "--set", "model.preset=tiny-gpt2", "--json")
+    assert result.code == 0, result.err
+    assert notes_of(result) == [f"import: {path}:3: use_cpu: {CPU_NOTE}"]
+    assert result.json["job"]["zero"]["stage"] == 0 and result.json["job"]["parallel"]["dp"] == 4
+
+
+def test_accelerate_deepspeed_launcher_is_named(write):
+    text = "distributed_type: DEEPSPEED\nnum_processes: 8\ndeepspeed_config:\n  zero_stage: 2\n" \
+           "  deepspeed_multinode_launcher: standard\n"
+    path = write("acc.yaml", text)
+    result = run_cli("import", path, "--set", "model.preset=llama-3-8b")
+    assert result.code == 0, result.err
+    assert f"import: {path}:5: deepspeed_config.deepspeed_multinode_launcher: {LAUNCHER_NOTE}" in result.err_lines
+
+
+def test_accelerate_export_leaves_the_device_to_the_machine(write):
+    """A job file says no device: `shardplan run` takes CUDA where a GPU exists, else the CPU
+    with gloo (runtime/dist.py, pick_device), so the export writes use_cpu: false. true would
+    not put this FSDP plan on CPUs: accelerate 1.15 hands use_cpu to the workers only through
+    its simple launcher (accelerate/utils/launch.py, prepare_simple_launcher_cmd_env), and
+    `accelerate launch` takes FSDP through the multi-GPU one (commands/launch.py, launch_command)."""
+    pytest.importorskip("accelerate", reason="accelerate is in the `interop` extra")
+    import yaml
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    out = write("acc.yaml", "")
+    assert run_cli("export", "tiny-gpt2-cpu", "--to", "accelerate", "-o", out).code == 0
+    with open(out, encoding="utf-8") as file:
+        config = yaml.safe_load(file)
+    assert (config["use_cpu"], config["distributed_type"], config["num_processes"]) == (False, "FSDP", 2)
+    for use_cpu in (False, True):
+        path = write(f"cpu-{use_cpu}.yaml", yaml.safe_dump({**config, "use_cpu": use_cpu}))
+        args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", path, "train.py"]))
+        assert (args.use_fsdp, args.use_cpu, args.cpu) == (True, use_cpu, False)
+        env = prepare_multi_gpu_env(args)
+        assert env["ACCELERATE_USE_FSDP"] == "true" and "ACCELERATE_USE_CPU" not in env

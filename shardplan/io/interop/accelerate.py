@@ -49,6 +49,12 @@ def to_accelerate(plan: Plan) -> Exported:
     if train.precision == "bf16":
         notes.append(Note("train.precision", "accelerate keeps fp32 parameters under bf16 autocast; pure bf16 "
                                              "training is written as mixed_precision bf16"))
+    # use_cpu: false leaves the device to the machine, as `shardplan run` does (runtime/dist.py,
+    # pick_device: CUDA where a GPU exists, else the CPU with gloo); a job file says no device.
+    # true would not run this plan on CPUs either: accelerate 1.15 hands use_cpu to the workers
+    # only through its simple launcher (accelerate/utils/launch.py:133), not the multi-GPU one
+    # that FSDP and MULTI_GPU take (commands/launch.py:1399), and on the CPU it runs MULTI_CPU
+    # with gloo and DDP, never FSDP (state.py:808; FSDP is set only for GPU-like types, :986-1013).
     config.update(num_machines=plan.nodes, num_processes=plan.world, machine_rank=0,
                   main_training_function="main", rdzv_backend="static", same_network=True, use_cpu=False)
     if fsdp:
@@ -204,12 +210,24 @@ def from_accelerate(data: dict, referenced: dict[str, Referenced] | None = None)
         out.set("zero.stage", 0, "distributed_type")
     elif kind:
         out.note("distributed_type", f"{kind} is planned as plain data parallel")
-    for key in ("compute_environment", "machine_rank", "main_training_function", "rdzv_backend", "same_network",
-                "use_cpu", "debug", "gpu_ids", "main_process_ip", "main_process_port", "downcast_bf16",
-                "enable_cpu_affinity", "tpu_env", "tpu_use_cluster", "tpu_use_sudo"):
-        top.raw(key)
+    for key in _LAUNCHER_KEYS:
+        if top.has(key):
+            top.raw(key)
+            out.note(key, _CPU if key == "use_cpu" and top.data[key] is True else _LAUNCHER)
     top.unread("not read: no effect on the plan")
     return out
+
+
+# ClusterConfig's keys about the machines and the launch (accelerate/commands/config/config_args.py),
+# not the plan: what export leaves out of every target for the same reason ([cluster], common.py).
+_LAUNCHER_KEYS = ("compute_environment", "machine_rank", "main_training_function", "rdzv_backend", "same_network",
+                  "use_cpu", "debug", "gpu_ids", "main_process_ip", "main_process_port", "mpirun_config",
+                  "downcast_bf16", "enable_cpu_affinity", "tpu_name", "tpu_zone", "tpu_env", "tpu_use_cluster",
+                  "tpu_use_sudo", "tpu_vm", "command_file", "commands")
+_LAUNCHER = "not read: a launcher setting (the machines, not the plan)"
+# shardplan has no device setting: `shardplan run` uses CUDA with NCCL where a GPU exists, else
+# the CPU with gloo (runtime/dist.py, pick_device).
+_CPU = "not read: shardplan has no CPU setting (`shardplan run` uses the CPU with gloo where no GPU exists)"
 
 
 def _fsdp(fsdp: Reader, out: Imported, replicate: int | None, dp: int) -> None:
@@ -383,5 +401,7 @@ def _deepspeed_extras(ds: Reader, out: Imported) -> None:
         ds.raw("zero3_save_16bit_model")
         out.note(ds.key("zero3_save_16bit_model"), "not read: how the model is saved at the end; no effect on the "
                                                    "training step shardplan plans")
-    ds.raw("deepspeed_multinode_launcher")  # the launcher (pdsh, standard, ...), as the other launch keys
+    if ds.has("deepspeed_multinode_launcher"):  # the launcher (pdsh, standard, ...), as the other launch keys
+        ds.raw("deepspeed_multinode_launcher")
+        out.note(ds.key("deepspeed_multinode_launcher"), _LAUNCHER)
     ds.unread()
