@@ -234,3 +234,30 @@ def test_plans_beyond_the_drawing_limits_are_estimated():
     result = run_cli("estimate", "--set", "model.preset=llama-3.1-405b", "--pp", "126",
                      "--set", "parallel.num_microbatches=100000", "--json")
     assert result.code == 0, result.err
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", "sgd"])
+def test_stage_1_device_row_is_the_rank_holding_the_most(optimizer):
+    """Under fsdp2's stage 1 ZeroRedundancyOptimizer gives whole tensors to ranks (balancing
+    elements, torch's `_partition_parameters`), so rank 0 is not always the fullest and bytes
+    do not follow elements (AdamW's step per tensor, AdamW8bit's plain small tensors): the
+    device row is the rank whose optimizer states take the most bytes, found by estimating
+    every rank at its own coordinates."""
+    from shardplan.core.estimate import Coordinates, rank_parts
+
+    for name in ("tiny-gpt2", "gpt2"):
+        shape, problems = resolve_shape({"preset": name} if False else _preset(name))
+        assert not problems
+        for dp in range(2, 10):
+            inputs = _inputs(shape=shape, degrees=Degrees(dp=dp), zero_stage=1, optimizer=optimizer)
+            every = [sum(t.bytes for t in rank_parts(inputs, Coordinates(shard_index=i)).gpu["optimizer"])
+                     for i in range(dp)]
+            shown = estimate_memory(inputs).devices[0].states["optimizer"]
+            assert shown == max(every), (name, optimizer, dp, every)
+
+
+def _preset(name):
+    from shardplan.io.presets import find_preset
+    from shardplan.io.files import read_document
+
+    return read_document(find_preset(name, "models", "model.preset").path).data["model"]

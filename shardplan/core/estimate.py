@@ -151,12 +151,13 @@ def _rank_params(inputs: EstimateInputs, at: Coordinates) -> RankParams:
 def fullest_shard_index(inputs: EstimateInputs, rp: RankParams, degree: int) -> int:
     """The position in its shard group of the rank holding the most model states: 0 where
     tensors are cut `torch.chunk`-style or flat (the first pieces are the largest); under
-    fsdp2's stage 1 the rank ZeroRedundancyOptimizer gives the most (of the adapters, with
-    LoRA)."""
+    fsdp2's stage 1 the rank ZeroRedundancyOptimizer gives the most optimizer-state bytes (of
+    the adapters, with LoRA)."""
     if inputs.framework != "fsdp2" or inputs.zero_stage != 1 or degree <= 1:
         return 0
     lora = inputs.lora is not None and inputs.shape is not None
-    return fullest_zero1_index(trainable_params(rp) if lora else rp, degree)
+    eb = element_bytes(inputs.framework, inputs.precision, inputs.optimizer)
+    return fullest_zero1_index(trainable_params(rp) if lora else rp, degree, eb)
 
 
 def resident_layers(rp: RankParams, eb: ElementBytes, inputs: EstimateInputs, degree: int) -> int:

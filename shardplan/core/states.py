@@ -121,21 +121,21 @@ def _zero1_order(rp: RankParams) -> tuple[list[LocalParam], int]:
     return first + list(rp.layer) * rp.num_layers + last, len(first)
 
 
-def fullest_zero1_index(rp: RankParams, degree: int) -> int:
-    """The shard index whose ZeroRedundancyOptimizer partition holds the most elements (on a
-    tie the most tensors, then the lowest index): the rank with the most optimizer state.
-    The greedy partition keeps ranks within one tensor of each other, but not rank 0 first."""
+def fullest_zero1_index(rp: RankParams, degree: int, eb: ElementBytes) -> int:
+    """The shard index whose ZeroRedundancyOptimizer partition holds the most optimizer-state
+    bytes (the lowest index on a tie): per tensor AdamW8bit's own bytes, else its elements at
+    the optimizer's bytes plus a step, as `_group_terms` counts them. The greedy partition
+    balances elements, not bytes, and does not put rank 0 first."""
     ordered, _ = _zero1_order(rp)
-    return _fullest(tuple(p.numel for p in ordered), degree)
+    return _fullest(tuple(p.numel for p in ordered), degree, eb)
 
 
 @lru_cache(maxsize=1024)
-def _fullest(numels: tuple[int, ...], degree: int) -> int:
-    held = [(0, 0)] * degree
+def _fullest(numels: tuple[int, ...], degree: int, eb: ElementBytes) -> int:
+    held = [0] * degree
     for numel, owner in zip(numels, zero_optimizer_partition(list(numels), degree)):
-        elements, tensors = held[owner]
-        held[owner] = (elements + numel, tensors + 1)
-    return max(range(degree), key=lambda index: (*held[index], -index))
+        held[owner] += _states8(numel, eb) if eb.states8 else numel * eb.optimizer + eb.step
+    return max(range(degree), key=lambda index: (held[index], -index))
 
 
 def _zero1_optimizer(rp: RankParams, sharding: Sharding, eb: ElementBytes) -> tuple[TensorStates, TensorStates]:
@@ -254,9 +254,11 @@ def _fsdp2_group(states: States, label: str, elements: TensorStates, count: int,
     host_steps = offloaded or offload.optimizer
     if not host_steps:
         states.gpu["grads"].append(_term("grads", f"{label} grads", count, grads, eb.grads, 0, eb))
-        if local and eb.states8:
+        # A group may hold no element and still some tensors' steps or 8-bit bytes: under
+        # ZeroRedundancyOptimizer the root takes what the layers' totals leave over (`_elements`).
+        if eb.states8 and elements.states8:
             states.gpu["optimizer"].append(_states8_term(f"{label} optimizer", count, elements.states8))
-        elif local and eb.optimizer:
+        elif not eb.states8 and eb.optimizer and (local or elements.tensors):
             states.gpu["optimizer"].append(_term("optimizer", f"{label} optimizer", count, local, eb.optimizer,
                                                  elements.tensors, eb))
         return
