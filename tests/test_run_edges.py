@@ -116,7 +116,9 @@ def test_a_restarted_worker_takes_the_latest_checkpoint_over_the_one_it_began_fr
     _fake_checkpoint(folder / "step-00000002")
     assert resume_request(str(folder), None, restarted=False) is None  # a first attempt resumes when asked only
     assert resume_request(str(folder), "/elsewhere/step-00000008", restarted=False) == "/elsewhere/step-00000008"
-    assert resume_request(str(folder), "/elsewhere/step-00000008", restarted=True) == "latest"
+    # The run began further on than anything in the folder: a restart goes back there, not to step 2.
+    assert resume_request(str(folder), "/elsewhere/step-00000008", restarted=True) == "/elsewhere/step-00000008"
+    assert resume_request(str(folder), "/elsewhere/step-00000001", restarted=True) == "latest"
     assert resume_request("", "latest", restarted=True) == "latest"
     assert restart_line(1, 3, str(folder), None, "local rank 1: killed by SIGKILL") == (
         f"restart 1 of 3 (after local rank 1: killed by SIGKILL): resuming from {folder / 'step-00000002'} after step 2")

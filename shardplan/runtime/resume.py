@@ -63,10 +63,17 @@ def find(folder: Path, requested: str) -> Path:
 def resume_request(folder: str, requested: str | None, restarted: bool) -> str | None:
     """What a worker resumes from: `--resume`'s value ("latest", a path, None: start afresh);
     a worker restarted by torchrun (--max-restarts) takes the latest complete checkpoint in
-    `[checkpoint] dir` when there is one, newer than any `--resume=PATH` the run began from."""
-    if restarted and folder and complete_checkpoints(Path(folder)):
-        return "latest"
-    return requested
+    `[checkpoint] dir` when there is one and it is further on than a `--resume=PATH` the run
+    began from (a step number the name `step-N` gives); else what the run began from."""
+    if not (restarted and folder):
+        return requested
+    complete = complete_checkpoints(Path(folder))
+    if not complete:
+        return requested
+    began = _COMPLETE.match(Path(requested).name) if requested not in (None, "latest") else None
+    if began is not None and complete[-1][0] <= int(began.group(1)):
+        return requested
+    return "latest"
 
 
 def restart_line(restart: int, max_restarts: int, folder: str, requested: str | None, cause: str = "") -> str:
