@@ -140,6 +140,8 @@ def shards(
     view = None if standalone or style or assign or resolved.shape is None else stage_view(resolved)
     if view is not None:
         assign = view.assign
+    if view is not None and view.world and world is not None:
+        view = None  # --world asks for a cut over that many ranks: shown as asked
     shard_world = world if world is not None else (view.world if view and view.world else default_world(resolved))
 
     if blocks is not None:

@@ -183,8 +183,10 @@ def schedule_options(shape: ModelShape, pp: int, space: Space, fixed: Fixed) -> 
         if schedule in CHUNKED_SCHEDULES:
             if fixed.virtual == 1:
                 continue
+            # Uneven stages need no even division (`split_problem` decides below).
             virtuals = [fixed.virtual] if fixed.virtual else [v for v in range(2, layers // pp + 1)
-                                                              if layers % (pp * v) == 0 and v <= 8]
+                                                              if (any(fixed_split) or layers % (pp * v) == 0)
+                                                              and v <= 8]
             for v in virtuals:
                 if v <= 1 or v * pp > layers:
                     continue
@@ -731,14 +733,15 @@ def twin_key(inputs: EstimateInputs, asked: EstimateInputs, seconds: float, peak
     so a plan with the same step time at several stages is listed once, at its least peak
     (then host memory, then stage). None where the stage shards something."""
     blind = stage_blind(inputs)
-    return None if blind is None else (blind, asked.with_(zero_stage=0), seconds)
+    return None if blind is None else (blind, asked.with_(zero_stage=0, hybrid=False), seconds)
 
 
 def stage_blind(inputs: EstimateInputs) -> EstimateInputs | None:
-    """The plan at stage 0 without hybrid sharding where its ZeRO stage shards nothing (one
-    rank per shard group: dp = cp = 1, or hybrid sharding inside nodes that hold one rank of
-    the group, as tp 8 on 8-GPU nodes leaves), else None."""
-    return inputs.with_(zero_stage=0, hybrid=False) if shard_degree(inputs) == 1 else None
+    """The plan at stage 0 without hybrid sharding where its ZeRO stage shards nothing (stage 0
+    itself; one rank per shard group: dp = cp = 1, or hybrid sharding inside nodes that hold
+    one rank of the group, as tp 8 on 8-GPU nodes leaves), else None."""
+    nothing = inputs.zero_stage == 0 and not inputs.hybrid or shard_degree(inputs) == 1
+    return inputs.with_(zero_stage=0, hybrid=False) if nothing else None
 
 
 def _keyed(groups: list[Group], bound) -> list[tuple[float, int, int]]:

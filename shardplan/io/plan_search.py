@@ -215,7 +215,8 @@ def _blame_fixed(base: EstimateInputs, space: Space, fixed: Fixed, timer, rankin
     space exists without it), that is bad input, named (exit 2), not a plan that does not
     fit. Each fixed key is let go alone, then all together; a search that evaluates nothing
     is quick, so this costs little."""
-    given = {name: value for name, value in vars(fixed).items() if value is not None}
+    # `offload` stands for the offload keys written, not a job key: it only narrows the search.
+    given = {name: value for name, value in vars(fixed).items() if value is not None and name != "offload"}
     if not given:
         return
 
@@ -232,7 +233,7 @@ def _blame_fixed(base: EstimateInputs, space: Space, fixed: Fixed, timer, rankin
     tables = {FIXED_KEYS[name].split(".")[0] for name in culprits}
     raise InputError(Problem(tables.pop() if len(tables) == 1 else "", f"the job fixes {text}, which no plan of "
                              f"{_gpus(space.world)} keeps (among {what}, for this model and batch): leave {either} "
-                             "out of the job to let the plan choose"))
+                             "out of the job and the command line to let the plan choose"))
 
 
 def _chosen(name: str, inputs: EstimateInputs) -> str:
@@ -455,5 +456,6 @@ def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer,
         return notes + [f"more GPUs do not help: no plan of {worlds[0]} to {worlds[-1]} GPUs splits a "
                         f"global batch of {space.global_batch} (raise --global-batch)"]
     most = f" (the most that can be planned: {MAX_WORLD_SIZE} at most)" if len(worlds) < 6 else ""
-    return notes + [f"not even {worlds[-1]} GPUs{most} fit this global batch: lower the sequence length, "
+    kept = " with the job's keys as written" if notes else ""
+    return notes + [f"not even {worlds[-1]} GPUs{most} fit this global batch{kept}: lower the sequence length, "
                     "or plan a smaller model"]
