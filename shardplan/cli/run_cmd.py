@@ -20,6 +20,7 @@ import typer
 
 from ..io.progress import PROGRESS_ENV
 from ..spec.errors import EXIT_BAD_INPUT, EXIT_RUNTIME, InputError, Problem, ShardplanError
+from ..spec.units import counted
 from .estimate_cmd import limits_known
 from .options import JsonFlag, PlanFlags, plan_flags
 
@@ -364,7 +365,7 @@ def run(
         _check_data_file(resolved, flags)
         world = resolved.world
         if nproc is not None and nproc != world:
-            raise InputError(Problem("--nproc", f"{nproc} worker{'s' if nproc != 1 else ''}, but {resolved.degrees.arithmetic()}"))
+            raise InputError(Problem("--nproc", f"{counted(nproc, 'worker')}, but {resolved.degrees.arithmetic()}"))
         options = {"report": report, "resume": resume, "force": force, "verbose": verbose, "json": json_out}
         live = not json_out and sys.stderr.isatty()
         _spawn(nproc or world, max_restarts, _worker_args(file, flags, options), verbose, live,

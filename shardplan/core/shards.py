@@ -137,11 +137,11 @@ def _zero_partition(numels: tuple[int, ...], world: int) -> tuple[int, ...]:
     return tuple(owners)
 
 
-def assign_blocks(num_blocks: int, world: int, assign: str) -> list[int]:
+def assign_blocks(num_blocks: int, world: int, assign: str, sizes: list[int] | None = None) -> list[int]:
     """Owner rank of each block. `contiguous`: runs as even as possible, the first
     num_blocks % world ranks one block more; `round-robin`: block i -> rank i mod world;
-    `zero-optimizer`: torch's ZeroRedundancyOptimizer (`zero_optimizer_partition`; equal
-    blocks go round-robin)."""
+    `zero-optimizer`: torch's ZeroRedundancyOptimizer over the blocks' `sizes`
+    (`zero_optimizer_partition`; equal blocks, the default, go round-robin)."""
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
         raise PlanError(f"the number of blocks must be a non-negative integer (got {num_blocks!r})")
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
@@ -151,7 +151,7 @@ def assign_blocks(num_blocks: int, world: int, assign: str) -> list[int]:
     if assign == "contiguous":
         return [s.rank for s in shard_ranges(num_blocks, world, "even") for _ in range(s.numel)]
     if assign == "zero-optimizer":
-        return zero_optimizer_partition([1] * num_blocks, world)
+        return zero_optimizer_partition(sizes or [1] * num_blocks, world)
     raise PlanError(f"unknown assignment {assign!r} (one of {', '.join(ASSIGNMENTS)})")
 
 

@@ -32,9 +32,7 @@ from ..spec.errors import PlanError
 from ..spec.model import ModelShape
 from .precision import FP32, element_bytes as precision_bytes
 from .params import ParamInfo, layer_params
-from .shards import (
-    RankShare, Shard, assign_blocks, ceil_div, chunk_rows, ownership, shard_ranges, zero_optimizer_partition,
-)
+from .shards import RankShare, Shard, assign_blocks, ceil_div, chunk_rows, ownership, shard_ranges
 from .stages import rank_chunks, rank_params
 
 PER_PARAM_STYLES = ("fsdp2", "zero3")
@@ -260,8 +258,7 @@ def assign_params(
     for stage in sorted({p.stage for p in placed}):
         members = [p for p in placed if p.stage == stage]
         numels = [prod(p.local_shape) for p in members]
-        owners = (zero_optimizer_partition(numels, world) if assign == "zero-optimizer"
-                  else assign_blocks(len(members), world, assign))
+        owners = assign_blocks(len(members), world, assign, numels)
         owned += [
             ParamOwner(p.info.name, stage, owner, numel, numel * element_bytes)
             for p, owner, numel in zip(members, owners, numels)

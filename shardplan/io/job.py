@@ -20,6 +20,7 @@ from ..core.degrees import Degrees
 from ..spec.errors import InputError, Problem
 from ..spec.job import JobSpec
 from ..spec.model import ModelShape, ModelSpec, resolve_shape
+from ..spec.units import counted
 from .files import Document, read_document
 from .hf_config import config_key, looks_like_hf_config, model_kind, read_hf_config
 from .overrides import Override, apply_overrides
@@ -198,7 +199,7 @@ def external_worlds(job: JobSpec, world: int | None, env: Mapping[str, str]) -> 
         worlds.append((int(raw), "from WORLD_SIZE"))
     if job.cluster_given():
         c = job.cluster
-        worlds.append((c.nodes * c.gpus_per_node, f"from cluster: {c.nodes} node{'s' if c.nodes != 1 else ''} * {c.gpus_per_node} GPU{'s' if c.gpus_per_node != 1 else ''}"))
+        worlds.append((c.nodes * c.gpus_per_node, f"from cluster: {counted(c.nodes, 'node')} * {counted(c.gpus_per_node, 'GPU')}"))
     return worlds
 
 

@@ -69,20 +69,24 @@ def written_job(document: dict, tables: dict[str, dict[str, object]]) -> dict:
     return data
 
 
+# Fixed's fields and the job keys that fix them; `offload` stands for any of the offload
+# table's params / grads / optimizer (written: never searched).
+FIXED_KEYS = {
+    "dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp",
+    "sequence_parallel": "parallel.sequence_parallel", "schedule": "parallel.pipeline_schedule",
+    "virtual": "parallel.virtual_stages", "first_stage_layers": "parallel.first_stage_layers",
+    "last_stage_layers": "parallel.last_stage_layers", "micro_batch": "parallel.micro_batch_size",
+    "num_microbatches": "parallel.num_microbatches", "zero_stage": "zero.stage", "hybrid": "zero.hybrid",
+    "recompute": "train.activation_checkpointing",
+}
+
+
 def fixed_keys(job: JobSpec) -> Fixed:
     """The plan keys the job gives explicitly (pydantic's fields_set of each table)."""
-    par, zero, train, off = job.parallel, job.zero, job.train, job.offload
+    def given(path: str):
+        table, key = path.split(".")
+        section = getattr(job, table)
+        return getattr(section, key) if key in section.model_fields_set else None
 
-    def given(table, key: str):
-        return getattr(table, key) if key in table.model_fields_set else None
-
-    offload_given = any(k in off.model_fields_set for k in ("params", "grads", "optimizer"))
-    return Fixed(
-        dp=given(par, "dp"), tp=given(par, "tp"), pp=given(par, "pp"), cp=given(par, "cp"),
-        sequence_parallel=given(par, "sequence_parallel"), schedule=given(par, "pipeline_schedule"),
-        virtual=given(par, "virtual_stages"), first_stage_layers=given(par, "first_stage_layers"),
-        last_stage_layers=given(par, "last_stage_layers"), micro_batch=given(par, "micro_batch_size"),
-        num_microbatches=given(par, "num_microbatches"), zero_stage=given(zero, "stage"),
-        hybrid=given(zero, "hybrid"), recompute=given(train, "activation_checkpointing"),
-        offload=True if offload_given else None,
-    )
+    offload_given = any(k in job.offload.model_fields_set for k in SEARCHED["offload"])
+    return Fixed(**{name: given(path) for name, path in FIXED_KEYS.items()}, offload=True if offload_given else None)

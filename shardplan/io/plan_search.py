@@ -24,11 +24,11 @@ from ..core.search import (Fixed, Group, SearchResult, Space, candidates, degree
                            schedule_options, search)
 from ..spec.common import MAX_WORLD_SIZE
 from ..spec.errors import InputError, Problem
-from ..spec.units import format_bytes
+from ..spec.units import counted, format_bytes
 from .files import Document, read_document
 from .job import ResolvedJob, hf_config_as_job
 from .overrides import apply_overrides
-from .plan_job import fixed_keys, plan_tables, written_job
+from .plan_job import FIXED_KEYS, fixed_keys, plan_tables, written_job
 from .writing import job_folders, relocate_job_paths, write_text
 
 PROGRESS_AFTER = 0.3  # seconds before a search shows its progress bar
@@ -65,7 +65,7 @@ class PlanOutcome:
     def miss_lines(self) -> list[str]:
         """Nothing fits: the closest misses and what would take them under the GPU."""
         reasons = ", ".join(f"{n:,} {reason}" for reason, n in self.result.rejected.most_common())
-        lines = [f"plan: no plan of {_gpus(self.world)} fits (evaluated {self.result.evaluated:,}"
+        lines = [f"plan: no plan of {counted(self.world, 'GPU')} fits (evaluated {self.result.evaluated:,}"
                  + (f"; {reasons})" if reasons else ")")]
         shown = set()
         # Misses timed whole first: a miss found by its model states alone is over by at least
@@ -107,10 +107,6 @@ class PlanOutcome:
         header = (f"# shardplan plan: the fastest of the plans that fit {self.world} GPUs: dp {d.dp} x tp {d.tp} "
                   f"x pp {d.pp} x cp {d.cp}, {best.timing.step_seconds:.3f} s per step\n")
         return header + tomli_w.dumps(data)
-
-
-def _gpus(count: int) -> str:
-    return "1 GPU" if count == 1 else f"{count} GPUs"
 
 
 def _plan_document(file: str, overrides: list) -> tuple[dict, dict]:
@@ -199,17 +195,6 @@ def _check_fixed(fixed: Fixed, world: int, batch: int) -> None:
                                                  "or give a global batch that makes a divisor of the GPUs (--global-batch)"))
 
 
-# Fixed's fields and the job keys that fix them (io/plan_job.py `fixed_keys`).
-FIXED_KEYS = {
-    "dp": "parallel.dp", "tp": "parallel.tp", "pp": "parallel.pp", "cp": "parallel.cp",
-    "sequence_parallel": "parallel.sequence_parallel", "schedule": "parallel.pipeline_schedule",
-    "virtual": "parallel.virtual_stages", "first_stage_layers": "parallel.first_stage_layers",
-    "last_stage_layers": "parallel.last_stage_layers", "micro_batch": "parallel.micro_batch_size",
-    "num_microbatches": "parallel.num_microbatches", "zero_stage": "zero.stage", "hybrid": "zero.hybrid",
-    "recompute": "train.activation_checkpointing", "offload": "offload",
-}
-
-
 def _blame_fixed(base: EstimateInputs, space: Space, fixed: Fixed, timer, ranking: dict) -> None:
     """The search found no candidate at all: when a key the job fixes is why (a plan of the
     space exists without it), that is bad input, named (exit 2), not a plan that does not
@@ -232,18 +217,16 @@ def _blame_fixed(base: EstimateInputs, space: Space, fixed: Fixed, timer, rankin
     either = "it" if len(culprits) == 1 else ("one of them" if alone else "them")
     tables = {FIXED_KEYS[name].split(".")[0] for name in culprits}
     raise InputError(Problem(tables.pop() if len(tables) == 1 else "", f"the job fixes {text}, which no plan of "
-                             f"{_gpus(space.world)} keeps (among {what}, for this model and batch): leave {either} "
+                             f"{counted(space.world, 'GPU')} keeps (among {what}, for this model and batch): leave {either} "
                              "out of the job and the command line to let the plan choose"))
 
 
-def _chosen(name: str, inputs: EstimateInputs) -> str:
-    """The value the search chose for a Fixed field, as the job would write it."""
-    values = {"sequence_parallel": inputs.sequence_parallel, "schedule": inputs.schedule,
-              "virtual": inputs.virtual, "first_stage_layers": inputs.stage_split[0],
-              "last_stage_layers": inputs.stage_split[1], "micro_batch": inputs.micro_batch,
-              "num_microbatches": inputs.num_microbatches, "zero_stage": inputs.zero_stage,
-              "hybrid": inputs.hybrid, "recompute": inputs.recompute}
-    return f"{FIXED_KEYS[name]} = {_value(values[name])}"
+def _chosen(name: str, inputs: EstimateInputs, batch: int) -> str:
+    """The value the search chose for a Fixed field, as the plan's job tables write it (a key
+    they leave out keeps its default)."""
+    table, key = FIXED_KEYS[name].split(".")
+    value = plan_tables(inputs, batch).get(table, {}).get(key)
+    return f"{FIXED_KEYS[name]} = {_value(value)}" if value is not None else f"{FIXED_KEYS[name]} left at its default"
 
 
 def _value(value: object) -> str:
@@ -398,7 +381,7 @@ def _batch_that_splits(base: EstimateInputs, space: Space, fixed: Fixed, timer, 
     only those, in increasing order and at most SPLIT_TRIES of them: bounded work, whatever
     the batch."""
     given = space.global_batch
-    head = (f"no plan of {_gpus(space.world)} splits a global batch of {given} (each data-parallel rank takes "
+    head = (f"no plan of {counted(space.world, 'GPU')} splits a global batch of {given} (each data-parallel rank takes "
             "whole sequences; a pipeline of pp stages needs at least pp microbatches)")
     limit = 64 * given
     nearest = set()
@@ -441,7 +424,7 @@ def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer,
         if relaxed.plans:
             chosen = relaxed.plans[0].asked
             notes.append(f"with {FIXED_KEYS[name]} left to the search instead of {_value(value)} (take it out of "
-                         f"the job) a plan fits {_gpus(space.world)}: {_chosen(name, chosen)}")
+                         f"the job) a plan fits {counted(space.world, 'GPU')}: {_chosen(name, chosen, space.global_batch)}")
     worlds = [space.world * factor for factor in (2, 4, 8, 16, 32, 64) if space.world * factor <= MAX_WORLD_SIZE]
     if not worlds:
         return notes + [f"more GPUs cannot be planned ({space.world} GPUs is over half the largest supported world, "

@@ -8,6 +8,7 @@ import typing
 from pydantic import BaseModel, ValidationError
 
 from ..spec.errors import Problem
+from ..spec.units import counted
 
 _TYPE_NAMES = {
     bool: "a boolean", int: "an integer", float: "a float", str: "a string",
@@ -115,7 +116,7 @@ def problem_from_error(root: type[BaseModel], err: dict) -> Problem:
     if kind in ("too_short", "too_long"):
         bound, word = ("min_length", "at least") if kind == "too_short" else ("max_length", "at most")
         count = ctx.get(bound)
-        return Problem(path, f"must hold {word} {count} item{'s' if count != 1 else ''} (got {shown_value(value)})")
+        return Problem(path, f"must hold {word} {counted(count, 'item')} (got {shown_value(value)})")
     if kind == "literal_error":
         expected = ctx.get("expected", "")
         choices = [c.strip().strip("'") for c in expected.replace(" or ", ", ").split(",")]
@@ -146,5 +147,5 @@ def problems_from_validation(root: type[BaseModel], exc: ValidationError) -> lis
         problems.append(problem_from_error(root, err))
     for parent, count in more.items():
         where = "" if parent else " at the top level"
-        problems.append(Problem(parent, f"and {count:,} more unknown key{'s' if count != 1 else ''}{where}"))
+        problems.append(Problem(parent, f"and {counted(count, 'more unknown key', ',')}{where}"))
     return problems

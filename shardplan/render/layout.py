@@ -8,6 +8,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from ..core.layout import EMBEDDING_GROUP, GROUP_NAMES, Layout, format_ranks
+from ..spec.units import counted
 
 # Nodes drawn before the picture says how many more there are.
 NODES_SHOWN = 4
@@ -84,8 +85,8 @@ def _title(layout: Layout) -> str:
     nodes = layout.num_nodes
     return (
         f"world {layout.world} = dp {d['dp']} x tp {d['tp']} x pp {d['pp']} x cp {d['cp']}, "
-        f"order {layout.order_string} ({layout.axes[0]} fastest), {nodes} node{'s' if nodes != 1 else ''} "
-        f"of {layout.gpus_per_node} GPU{'s' if layout.gpus_per_node != 1 else ''}"
+        f"order {layout.order_string} ({layout.axes[0]} fastest), {counted(nodes, 'node')} "
+        f"of {counted(layout.gpus_per_node, 'GPU')}"
     )
 
 
@@ -142,7 +143,7 @@ def layout_picture(layout: Layout) -> Text:
     if layout.num_nodes > nodes_shown:
         hidden = layout.num_nodes - nodes_shown
         out.append(
-            f"... {hidden} more node{'s' if hidden != 1 else ''} "
+            f"... {hidden} more {'node' if hidden == 1 else 'nodes'} "
             f"(ranks {nodes_shown * gpn}-{world - 1}); --json lists every rank, --rank R shows one\n",
             style="dim",
         )
@@ -184,7 +185,7 @@ def rank_text(document: dict) -> Text:
     """`--rank R`: one rank's coordinates, node, neighbours and groups."""
     r = document["rank"]
     out = Text(f"rank {r['rank']} of {document['world_size']} (order {document['order']})\n", style="bold")
-    out.append(f"  node {r['node']}, local rank {r['local_rank']} (nodes of {document['gpus_per_node']} GPU{'s' if document['gpus_per_node'] != 1 else ''})\n")
+    out.append(f"  node {r['node']}, local rank {r['local_rank']} (nodes of {counted(document['gpus_per_node'], 'GPU')})\n")
     out.append(f"  coordinates: dp {r['dp']}, tp {r['tp']}, pp {r['pp']}, cp {r['cp']}\n")
     stage = "first and last stage" if r["first_stage"] and r["last_stage"] else (
         "first stage" if r["first_stage"] else "last stage" if r["last_stage"] else "middle stage"

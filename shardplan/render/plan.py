@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..spec.units import format_bytes
+from ..spec.units import counted, format_bytes
 from .output import Line
 
 
@@ -93,7 +93,7 @@ def print_plans(console, outcome) -> None:
 
         lines.append(Line(line(headers)))
         lines += [Line(line(r)) for r in rows]
-    searched = f"evaluated {result.evaluated:,} plan{'s' if result.evaluated != 1 else ''} in {result.seconds:.2f} s"
+    searched = f"evaluated {counted(result.evaluated, 'plan', ',')} in {result.seconds:.2f} s"
     if result.rejected:
         searched += "; rejected: " + ", ".join(f"{n:,} {reason}" for reason, n in result.rejected.most_common())
     lines.append(Line(searched, style="dim"))

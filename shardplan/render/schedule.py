@@ -14,6 +14,7 @@ from rich.text import Text
 
 from ..core.schedule import SPLIT_BACKWARD, SchedulePlan
 from ..core.schedule_sim import BACKWARD, FORWARD, WEIGHT, Action
+from ..spec.units import counted
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -90,13 +91,9 @@ def _costs_text(plan: SchedulePlan) -> str:
     return " ".join(f"{kind}={cost}" for kind, cost in costs_json(plan).items())
 
 
-def _count(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}es" if word.endswith("h") else f"{n} {word}s"
-
-
 def title_line(plan: SchedulePlan) -> str:
     chunks = f", {plan.virtual} chunks per rank ({plan.num_stages} stages)" if plan.virtual > 1 else ""
-    return f"{plan.schedule}: pp {plan.pp}, {_count(plan.microbatches, 'microbatch')}{chunks}"
+    return f"{plan.schedule}: pp {plan.pp}, {counted(plan.microbatches, 'microbatch')}{chunks}"
 
 
 def costs_line(plan: SchedulePlan) -> str:
@@ -112,9 +109,9 @@ def summary_lines(plan: SchedulePlan) -> list[str]:
     inflight = ", ".join(str(n) for n in plan.inflight)
     unit = "(microbatch, chunk) pairs" if plan.virtual > 1 else "microbatches"
     return [
-        f"makespan {plan.makespan}; ideal {plan.ideal} = {chunks}{_count(plan.microbatches, 'microbatch')}"
+        f"makespan {plan.makespan}; ideal {plan.ideal} = {chunks}{counted(plan.microbatches, 'microbatch')}"
         f" x ({per_item}) per rank",
-        f"bubble {float(bubble):.1%} = {plan.idle} idle / {total} ({plan.makespan} x {_count(plan.pp, 'rank')})"
+        f"bubble {float(bubble):.1%} = {plan.idle} idle / {total} ({plan.makespan} x {counted(plan.pp, 'rank')})"
         f" = {bubble}",
         f"peak {unit} in flight per rank (0..{plan.pp - 1}): {inflight}",
     ]

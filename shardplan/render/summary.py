@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..spec.units import format_count
+from ..spec.units import counted, format_count
 
 
 def job_summary_line(file: str, summary: dict) -> str:
@@ -13,6 +13,6 @@ def job_summary_line(file: str, summary: dict) -> str:
     nodes = summary["nodes"]
     return (
         f"{file}: valid: {model}{params}; world {summary['world_size']} = dp {d['dp']} x tp {d['tp']} "
-        f"x pp {d['pp']} x cp {d['cp']} on {nodes} node{'s' if nodes != 1 else ''} "
-        f"of {summary['gpus_per_node']} GPU{'s' if summary['gpus_per_node'] != 1 else ''}"
+        f"x pp {d['pp']} x cp {d['cp']} on {counted(nodes, 'node')} "
+        f"of {counted(summary['gpus_per_node'], 'GPU')}"
     )

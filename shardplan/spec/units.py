@@ -175,3 +175,10 @@ def format_count(count: int) -> str:
             value = count / scale
             return f"{value:.2f}{suffix}" if value < 10 else f"{value:.1f}{suffix}"
     return str(count)
+
+
+def counted(n: int, noun: str, digits: str = "") -> str:
+    """`n` and its noun, plural unless one ("1 GPU", "8 GPUs", "2 microbatches"); `digits`
+    formats n (e.g. "," for thousands)."""
+    plural = noun if n == 1 else noun + "es" if noun.endswith(("h", "s")) else noun + "s"
+    return f"{n:{digits}} {plural}"
