@@ -494,3 +494,14 @@ def test_a_fixed_key_that_stops_every_plan_is_named_with_what_would_fit(write):
     # One miss by the states alone (ZeRO 0); its hybrid ZeRO 2 and 3 twins were listed too.
     alone = [line for line in closest if "alone" in line]
     assert len(alone) == 1 and alone[0].startswith("plan: closest: dp 32 tp 8 pp 8 cp 1, ZeRO 0, "), alone
+
+
+@pytest.mark.parametrize("args, where", [(("--nodes", "200000"), "--nodes"),
+                                         (("--set", "cluster.nodes=200000"), "cluster.nodes")])
+def test_nodes_past_the_largest_world_name_the_nodes(job, args, where):
+    """200,000 nodes of the h100-80gb preset's 8 GPUs is 1.6M GPUs, past the largest world
+    (spec/common.py MAX_WORLD_SIZE = 2**20): the message names the nodes given, not degrees."""
+    result = run_cli("plan", job, *args, "--json")
+    assert result.code == 2
+    (problem,) = result.json["error"]["problems"]
+    assert problem["path"] == where and "1,600,000 GPUs" in problem["message"]

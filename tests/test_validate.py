@@ -63,6 +63,19 @@ def test_world_from_cluster_and_env(write):
     assert run_cli("validate", write("j3.toml", "[parallel]\ndp = 4\n"), env={"WORLD_SIZE": "4"}).code == 0
 
 
+def test_world_past_the_largest_is_refused_where_given(write):
+    """A world beyond spec/common.py MAX_WORLD_SIZE (2**20) is refused at the key that gave it,
+    and no `dp = N would fit` hint offers a world no plan can have."""
+    path = write("job.toml", "[parallel]\ndp = 8\n[cluster]\nnodes = 200000\ngpus_per_node = 8\n")
+    result = run_cli("validate", path)
+    assert result.code == 2
+    assert (f"{path}:4: cluster.nodes: world size 1,600,000 (from cluster: 200000 nodes * 8 GPUs) exceeds the "
+            "largest supported world (1,048,576)") in errors(result)
+    assert "would fit" not in result.err
+    result = run_cli("validate", write("j2.toml", "[parallel]\ndp = 8\n"), env={"WORLD_SIZE": str(2**21)})
+    assert result.code == 2 and "parallel: world size 2,097,152 (from WORLD_SIZE) exceeds" in result.err
+
+
 def test_cluster_without_nodes_follows_the_degrees(write):
     path = write("job.toml", '[parallel]\ndp = 16\n[cluster]\npreset = "h100-80gb"\n')
     result = run_cli("validate", path, "--json")

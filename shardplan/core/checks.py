@@ -7,6 +7,7 @@ a framework's own constraint.
 
 from __future__ import annotations
 
+from ..spec.common import MAX_WORLD_SIZE
 from ..spec.errors import PlanError, Problem
 from ..spec.job import JobSpec
 from ..spec.model import ModelShape
@@ -29,6 +30,11 @@ def world_problems(degrees: Degrees, worlds: list[tuple[int, str]]) -> list[Prob
     """dp*tp*pp*cp must equal every world size that was given, with the arithmetic shown."""
     problems = []
     for world, source in worlds:
+        if world > MAX_WORLD_SIZE:  # a cluster of more nodes than any world (--world is bounded)
+            where = "cluster.nodes" if source.startswith("from cluster") else "parallel"
+            problems.append(error(where, f"world size {world:,} ({source}) exceeds the largest supported world "
+                                         f"({MAX_WORLD_SIZE:,})"))
+            continue
         message = degrees.world_mismatch(world, source)
         if message:
             problems.append(error("parallel", message))

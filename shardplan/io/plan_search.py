@@ -132,13 +132,16 @@ def _world(resolved: ResolvedJob, gpus: int | None, nodes: int | None, fixed: Fi
     cluster = resolved.job.cluster
     if gpus is not None:
         return gpus
-    if nodes is not None:
-        return nodes * cluster.gpus_per_node
-    if cluster.nodes is not None:
-        return cluster.nodes * cluster.gpus_per_node
-    if None not in (fixed.dp, fixed.tp, fixed.pp, fixed.cp):
-        return resolved.world
-    raise InputError(Problem("--gpus", "how many GPUs? give --gpus N or --nodes N (or [cluster] nodes)"))
+    if nodes is None and cluster.nodes is None:
+        if None not in (fixed.dp, fixed.tp, fixed.pp, fixed.cp):
+            return resolved.world
+        raise InputError(Problem("--gpus", "how many GPUs? give --gpus N or --nodes N (or [cluster] nodes)"))
+    count, where = (nodes, "--nodes") if nodes is not None else (cluster.nodes, "cluster.nodes")
+    world = count * cluster.gpus_per_node
+    if world > MAX_WORLD_SIZE:
+        raise InputError(Problem(where, f"{count:,} nodes x {cluster.gpus_per_node} GPUs per node = {world:,} GPUs, "
+                                        f"more than the largest supported world ({MAX_WORLD_SIZE:,})"))
+    return world
 
 
 def _global_batch(resolved: ResolvedJob, global_batch: int | None, fixed: Fixed) -> int:
