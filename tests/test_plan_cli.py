@@ -435,6 +435,15 @@ def test_a_fixed_key_no_plan_keeps_is_named(write):
         result = run_cli("plan", job, "--gpus", "16", "--global-batch", "64", *flags)
         assert result.code == 2 and len(result.err_lines) == 1, (flags, result.err)
         assert f"the job fixes {named}, which no plan of 16 GPUs keeps" in result.err, result.err
+        # At the flag that fixed the key when one key is to blame, as every bad input is.
+        if "," not in named:
+            assert result.err.startswith(f"{flags[0]}") and f": {named.split(' = ')[0]}: the job" in result.err
+    # Written in the file: its file and line.
+    written = write("vs.toml", JOB + "[parallel]\nvirtual_stages = 3\n")
+    result = run_cli("plan", written, "--gpus", "16", "--global-batch", "64", "--json")
+    assert result.code == 2 and result.json["error"]["problems"][0]["file"] == written
+    assert result.json["error"]["problems"][0]["line"] == 9 and result.json["error"]["problems"][0]["path"] == \
+        "parallel.virtual_stages"
     # Hybrid sharding inside 8-GPU nodes at tp 8 shards nothing: ZeRO-3 hybrid is ZeRO-0's twin, listed once.
     doc = run_cli("plan", job, "--gpus", "16", "--tp", "8", "--pp", "1", "--global-batch", "64", "--top", "20",
                   "--json").json

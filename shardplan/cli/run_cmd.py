@@ -101,7 +101,7 @@ def _check_resume_path(resume: str | None, folder: str) -> None:
     find(Path(folder), resume)  # raises RunFailure
 
 
-def _check_data_file(resolved, flags: PlanFlags) -> None:
+def _check_data_file(resolved) -> None:
     """`[data] path` must hold whole token ids of the vocabulary, at least a sequence of them:
     the ranks' own test (runtime/token_file.py), run here so that a bad file is bad input
     (exit 2) before torchrun starts rather than a failure of every rank."""
@@ -113,13 +113,7 @@ def _check_data_file(resolved, flags: PlanFlags) -> None:
     problem = check(resolved.data_file or job.data.path, repr(job.data.path), job.data.dtype,
                     resolved.shape.vocab_size, job.train.seq_len)
     if problem:
-        flagged = any(expression.split("=", 1)[0].strip() == "data.path" for expression in flags.sets)
-        if flagged or not resolved.file:
-            raise InputError(Problem("data.path", problem).at("--set" if flagged else None))
-        from ..io.files import read_document
-
-        line = read_document(resolved.file).line_of("data.path")  # the file was read once already
-        raise InputError(Problem("data.path", problem).at(resolved.file, line))
+        raise InputError(resolved.locate([Problem("data.path", problem)]))
 
 
 def _worker_args(file: str, flags: PlanFlags, options: dict) -> list[str]:
@@ -362,7 +356,7 @@ def run(
     if not under_torchrun():
         _check_report_path(report)  # before torchrun starts: not after the whole run
         _check_resume_path(resume, resolved.job.checkpoint.dir)
-        _check_data_file(resolved, flags)
+        _check_data_file(resolved)
         world = resolved.world
         if nproc is not None and nproc != world:
             raise InputError(Problem("--nproc", f"{counted(nproc, 'worker')}, but {resolved.degrees.arithmetic()}"))

@@ -40,6 +40,9 @@ class ResolvedJob:
     worlds: list[tuple[int, str]] = field(default_factory=list)
     warnings: list[Problem] = field(default_factory=list)
     data_file: str = ""  # data.path as `run` opens it: relative to the job file (io/writing.py `job_folders`)
+    # Where each key came from, for problems found after resolving (`locate`).
+    document: Document | None = field(default=None, repr=False, compare=False)
+    flagged: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def degrees(self) -> Degrees:
@@ -49,6 +52,11 @@ class ResolvedJob:
     @property
     def world(self) -> int:
         return self.degrees.world
+
+    def locate(self, problems: list[Problem]) -> list[Problem]:
+        """Problems found after resolving (a data file's contents, a key the plan search cannot
+        keep), at the flag or the file line that gave their key, as the job's own are."""
+        return _locate(problems, self.document or Document("", {}), self.flagged)
 
     @property
     def params_only(self) -> int | None:
@@ -331,4 +339,4 @@ def resolve_document(
     errors = [p for p in problems if p.severity == "error"]
     if errors:
         raise InputError(notes + problems)
-    return ResolvedJob(doc.path, job, shape, name, worlds, notes + problems, data_file)
+    return ResolvedJob(doc.path, job, shape, name, worlds, notes + problems, data_file, doc, flagged)

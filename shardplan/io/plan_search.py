@@ -139,8 +139,9 @@ def _world(resolved: ResolvedJob, gpus: int | None, nodes: int | None, fixed: Fi
     count, where = (nodes, "--nodes") if nodes is not None else (cluster.nodes, "cluster.nodes")
     world = count * cluster.gpus_per_node
     if world > MAX_WORLD_SIZE:
-        raise InputError(Problem(where, f"{count:,} nodes x {cluster.gpus_per_node} GPUs per node = {world:,} GPUs, "
-                                        f"more than the largest supported world ({MAX_WORLD_SIZE:,})"))
+        problem = Problem(where, f"{count:,} nodes x {cluster.gpus_per_node} GPUs per node = {world:,} GPUs, "
+                                 f"more than the largest supported world ({MAX_WORLD_SIZE:,})")
+        raise InputError([problem] if nodes is not None else resolved.locate([problem]))
     return world
 
 
@@ -198,7 +199,8 @@ def _check_fixed(fixed: Fixed, world: int, batch: int) -> None:
                                                  "or give a global batch that makes a divisor of the GPUs (--global-batch)"))
 
 
-def _blame_fixed(base: EstimateInputs, space: Space, fixed: Fixed, timer, ranking: dict) -> None:
+def _blame_fixed(base: EstimateInputs, space: Space, fixed: Fixed, timer, ranking: dict,
+                 locate: Callable[[list[Problem]], list[Problem]]) -> None:
     """The search found no candidate at all: when a key the job fixes is why (a plan of the
     space exists without it), that is bad input, named (exit 2), not a plan that does not
     fit. Each fixed key is let go alone, then all together; a search that evaluates nothing
@@ -218,10 +220,12 @@ def _blame_fixed(base: EstimateInputs, space: Space, fixed: Fixed, timer, rankin
     text = ", ".join(f"{FIXED_KEYS[name]} = {_value(given[name])}" for name in culprits)
     what = "the plans `shardplan run` executes" if space.runnable else "the plans of the job's framework"
     either = "it" if len(culprits) == 1 else ("one of them" if alone else "them")
-    tables = {FIXED_KEYS[name].split(".")[0] for name in culprits}
-    raise InputError(Problem(tables.pop() if len(tables) == 1 else "", f"the job fixes {text}, which no plan of "
-                             f"{counted(space.world, 'GPU')} keeps (among {what}, for this model and batch): leave {either} "
-                             "out of the job and the command line to let the plan choose"))
+    problem = Problem(FIXED_KEYS[culprits[0]] if len(culprits) == 1 else "",
+                      f"the job fixes {text}, which no plan of {counted(space.world, 'GPU')} keeps (among {what}, for "
+                      f"this model and batch): leave {either} out of the job and the command line to let the plan "
+                      "choose")
+    # At the key's flag or file line when one key is to blame; keys from several places stay unplaced.
+    raise InputError(locate([problem]) if len(culprits) == 1 else [problem])
 
 
 def _chosen(name: str, inputs: EstimateInputs, batch: int) -> str:
@@ -357,7 +361,7 @@ def _run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None,
         timing = step_time(estimate.inputs, hardware, lora=lora)
         entries.append(PlanEntry(estimate.inputs, plan_tables(found.asked, batch), estimate, timing))
     if not result.evaluated:
-        _blame_fixed(base, space, fixed, timer, ranking)
+        _blame_fixed(base, space, fixed, timer, ranking, resolved.locate)
     outcome = PlanOutcome(resolved, document, world, batch, job.cluster.gpu_memory, entries, result, fixed, hardware,
                           folders=folders)
     if not entries:
