@@ -261,3 +261,17 @@ def _preset(name):
     from shardplan.io.files import read_document
 
     return read_document(find_preset(name, "models", "model.preset").path).data["model"]
+
+
+@pytest.mark.parametrize("args, kept", [
+    (("llama-3-8b-h100",), False),  # `run` at pp = 1 frees the logits (docs/estimate.md, "Embedding, head and loss")
+    (("llama-2-70b-3d",), True),  # a pipeline stage keeps its output for its backward
+    (("llama-3-8b-h100", "--framework", "deepspeed"), True),  # transformers' output, held by the loop
+])
+def test_logits_assumption_says_what_the_estimate_counts(args, kept):
+    """`assumptions.logits_and_loss` says the 16-bit logits are kept exactly when the
+    estimate counts them (the term `logits, held by the training loop until backward`)."""
+    doc = run_cli("estimate", *args, "--json").json
+    counted = "logits, held by the training loop" in run_cli("estimate", *args, "--explain").out
+    assert counted == kept
+    assert ("freed before backward" in doc["assumptions"]["logits_and_loss"]) == (not kept)

@@ -448,8 +448,7 @@ def _torch_or_paper(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, de
             for moment, terms in grads_in_flight(rp, eb, inputs.zero_stage, degree, resident).items():
                 # Deferred, every group is reduced (and copied out) when the step ends.
                 buffers_at[BACKWARD_END if deferred else moment] += terms
-    gpu_optimizer_elements = sum(t.bytes for t in states.gpu["optimizer"]) // max(eb.optimizer, 1)
-    buffers_at[STEP] += step_buffers(gpu_optimizer_elements, eb, inputs.optimizer)
+    buffers_at[STEP] += step_buffers(states.gpu_optimizer_elements, eb, inputs.optimizer)
     return _RankMemory(states.gpu, states.cpu, grads_at, buffers_at, states.host_groups)
 
 

@@ -104,11 +104,16 @@ def rank_host(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, degree: 
             size = g.elements * unit
             held = g.count * (pinned_bytes(size) if pin else size)
             note = " (pinned, rounded up to a power of two)" if pin else ""
-            terms.append(Term(f"{g.label} {what}{note}", held,
-                              lambda g=g, size=size: f"{g.count} groups * {size:,} B" if g.count > 1 else f"{size:,} B"))
+            terms.append(Term(f"{g.label} {what}{note}", held, lambda g=g, size=size: _pinned_formula(g.count, size, pin)))
     engine_terms = {f"{g.label} {what}" for g in groups if not g.offloaded for what in (MASTER, HOST_GRADS)}
     terms += [t for t in cpu["optimizer"] if t.label not in engine_terms]
     return terms + engine_buffers(inputs, rp, eb, degree, groups)
+
+
+def _pinned_formula(count: int, size: int, pin: bool) -> str:
+    """`8 groups * 122,963,200 B, pinned as 134,217,728 B`: the rounding shown, so the product is the figure."""
+    each = f"{size:,} B" + (f", pinned as {pinned_bytes(size):,} B" if pin and pinned_bytes(size) != size else "")
+    return f"{count} groups * {each}" if count > 1 else each
 
 
 def engine_buffers(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, degree: int,

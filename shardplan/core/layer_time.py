@@ -92,6 +92,7 @@ class LayerCosts:
     cp_forward: float  # exposed part of the K/V ring
     cp_backward: float
     cp_step_bytes: float
+    dequant_bytes: float = 0.0  # QLoRA: the NF4 dequantization's bytes, in forward and once in backward
 
     @property
     def forward(self) -> float:
@@ -265,4 +266,5 @@ def layer_costs(w: LayerWork, peak: float, hw: Hardware, c: TimeConstants, tp_li
         backward_memory=backward_memory, recompute=recompute,
         tp_forward=tp_seconds, tp_backward=tp_backward, tp_recompute=tp_recompute, tp_count=tp_count,
         tp_message_bytes=message, cp_forward=cp_forward, cp_backward=cp_backward, cp_step_bytes=cp_step,
+        dequant_bytes=dequant.bytes,
     )

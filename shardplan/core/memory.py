@@ -373,14 +373,27 @@ def assumptions(inputs: EstimateInputs) -> dict[str, object]:
         "cuda_context_bytes": CUDA_CONTEXT_BYTES if inputs.on_gpu else 0,
         "fragmentation_allowance": FRAGMENTATION if inputs.on_gpu else 0,
         "host_process_bytes": PROCESS_HOST_BYTES if inputs.on_gpu else PROCESS_HOST_BYTES_CPU,
-        "logits_and_loss": ("fp32: the loop keeps the 16-bit logits until backward, fp32 log-probabilities are "
-                            "saved, log_softmax's backward holds two fp32 gradients" if inputs.loss == "fp32" else
-                            "fused: an fp32 softmax is saved and becomes its gradient in place"),
+        "logits_and_loss": _logits_and_loss(inputs),
         "embedding_output": "token ids (int64) and, with dropout, the embedding dropout mask",
         "host_memory": "per node, the larger of start-up (model built on the CPU before sharding) and training "
                        "(offloaded states as allocated, pinned buffers rounded up to a power of two, staging), "
                        "plus a runtime allowance per process",
     }
+
+
+def _logits_and_loss(inputs: EstimateInputs) -> str:
+    """What the loss keeps (docs/estimate.md, "Embedding, head and loss"): the 16-bit logits are
+    held until backward by a DeepSpeed loop (transformers' model output) and by torch's pipeline
+    stages (pp > 1); `run` at pp = 1 and torchtitan free them (core/estimate.py)."""
+    if inputs.framework == "deepspeed":
+        kept = "the loop keeps the 16-bit logits until backward (transformers' model output), "
+    elif inputs.degrees.pp > 1:
+        kept = "the pipeline stage keeps its output, the 16-bit logits, until backward, "
+    else:
+        kept = "the 16-bit logits are freed before backward, "
+    if inputs.loss == "fp32":
+        return f"fp32: {kept}fp32 log-probabilities are saved, log_softmax's backward holds two fp32 gradients"
+    return f"fused: {kept}an fp32 softmax is saved and becomes its gradient in place"
 
 
 def estimate_memory(inputs: EstimateInputs) -> Estimate:

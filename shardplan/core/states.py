@@ -78,6 +78,7 @@ class States:
     gpu: dict[str, list[Term]] = field(default_factory=lambda: {"params": [], "grads": [], "optimizer": []})
     cpu: dict[str, list[Term]] = field(default_factory=lambda: {"params": [], "grads": [], "optimizer": []})
     host_groups: list[HostGroup] = field(default_factory=list)  # what the offload engine steps
+    gpu_optimizer_elements: int = 0  # elements the GPU optimizer steps (its optimizer bytes less the steps)
 
     def gpu_bytes(self, kind: str) -> int:
         return sum(t.bytes for t in self.gpu[kind])
@@ -261,6 +262,7 @@ def _fsdp2_group(states: States, label: str, elements: TensorStates, count: int,
         elif not eb.states8 and eb.optimizer and (local or elements.tensors):
             states.gpu["optimizer"].append(_term("optimizer", f"{label} optimizer", count, local, eb.optimizer,
                                                  elements.tensors, eb))
+            states.gpu_optimizer_elements += count * local
         return
     if offloaded:
         states.cpu["grads"].append(_term("grads", f"{label} grads", count, grads, eb.grads, 0, eb))
@@ -338,6 +340,8 @@ def rank_states(
                 elements, why = numel, "all local gradients"
             place = states.cpu if _on_cpu(kind, offload) else states.gpu
             place[kind].append(Term(kind, elements * unit, f"{why} = {elements:,} elements * {unit} B"))
+            if kind == "optimizer" and place is states.gpu:
+                states.gpu_optimizer_elements += elements
             continue
         for label, elements, count, offloaded in groups:
             amount = elements.astuple()[index]
@@ -347,4 +351,6 @@ def rank_states(
             steps = elements.tensors if kind == "optimizer" else 0
             term = _term(kind, f"{label} {kind}", count, amount, unit, steps, eb)
             (states.cpu if cpu else states.gpu)[kind].append(term)
+            if kind == "optimizer" and not cpu:
+                states.gpu_optimizer_elements += count * amount
     return states

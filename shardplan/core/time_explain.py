@@ -87,7 +87,10 @@ def _layer_terms(plan: TimePlan, layer: LayerCosts) -> list:
          lambda: f"{c.flash_backward_ratio:g} x the forward FLOPs at {_si(plan.peak, 'FLOP/s')} * "
                  f"{c.flash_backward_efficiency:g}" if flash else _work(layer.backward_attention, plan)),
         ("layer: backward elementwise kernels", layer.backward_memory.seconds,
-         lambda: f"{c.elementwise_backward_ratio:g} x the forward bytes: {_work(layer.backward_memory, plan)}"),
+         lambda: f"{c.elementwise_backward_ratio:g} x the forward bytes: {_work(layer.backward_memory, plan)}"
+         if not layer.dequant_bytes else
+         f"{c.elementwise_backward_ratio:g} x the forward bytes but the NF4 dequantization, which runs once "
+         f"({_si(layer.dequant_bytes, 'B')}): {_work(layer.backward_memory, plan)}"),
     ]
     if inputs.recompute != "none":
         items.append((f"layer: recompute ({inputs.recompute})", layer.recompute.seconds,
