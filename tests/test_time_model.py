@@ -161,3 +161,38 @@ def test_hybrid_sharding_keeps_the_gathers_inside_the_node():
     full, hybrid = step_time(base, H100), step_time(base.with_(hybrid=True), H100)
     assert hybrid.breakdown["data_parallel"] < full.breakdown["data_parallel"]
     assert "network" in next(t.formula for t in full.explain() if t.label.startswith("data parallel"))
+
+
+def _data_parallel_seconds(inputs: EstimateInputs) -> float:
+    """The plan's data-parallel seconds before any overlap: per-microbatch traffic and the tail's."""
+    from shardplan.core.hardware import DEFAULT_CONSTANTS
+    from shardplan.core.step_time import _links
+    from shardplan.core.time_plan import make_plan, sharded_traffic, stage_elements, tail, trained_elements
+
+    plan = make_plan(inputs, H100, DEFAULT_CONSTANTS, None, _links(inputs, H100, DEFAULT_CONSTANTS))
+    elements = stage_elements(plan)
+    trained = trained_elements(plan, elements[0], plan.stage_layers[0])
+    per_microbatch = sharded_traffic(plan, elements[0], trained, plan.stage_layers[0])
+    end = tail(plan, 0, elements, 0.0)
+    return inputs.num_microbatches * (per_microbatch.forward + per_microbatch.backward) + end.reduce + end.gather
+
+
+def test_data_parallel_collectives_are_those_the_engine_runs():
+    """What each engine reduces (16 ranks over two nodes of 8, Llama-3 8B, 4 microbatches):
+    `run`'s ZeRO-0 is fully_shard on a replicate-only mesh, which all-reduces every
+    microbatch's gradients (FSDP2 has no `no_sync`; runtime/train.py skips the sync only for
+    DDP); DeepSpeed's stage 0 all-reduces once per step. `run`'s ZeRO-1 is DDP (an all-reduce,
+    2(n-1)/n of the gradients) with torch's ZeroRedundancyOptimizer, which broadcasts each
+    updated fp32 parameter from its owner (torch/distributed/optim/zero_redundancy_optimizer.py,
+    `_sync_params`); DeepSpeed's reduce-scatters and all-gathers its 16-bit copies."""
+    base = EstimateInputs(shape=SHAPE, params=None, degrees=Degrees(dp=16), seq_len=1024, num_microbatches=4,
+                          gpus_per_node=8)
+    fsdp2_0 = _data_parallel_seconds(base.with_(zero_stage=0))
+    deepspeed_0 = _data_parallel_seconds(base.with_(zero_stage=0, framework="deepspeed"))
+    # fp32 gradients under fsdp2 (MixedPrecisionPolicy reduces in fp32), 16-bit under DeepSpeed.
+    assert fsdp2_0 == pytest.approx(4 * 2 * deepspeed_0, rel=1e-3)
+    fsdp2_1 = _data_parallel_seconds(base.with_(zero_stage=1))
+    deepspeed_1 = _data_parallel_seconds(base.with_(zero_stage=1, framework="deepspeed"))
+    # fsdp2: all-reduce (2 volumes) of fp32 gradients + fp32 parameters (1 volume): 3 x 4 B;
+    # DeepSpeed: reduce-scatter + all-gather of 16-bit: 2 x 2 B.
+    assert fsdp2_1 == pytest.approx(3 * deepspeed_1, rel=1e-3)

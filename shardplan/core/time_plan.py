@@ -170,6 +170,10 @@ def gathered_bytes(plan: TimePlan, elements: int, layers: int) -> float:
 def sharded_traffic(plan: TimePlan, elements: int, trained: int, layers: int = 0) -> ShardedTraffic:
     """Per-microbatch collectives of one stage under ZeRO stage 2/3 (module docstring)."""
     inputs, eb, n, link = plan.inputs, plan.eb, plan.degree, plan.links["dp"]
+    if reduces_every_microbatch(plan):
+        # `run`'s stage 0 is fully_shard on a replicate-only mesh, which has no `no_sync`:
+        # FSDP2 all-reduces each microbatch's gradients in its backward (runtime/train.py).
+        return ShardedTraffic(0.0, collective_seconds(ALL_REDUCE, trained * eb.grads, n, link), plan.overlap)
     if inputs.zero_stage < 2 or n == 1:
         return ShardedTraffic(0.0, 0.0, plan.overlap)
     gather = collective_seconds(ALL_GATHER, gathered_bytes(plan, elements, layers), n, link)
@@ -181,6 +185,14 @@ def sharded_traffic(plan: TimePlan, elements: int, trained: int, layers: int = 0
         return ShardedTraffic(gather if inputs.framework == "fsdp2" else 0.0, reduce, plan.overlap)
     regathers = 2 if inputs.framework != "fsdp2" and inputs.recompute == "full" else 1
     return ShardedTraffic(gather, regathers * gather + reduce, plan.overlap)
+
+
+def reduces_every_microbatch(plan: TimePlan) -> bool:
+    """ZeRO-0 under fsdp2 outside pipelines: replicated FSDP2 reduces every microbatch (DDP's
+    `no_sync` has no FSDP2 counterpart in `run`'s loop); pipelines defer it to the step's end."""
+    inputs = plan.inputs
+    return (inputs.framework == "fsdp2" and inputs.zero_stage == 0 and plan.degree > 1
+            and not defers_to_step_end(inputs))
 
 
 def offloaded_share(plan: TimePlan, pp_rank: int) -> float:
@@ -202,30 +214,39 @@ def optimizer_elements(plan: TimePlan, trained: int) -> int:
     return -(-trained // plan.degree) if plan.inputs.zero_stage >= 1 else trained
 
 
-def cpu_optimizer_elements(plan: TimePlan, trained: int, share: float) -> int:
+def cpu_optimizer_elements(plan: TimePlan, trained: int, share: float, layers_trained: int) -> int:
     """Of those, the ones the CPU updates: all with optimizer offload; under fsdp2 the
-    offloaded layers' (their gradients and optimizer states go with the parameters)."""
-    inputs, elements = plan.inputs, optimizer_elements(plan, trained)
+    offloaded layers' (their gradients and optimizer states go with the parameters; the
+    embedding and head stay on the GPU). `layers_trained`: the part of `trained` in layers."""
+    inputs = plan.inputs
     if inputs.offload_optimizer:
-        return elements
+        return optimizer_elements(plan, trained)
     if inputs.framework == "fsdp2" and inputs.offload_params:
-        return int(elements * share)
+        return int(optimizer_elements(plan, layers_trained) * share)
     return 0
 
 
-def streamed(plan: TimePlan, elements: int, trained: int, share: float) -> tuple[float, float]:
+def layer_elements(plan: TimePlan) -> int:
+    """One layer's parameter elements on tensor-parallel rank 0."""
+    d, inputs = plan.inputs.degrees, plan.inputs
+    return rank_params(plan.shape, d.pp, inputs.virtual, 0, d.tp, 0, inputs.stage_split).layer_numel
+
+
+def streamed(plan: TimePlan, layers: int, trained: int, share: float) -> tuple[float, float]:
     """Host traffic of one stage per microbatch: (forward, backward) seconds. Offloaded
     parameters come in before the forward and again before the backward; gradients leave
     during backward when the CPU holds them and they are reduced per microbatch (stage >= 2,
     unless a pipeline defers the reduction to the step's end: `tail`), on the other direction
     of the link."""
     inputs, eb, host = plan.inputs, plan.eb, plan.host_link
+    in_layers = layers * layer_elements(plan)
     fetch = 0.0
     if inputs.offload_params and share > 0:
-        # Parameters travel as stored: compression applies to optimizer states (core/offload.py).
-        fetch = share * elements / plan.degree * eb.params / host
+        # The offloaded layers' parameters, as stored: compression applies to optimizer states
+        # (core/offload.py); the embedding and head stay on the GPU.
+        fetch = share * in_layers / plan.degree * eb.params / host
     leave = 0.0
-    cpu = cpu_optimizer_elements(plan, trained, share)
+    cpu = cpu_optimizer_elements(plan, trained, share, trained_elements(plan, in_layers, layers))
     if (cpu or inputs.offload_grads) and inputs.zero_stage >= 2 and not defers_to_step_end(inputs):
         grads = cpu if cpu else optimizer_elements(plan, trained)
         leave = grads * eb.grads / host
@@ -253,7 +274,7 @@ def stage_costs(plan: TimePlan, layer: LayerCosts, edges: EdgeCosts) -> list[Sta
             trained = trained_elements(plan, elements, layers)
             cost = alike[key] = stage_cost(
                 layers, layer, stage == 0, stage == last_stage, edges, send if d.pp > 1 else 0.0,
-                sharded_traffic(plan, elements, trained, layers), streamed(plan, elements, trained, share), split,
+                sharded_traffic(plan, elements, trained, layers), streamed(plan, layers, trained, share), split,
                 plan.c,
             )
         costs.append(cost)
@@ -314,15 +335,22 @@ def tail(plan: TimePlan, pp_rank: int, elements: list[int], last_backward: float
     d = inputs.degrees
     own = range(pp_rank, len(plan.stage_layers), d.pp)
     trained = sum(trained_elements(plan, elements[s], plan.stage_layers[s]) for s in own)
+    per_layer = layer_elements(plan)
+    layers_trained = sum(trained_elements(plan, plan.stage_layers[s] * per_layer, plan.stage_layers[s]) for s in own)
     n, link, stage = plan.degree, plan.links["dp"], inputs.zero_stage
     grads = trained * eb.grads
     reduce = gather = 0.0
-    if stage == 0:
+    ddp = inputs.framework == "fsdp2" and stage == 1  # DDP and ZeroRedundancyOptimizer (runtime/parallel.py)
+    if stage == 0 and not reduces_every_microbatch(plan):
         reduce = collective_seconds(ALL_REDUCE, grads, n, link)
     elif stage == 1:
-        reduce = collective_seconds(REDUCE_SCATTER, grads, n, link)
+        # DDP all-reduces the whole gradients; DeepSpeed's and the paper's ZeRO-1 reduce-scatter them.
+        reduce = collective_seconds(ALL_REDUCE if ddp else REDUCE_SCATTER, grads, n, link)
     if stage == 1 or (stage == 2 and inputs.framework != "fsdp2"):
-        gather = collective_seconds(ALL_GATHER, trained * eb.compute, n, link)
+        # The updated parameters go back to every rank: ZeroRedundancyOptimizer broadcasts each
+        # from its owner as stored (fp32 under fsdp2; an all-gather's volume), DeepSpeed
+        # all-gathers its 16-bit copies.
+        gather = collective_seconds(ALL_GATHER, trained * (eb.params if ddp else eb.compute), n, link)
     deferred = defers_to_step_end(inputs)
     if deferred and stage >= 2 and n > 1:
         reduce = collective_seconds(REDUCE_SCATTER, grads, n, link)
@@ -337,7 +365,7 @@ def tail(plan: TimePlan, pp_rank: int, elements: list[int], last_backward: float
         exposed += collective_seconds(ALL_REDUCE, vocab * plan.shape.hidden_size * eb.grads, 2, plan.links["pp"])
     share = offloaded_share(plan, pp_rank)
     opt = optimizer_elements(plan, trained)
-    cpu = cpu_optimizer_elements(plan, trained, share)
+    cpu = cpu_optimizer_elements(plan, trained, share, layers_trained)
     traffic = optimizer_traffic(plan)
     gpu_seconds = (opt - cpu) * traffic / (plan.hw.memory_bandwidth * plan.hw.memory_efficiency)
     offload = 0.0
@@ -361,6 +389,7 @@ def tail(plan: TimePlan, pp_rank: int, elements: list[int], last_backward: float
         # The updated parameters return, as stored on the device (fsdp2's engine copies fp32
         # masters into fp32 shards; DeepSpeed its 16-bit copy), except where they live on the
         # host: every parameter under ZeRO-Infinity, fsdp2's offloaded layers.
-        kept = (int(opt * share) if inputs.framework == "fsdp2" else cpu) if inputs.offload_params else 0
+        kept = ((int(optimizer_elements(plan, layers_trained) * share) if inputs.framework == "fsdp2" else cpu)
+                if inputs.offload_params else 0)
         offload += max(0, cpu - kept) * eb.params / host
     return Tail(exposed, gpu_seconds, offload, reduce, gather, opt, cpu, traffic)
