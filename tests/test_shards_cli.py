@@ -109,7 +109,8 @@ def test_model_document_tiny_gpt2():
     embed = doc["params"][0]
     assert embed["name"] == "embed.weight" and embed["shape"] == [512, 128]
     assert [s["rows"] for s in embed["shards"]] == [171, 171, 170]  # torch.chunk of 512 rows
-    assert embed["shards"][2] == {"rank": 2, "start": 342 * 128, "end": 512 * 128, "padding": 128, "rows": 170}
+    assert embed["shards"][2] == {"rank": 2, "start": 342 * 128, "end": 512 * 128, "padding": 128, "rows": 170,
+                                  "bytes": 171 * 128 * 4}  # padding stored too, in fp32
     total = count_params(resolve_shape({"family": "gpt2", "num_layers": 4, "hidden_size": 128, "num_heads": 4,
                                         "vocab_size": 512, "max_seq_len": 256})[0]).total
     assert sum(r["numel"] for r in doc["ranks"]) == total

@@ -10,7 +10,10 @@ import typer
 from ..core.layout import Layout, shard_group_size
 from ..core.schedule import chunks_per_rank
 from ..core.shards import ASSIGNMENTS, STYLES, assign_blocks, chunk_size, ownership, shard_ranges
-from ..core.shards_model import assign_params, model_shards, param_element_bytes, placed_params
+from ..core.estimate_inputs import lora_plan
+from ..core.shards_model import (
+    Storage, assign_params, dtype_name, model_shards, param_element_bytes, placed_params, whole_param_bytes,
+)
 from ..io.job import ResolvedJob
 from ..render.output import write_document
 from ..render.output import emit_diagnostics, stdout_console
@@ -58,9 +61,14 @@ def stage_view(resolved: ResolvedJob) -> StageView | None:
         return StageView(f"zero.stage = 0 shards nothing: each of the {group} ranks of the shard group holds "
                          "every parameter whole (shown over 1 rank)", world=1)
     if zero.stage == 1 and zero.framework == "fsdp2":
-        return StageView("zero.stage = 1 under fsdp2 is DDP with torch's ZeroRedundancyOptimizer: parameters "
-                         "and gradients stay whole on every rank, and each whole parameter's optimizer states "
-                         "live on one rank (shown: --assign zero-optimizer)", assign="zero-optimizer")
+        note = ("zero.stage = 1 under fsdp2 is DDP with torch's ZeroRedundancyOptimizer: parameters "
+                "and gradients stay whole on every rank, and each whole parameter's optimizer states "
+                "live on one rank (shown: --assign zero-optimizer)")
+        if resolved.job.lora is not None:
+            note += ("; under LoRA only the adapters have optimizer states, so the partition is over them "
+                     "(the frozen base stays whole on every rank); `shardplan run` refuses LoRA at "
+                     "zero.stage 1 (use 0, 2 or 3): this is the estimate's view")
+        return StageView(note, assign="zero-optimizer")
     if zero.stage in (1, 2) and zero.framework == "deepspeed":
         held = "fp32 master weights and optimizer states" if zero.stage == 1 else \
             "gradients, fp32 master weights and optimizer states"
@@ -166,17 +174,23 @@ def shards(
     par = job.parallel
     virtual = chunks_per_rank(par.pipeline_schedule, par.virtual_stages)
     # tp rank 0 holds the largest tensor-parallel pieces (torch.chunk gives later ranks less).
+    lora = lora_plan(job)  # LoRA: the base frozen (bf16 or NF4), the adapters trainable
     placed = placed_params(shape, par.pp, virtual, par.tp, tp_rank=0,
-                           split=(par.first_stage_layers, par.last_stage_layers))
+                           split=(par.first_stage_layers, par.last_stage_layers), lora=lora)
     element_bytes = param_element_bytes(job.train.precision, chosen, job.zero.framework)
+    storage = Storage(element_bytes, dtype_name(job.train.precision, element_bytes), lora)
     model = resolved.model_name or shape.name or shape.family
 
     if assign is not None:
-        owned, shares = assign_params(placed, shard_world, assign, element_bytes)
-        _show(param_blocks_document(model, shard_world, assign, element_bytes, owned, shares), json_out,
-              param_blocks_text, view and view.note)
+        # Whole parameters own optimizer states: only trainable ones have any (LoRA: the adapters).
+        owned, shares = assign_params([p for p in placed if p.trainable], shard_world, assign, element_bytes)
+        document = param_blocks_document(model, shard_world, assign, element_bytes, owned, shares,
+                                         whole_param_bytes(placed, storage), storage.dtype,
+                                         lora.base_dtype if lora else None)
+        _show(document, json_out, param_blocks_text, view and view.note)
         return
-    plan = model_shards(placed, shard_world, chosen, element_bytes, min_numel=job.zero.min_num_params)
+    plan = model_shards(placed, shard_world, chosen, element_bytes, min_numel=job.zero.min_num_params,
+                        storage=storage)
     context = {"model": model, "tp": par.tp, "tp_rank": 0, "pp": par.pp, "precision": job.train.precision}
     _show(model_document(context, plan), json_out, lambda _: model_text(context, plan, shape.num_layers),
           view and view.note)

@@ -21,6 +21,17 @@ loop placement of virtual chunks, torch.chunk pieces along `ParamInfo.tp_dim` (D
 `Shard(dim)`), and whole replicated key/value heads when tp exceeds them. The shard group
 shares one tp rank's pieces. Each pipeline stage has its own shard group over the same
 shard ranks, so totals are per (stage, rank).
+
+Under LoRA (`core/lora.py`) the parameters are those `shardplan run` builds: each targeted
+linear's frozen weight as peft renames it (`<linear>.base_layer.weight`) followed by its
+adapters (`<linear>.lora_A.default.weight`, `<linear>.lora_B.default.weight`), all of them
+parameters FSDP2 shards. The adapters are stored like any trainable parameter
+(`param_element_bytes`); the frozen base as the estimate counts it (`core/finetune.py`
+`frozen_bytes`): bf16, or torchao NF4 for the layer linears under QLoRA, whose dim-0 shards
+keep their 4-bit codes, block scalers and factors plus a reference to the tensor's mean and
+code book. Only trainable parameters enter a flat optimizer buffer (DeepSpeed stage 1/2 flattens
+the parameters that require a gradient): under the flat styles the frozen base stays whole on
+every rank.
 """
 
 from __future__ import annotations
@@ -30,13 +41,16 @@ from math import prod
 
 from ..spec.errors import PlanError
 from ..spec.model import ModelShape
+from .finetune import frozen_bytes
+from .lora import BASE_BYTES, LoraPlan, adapter_params, stores_nf4
 from .precision import FP32, element_bytes as precision_bytes
 from .params import ParamInfo, layer_params
 from .shards import RankShare, Shard, assign_blocks, ceil_div, chunk_rows, ownership, shard_ranges
-from .stages import rank_chunks, rank_params
+from .stages import LocalParam, rank_chunks, rank_params
 
 PER_PARAM_STYLES = ("fsdp2", "zero3")
 FLAT_STYLES = ("fsdp1", "zero12", "even")
+FROZEN_UNIT = "frozen"  # the unit of LoRA's frozen base under the flat styles: none, kept whole
 
 # Bytes of one stored parameter element. Mixed precision under torch FSDP keeps the sharded
 # parameter in fp32 and casts only for compute and communication (FSDP2
@@ -53,6 +67,13 @@ def param_element_bytes(precision: str, style: str, framework: str) -> int:
     return precision_bytes(STYLE_FRAMEWORK.get(style, framework), precision, "adamw").params
 
 
+def dtype_name(precision: str, element_bytes: int) -> str:
+    """The dtype of a trainable parameter stored in `element_bytes` bytes under `precision`."""
+    if element_bytes == FP32:
+        return "fp32"
+    return "fp16" if precision.startswith("fp16") else "bf16"
+
+
 @dataclass(frozen=True)
 class PlacedParam:
     """A parameter as one pipeline rank and one tensor-parallel rank hold it."""
@@ -60,32 +81,68 @@ class PlacedParam:
     info: ParamInfo
     stage: int  # the pipeline rank holding it
     local_shape: tuple[int, ...]  # its tensor-parallel piece
+    trainable: bool = True  # False: LoRA's frozen base
+    runtime_name: str = ""  # the name `shardplan run` gives it, where it differs from info.name
+
+    @property
+    def name(self) -> str:
+        return self.runtime_name or self.info.name
+
+
+BASE_LAYER = ".base_layer"  # peft moves a wrapped linear's parameters under this submodule
+
+
+def _linear_of(param: ParamInfo) -> str:
+    """The module path of a parameter (`layers.0.attn.q_proj` of `...q_proj.weight`)."""
+    return param.name.rsplit(".", 1)[0]
+
+
+def _lora_layer(base: list[ParamInfo], templates: tuple[LocalParam, ...], adapters: list[ParamInfo],
+                adapter_templates: tuple[LocalParam, ...], stage: int) -> list[PlacedParam]:
+    """One layer under LoRA in module order: a wrapped linear's base parameters (renamed
+    `<linear>.base_layer.<name>`), then its adapters, as peft's LoraLayer registers them."""
+    by_linear: dict[str, list[PlacedParam]] = {}
+    for info, template in zip(adapters, adapter_templates):
+        linear = info.name.split(".lora_", 1)[0]
+        by_linear.setdefault(linear, []).append(PlacedParam(info, stage, template.shape))
+    placed: list[PlacedParam] = []
+    for index, (info, template) in enumerate(zip(base, templates)):
+        linear = _linear_of(info)
+        wrapped = linear in by_linear
+        name = f"{linear}{BASE_LAYER}.{info.name.rsplit('.', 1)[1]}" if wrapped else ""
+        placed.append(PlacedParam(info, stage, template.shape, trainable=False, runtime_name=name))
+        last_of_linear = index + 1 == len(base) or _linear_of(base[index + 1]) != linear
+        if wrapped and last_of_linear:
+            placed += by_linear[linear]
+    return placed
 
 
 def placed_params(
     shape: ModelShape, pp: int = 1, virtual: int = 1, tp: int = 1, tp_rank: int = 0,
-    split: tuple[int, int] = (0, 0),
+    split: tuple[int, int] = (0, 0), lora: LoraPlan | None = None,
 ) -> list[PlacedParam]:
     """Every parameter of every pipeline rank, stage by stage, in module order inside a stage
     (embeddings, the stage's layers, final norm and head), as `stages.rank_params` places
-    and cuts them."""
+    and cuts them; with `lora`, the base frozen and each layer's adapters beside their linears."""
     if pp < 1 or virtual < 1 or shape.num_layers < pp * virtual:
         raise PlanError(f"cannot split {shape.num_layers} layers into {pp} x {virtual} pipeline stages")
     if not 0 <= tp_rank < tp:
         raise PlanError(f"tp rank {tp_rank} is out of range 0..{tp - 1}")
     placed: list[PlacedParam] = []
+    trainable = lora is None
     for stage in range(pp):
-        held = rank_params(shape, pp, virtual, stage, tp, tp_rank, split)
+        held = rank_params(shape, pp, virtual, stage, tp, tp_rank, split, lora)
         before = [lp for lp in held.root if lp.info.part in ("embedding", "position")]
         after = [lp for lp in held.root if lp.info.part not in ("embedding", "position")]
-        placed += [PlacedParam(lp.info, stage, lp.shape) for lp in before]
+        placed += [PlacedParam(lp.info, stage, lp.shape, trainable) for lp in before]
         for chunk in rank_chunks(shape.num_layers, pp, virtual, stage, split):
             for layer in chunk:  # layers are alike: layer i has the template's local shapes
-                placed += [
-                    PlacedParam(info, stage, template.shape)
-                    for info, template in zip(layer_params(shape, layer), held.layer)
-                ]
-        placed += [PlacedParam(lp.info, stage, lp.shape) for lp in after]
+                base = layer_params(shape, layer)
+                if lora is not None:
+                    placed += _lora_layer(base, held.layer, adapter_params(base, lora), held.adapters, stage)
+                    continue
+                placed += [PlacedParam(info, stage, template.shape) for info, template in zip(base, held.layer)]
+        placed += [PlacedParam(lp.info, stage, lp.shape, trainable) for lp in after]
     return placed
 
 
@@ -99,9 +156,12 @@ class ParamShards:
     layer: int | None
     stage: int
     unit: str  # the sharding unit: the parameter itself, a block's FlatParameter, a buffer
-    replicated: bool  # below min_num_params: every rank holds it whole
+    replicated: bool  # every rank holds it whole (below min_num_params; LoRA's frozen base in a flat style)
     shards: tuple[Shard, ...]  # element offsets in the flattened local tensor
     rows: tuple[int, ...] | None  # fsdp2: dim-0 rows each rank holds
+    dtype: str = "fp32"  # how it is stored: fp32, bf16, fp16, or nf4 (QLoRA's base linears)
+    trainable: bool = True
+    stored_bytes: tuple[int, ...] = ()  # bytes each rank stores of it, padding included
 
     @property
     def numel(self) -> int:
@@ -134,10 +194,35 @@ class RankTotal:
 class ModelShards:
     style: str
     world: int
-    element_bytes: int
+    element_bytes: int  # of the trainable parameters (under LoRA: the adapters)
     params: list[ParamShards]
     buffers: list[FlatBuffer]
     totals: list[RankTotal]
+    frozen_dtype: str | None = None  # LoRA: the frozen base's storage (bf16 | nf4); None: full training
+
+
+@dataclass(frozen=True)
+class Storage:
+    """How parameters are stored: trainable ones in `element_bytes` each; with `lora`, the
+    frozen base as `core/finetune.py` counts it (bf16, or NF4 for QLoRA's layer linears)."""
+
+    element_bytes: int = FP32
+    dtype: str = "fp32"
+    lora: LoraPlan | None = None
+
+    def param_dtype(self, param: PlacedParam) -> str:
+        if param.trainable:
+            return self.dtype
+        return "nf4" if stores_nf4(param.info, self.lora) else "bf16"
+
+    def bytes(self, param: PlacedParam, shard: Shard, world: int, how: str) -> int:
+        """Bytes one rank stores of `param`, whose part is `shard`; a frozen parameter held
+        `how` over `world` ranks (`frozen_bytes`: "whole", "fsdp2" or "partition")."""
+        if param.trainable or self.lora is None:
+            return shard.stored * self.element_bytes
+        if shard.stored == 0:  # a flat buffer's member this rank holds nothing of
+            return 0
+        return frozen_bytes(LocalParam(param.info, param.local_shape), self.lora, world, how)
 
 
 def _rows_shards(local_shape: tuple[int, ...], world: int) -> tuple[tuple[Shard, ...], tuple[int, ...]]:
@@ -166,56 +251,73 @@ def model_shards(
     style: str,
     element_bytes: int = FP32,
     min_numel: int = 0,
+    storage: Storage | None = None,
 ) -> ModelShards:
     """Per-parameter shards, flat buffers and per-(stage, rank) totals of a model.
 
     `placed` gives each parameter's pipeline rank and tensor-parallel piece
-    (`placed_params`); `min_numel` keeps smaller parameters whole on every rank under the
-    per-parameter styles (FSDP's min_num_params, DeepSpeed's param persistence threshold)."""
+    (`placed_params`); `min_numel` keeps smaller trainable parameters whole on every rank
+    under the per-parameter styles (FSDP's min_num_params, DeepSpeed's param persistence
+    threshold; the estimate cuts LoRA's frozen base regardless). `storage` says how each
+    parameter is stored (default: `element_bytes` each, full training)."""
+    storage = storage or Storage(element_bytes, dtype_name("", element_bytes))
     if style not in PER_PARAM_STYLES + FLAT_STYLES:
         raise PlanError(f"unknown style {style!r} (styles: {', '.join(PER_PARAM_STYLES + FLAT_STYLES)})")
     if world < 1:
         raise PlanError(f"world must be a positive integer (got {world})")
-    params = [p.info for p in placed]
-    stages = [p.stage for p in placed]
-    local = [p.local_shape for p in placed]
-    num_stages = max(stages, default=0) + 1
+    num_stages = max((p.stage for p in placed), default=0) + 1
     out: list[ParamShards] = []
     buffers: list[FlatBuffer] = []
     held = [[0] * world for _ in range(num_stages)]
     padded = [[0] * world for _ in range(num_stages)]
+    stored = [[0] * world for _ in range(num_stages)]
+    frozen_how = "fsdp2" if style == "fsdp2" else "partition"
+
+    def add(param: PlacedParam, unit: str, replicated: bool, shards: tuple[Shard, ...],
+            rows: tuple[int, ...] | None, counted: bool = True) -> ParamShards:
+        """`counted`: its shards add to the totals (a flat buffer's members are counted as the buffer)."""
+        how = "whole" if replicated else frozen_how
+        sizes = tuple(storage.bytes(param, shard, world, how) for shard in shards)
+        for shard, size in zip(shards, sizes):
+            stored[param.stage][shard.rank] += size
+            if counted:
+                held[param.stage][shard.rank] += shard.numel
+                padded[param.stage][shard.rank] += shard.padding
+        return ParamShards(param.name, param.info.shape, param.local_shape, param.info.layer, param.stage, unit,
+                           replicated, shards, rows, storage.param_dtype(param), param.trainable, sizes)
+
+    def whole(numel: int) -> tuple[Shard, ...]:
+        return tuple(Shard(rank, 0, numel, 0) for rank in range(world))
 
     if style in PER_PARAM_STYLES:
-        for param, stage, shape in zip(params, stages, local):
-            numel = prod(shape)
+        for param in placed:
+            shape, numel = param.local_shape, prod(param.local_shape)
             rows = None
-            if numel < min_numel:
-                shards = tuple(Shard(rank, 0, numel, 0) for rank in range(world))
+            replicated = numel < min_numel and param.trainable
+            if replicated:
+                shards = whole(numel)
             elif style == "fsdp2":
                 shards, rows = _rows_shards(shape, world)
             else:
                 shards = tuple(shard_ranges(numel, world, "zero3"))
-            for shard in shards:
-                held[stage][shard.rank] += shard.numel
-                padded[stage][shard.rank] += shard.padding
-            out.append(ParamShards(
-                param.name, param.shape, shape, param.layer, stage, param.name, numel < min_numel, shards, rows,
-            ))
+            out.append(add(param, param.name, replicated, shards, rows))
     else:
-        units: dict[tuple[int, str], list[int]] = {}
-        for index, (param, stage) in enumerate(zip(params, stages)):
-            units.setdefault((stage, _unit_name(style, param, stage, num_stages)), []).append(index)
-        placed: dict[int, ParamShards] = {}
+        flattened = [p for p in placed if p.trainable]  # only trainable parameters are flattened
+        units: dict[tuple[int, str], list[PlacedParam]] = {}
+        for param in flattened:
+            units.setdefault((param.stage, _unit_name(style, param.info, param.stage, num_stages)), []).append(param)
+        members_of: dict[int, ParamShards] = {}
         for (stage, name), members in units.items():
-            numels = [prod(local[i]) for i in members]
+            numels = [prod(p.local_shape) for p in members]
             unit_shards = shard_ranges(sum(numels), world, style)
             buffers.append(FlatBuffer(name, stage, sum(numels), len(members), tuple(unit_shards)))
             for shard in unit_shards:
                 held[stage][shard.rank] += shard.numel
                 padded[stage][shard.rank] += shard.padding
+                stored[stage][shard.rank] += shard.padding * storage.element_bytes
             offset = 0
-            for index, numel in zip(members, numels):
-                param, end = params[index], offset + numel
+            for param, numel in zip(members, numels):
+                end = offset + numel
                 shards = []
                 for shard in unit_shards:
                     start, stop = max(shard.start, offset), min(shard.end, end)
@@ -223,18 +325,19 @@ def model_shards(
                         Shard(shard.rank, start - offset, stop - offset, 0) if start < stop
                         else Shard(shard.rank, numel, numel, 0)
                     )
-                placed[index] = ParamShards(
-                    param.name, param.shape, local[index], param.layer, stage, name, False, tuple(shards), None,
-                )
+                members_of[id(param)] = add(param, name, False, tuple(shards), None, counted=False)
                 offset = end
-        out = [placed[i] for i in range(len(params))]
+        for param in placed:
+            if not param.trainable:  # LoRA's frozen base: whole on every rank, in no flat buffer
+                members_of[id(param)] = add(param, FROZEN_UNIT, True, whole(prod(param.local_shape)), None)
+        out = [members_of[id(p)] for p in placed]
 
     totals = [
-        RankTotal(stage, rank, held[stage][rank], padded[stage][rank],
-                  (held[stage][rank] + padded[stage][rank]) * element_bytes)
+        RankTotal(stage, rank, held[stage][rank], padded[stage][rank], stored[stage][rank])
         for stage in range(num_stages) for rank in range(world)
     ]
-    return ModelShards(style, world, element_bytes, out, buffers, totals)
+    frozen = None if storage.lora is None else storage.lora.base_dtype
+    return ModelShards(style, world, storage.element_bytes, out, buffers, totals, frozen)
 
 
 @dataclass(frozen=True)
@@ -265,3 +368,13 @@ def assign_params(
         ]
         shares += [(stage, share) for share in ownership(owners, [n * element_bytes for n in numels], world)]
     return owned, shares
+
+
+def whole_param_bytes(placed: list[PlacedParam], storage: Storage) -> dict[int, int]:
+    """Bytes of every parameter of each pipeline stage held whole (DDP, ZeRO stage 1: every
+    rank of the shard group holds them all), by stage."""
+    held: dict[int, int] = {}
+    for p in placed:
+        numel = prod(p.local_shape)
+        held[p.stage] = held.get(p.stage, 0) + storage.bytes(p, Shard(0, 0, numel, 0), 1, "whole")
+    return held

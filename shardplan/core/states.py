@@ -328,7 +328,7 @@ def rank_states(
     states = States()
     if sharding.framework == "fsdp2":
         for label, elements, count, offloaded in groups:
-            if count and elements.params:
+            if count and (elements.params or elements.tensors):
                 _fsdp2_group(states, label, elements, count, offloaded, eb, sharding, offload)
         return states
     for kind, unit, index in (("params", eb.params, 0), ("grads", eb.grads, 1), ("optimizer", eb.optimizer, 2)):

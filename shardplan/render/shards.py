@@ -39,12 +39,16 @@ def blocks_document(world: int, assign: str, owners: list[int], shares: list[Ran
 
 
 def param_blocks_document(
-    model: str, world: int, assign: str, element_bytes: int, owned: list[ParamOwner], shares: list[tuple[int, RankShare]]
+    model: str, world: int, assign: str, element_bytes: int, owned: list[ParamOwner], shares: list[tuple[int, RankShare]],
+    whole_bytes: dict[int, int] | None = None, dtype: str | None = None, frozen_dtype: str | None = None,
 ) -> dict:
-    """Whole parameters as blocks: each with its owner; each (stage, rank) with its share."""
+    """Whole parameters as blocks: each with its owner; each (stage, rank) with its share.
+    Under LoRA the blocks are the trainable parameters (the adapters); `whole_bytes`: by stage,
+    the bytes of all parameters every rank holds whole (frozen base included)."""
     return {
         "model": model, "num_blocks": len(owned), "world": world, "assign": assign,
-        "element_bytes": element_bytes,
+        "element_bytes": element_bytes, "dtype": dtype, "frozen_dtype": frozen_dtype,
+        "param_bytes": [{"stage": stage, "bytes": size} for stage, size in sorted((whole_bytes or {}).items())],
         "blocks": [
             {"block": i, "owner": p.owner, "name": p.name, "stage": p.stage, "numel": p.numel, "bytes": p.stored_bytes}
             for i, p in enumerate(owned)
@@ -63,14 +67,18 @@ def model_document(context: dict, plan: ModelShards) -> dict:
         if p.rows is not None:
             for entry, rows in zip(shards, p.rows):
                 entry["rows"] = rows
+        for entry, size in zip(shards, p.stored_bytes):
+            entry["bytes"] = size
         return {
             "name": p.name, "shape": list(p.shape), "local_shape": list(p.local_shape),
             "stage": p.stage, "unit": p.unit, "replicated": p.replicated, "shards": shards,
+            "dtype": p.dtype, "trainable": p.trainable,
         }
 
     return {
         "model": context["model"], "style": plan.style, "world": plan.world, "tp": context["tp"],
         "tp_rank": context["tp_rank"], "pp": context["pp"], "element_bytes": plan.element_bytes,
+        "dtype": _trainable_dtype(plan), "frozen_dtype": plan.frozen_dtype,
         "numel": sum(p.numel for p in plan.params),
         "params": [param_json(p) for p in plan.params],
         "flat_buffers": [
@@ -130,6 +138,20 @@ def _precision_note(precision: str, element_bytes: int) -> str:
     return f"{precision}: {kept}"
 
 
+def _trainable_dtype(plan: ModelShards) -> str:
+    return next((p.dtype for p in plan.params if p.trainable), "fp32" if plan.element_bytes == 4 else "bf16")
+
+
+def storage_text(precision: str, element_bytes: int, dtype: str, frozen_dtype: str | None) -> str:
+    """`4 bytes per element (...)`, or under LoRA how the frozen base and the adapters are stored."""
+    note = _precision_note(precision, element_bytes)
+    if frozen_dtype is None:
+        return f"{element_bytes} bytes per element ({note})"
+    frozen = ("frozen base NF4 in its layer linears (4-bit codes + block scales), bf16 elsewhere (2 bytes)"
+              if frozen_dtype == "nf4" else "frozen base bf16 (2 bytes)")
+    return f"{frozen}, adapters {dtype} ({element_bytes} bytes; {note})"
+
+
 def _percent(part: int, whole: int) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "0.0%"
 
@@ -185,9 +207,13 @@ def blocks_text(document: dict) -> Text:
 
 def param_blocks_text(document: dict) -> Text:
     d = document
+    if d.get("frozen_dtype"):
+        what = f"adapters ({d['element_bytes']} bytes per element; the frozen base, held whole, owns no optimizer state)"
+    else:
+        what = f"parameters ({d['element_bytes']} bytes per element)"
     out = Text(
-        f"{d['model']}: {d['num_blocks']} parameters owned {d['assign']} over {d['world']} ranks "
-        f"({d['element_bytes']} bytes per element); share is bytes-weighted\n",
+        f"{d['model']}: {d['num_blocks']} {what} owned {d['assign']} over {d['world']} ranks; "
+        "share is bytes-weighted\n",
         style="bold",
     )
     names: dict[tuple[int, int], list[str]] = {}
@@ -207,6 +233,10 @@ def param_blocks_text(document: dict) -> Text:
     if multi_stage:
         header = ["stage", *header]
     out.append_text(_table(header, rows, {0, 1, 2, 3} if not multi_stage else {0, 1, 2, 3, 4}))
+    for entry in d.get("param_bytes", []):
+        where = f"stage {entry['stage']}: " if multi_stage else ""
+        out.append(f"{where}every rank holds all parameters whole: {format_bytes(entry['bytes'])} "
+                   f"({entry['bytes']:,} bytes)\n", style="dim")
     out.rstrip()  # the console adds the final newline
     return out
 
@@ -216,7 +246,8 @@ def _param_rows(plan: ModelShards, params: list[ParamShards], show_tp: bool, sho
     rows = []
     for p in params:
         if p.replicated:
-            held, pad = f"all: {p.numel} (below min_num_params, not sharded)", "0"
+            why = "frozen: whole on every rank" if not p.trainable else "below min_num_params, not sharded"
+            held, pad = f"all: {p.numel} ({why})", "0"
         elif p.rows is not None:
             row_numel = p.numel // p.local_shape[0] if p.local_shape and p.local_shape[0] else 0
             held = runs(list(p.rows))
@@ -225,6 +256,8 @@ def _param_rows(plan: ModelShards, params: list[ParamShards], show_tp: bool, sho
             held = runs([s.numel for s in p.shards])
             pad = runs([s.padding for s in p.shards])
         row = [p.name, "x".join(map(str, p.shape))]
+        if plan.frozen_dtype is not None:
+            row.append(p.dtype)
         if show_tp:
             row.append("x".join(map(str, p.local_shape)))
         if show_stage:
@@ -241,16 +274,19 @@ def model_text(context: dict, plan: ModelShards, num_layers: int) -> Text:
         f"{d['model']}: {plan.style} over {plan.world} ranks"
         + (f"; tp {d['tp']} (tp rank {d['tp_rank']}'s pieces)" if d["tp"] > 1 else "")
         + (f"; pp {d['pp']}" if d["pp"] > 1 else "")
-        + f"; {plan.element_bytes} bytes per element ({_precision_note(d['precision'], plan.element_bytes)})\n",
+        + f"; {storage_text(d['precision'], plan.element_bytes, _trainable_dtype(plan), plan.frozen_dtype)}\n",
         style="bold",
     )
+    if plan.frozen_dtype is not None and plan.buffers:
+        out.append("only the adapters are flattened; the frozen base stays whole on every rank\n", style="dim")
     show_tp, show_stage = d["tp"] > 1, d["pp"] > 1
     per_layer = plan.style != "zero12" and plan.style != "even"
     if per_layer:
         shown = [p for p in plan.params if p.layer is None or p.layer == 0]
         unit = "dim-0 rows per rank" if plan.style == "fsdp2" else "elements per rank"
         pad_unit = "padding rows" if plan.style == "fsdp2" else "padding"
-        header = ["parameter", "shape"] + (["tp shape"] if show_tp else []) + (["stage"] if show_stage else [])
+        header = ["parameter", "shape"] + (["stored as"] if plan.frozen_dtype is not None else [])
+        header += (["tp shape"] if show_tp else []) + (["stage"] if show_stage else [])
         header += [unit] if plan.style == "fsdp1" else [unit, pad_unit]
         out.append_text(_table(header, _param_rows(plan, shown, show_tp, show_stage), set()))
         if num_layers > 1:
@@ -311,7 +347,8 @@ def totals_text(plan: ModelShards, show_stage: bool) -> Text:
         rows.append(([str(first.stage)] if show_stage else []) + row)
 
     for total in plan.totals:
-        if run and (total.stage, total.numel, total.padding) != (run[0].stage, run[0].numel, run[0].padding):
+        key = (total.stage, total.numel, total.padding, total.stored_bytes)
+        if run and key != (run[0].stage, run[0].numel, run[0].padding, run[0].stored_bytes):
             flush()
             run = []
         run.append(total)
