@@ -156,3 +156,19 @@ def test_validate_warns_about_weights_nf4_cannot_store():
     assert result.code == 0
     assert "lora.base_dtype: torchao stores NF4 weights in whole blocks of 64 * 256 elements; " \
            "attn.k_proj.weight has 8,192" in result.err, result.err
+
+
+def test_offloaded_frozen_base_is_pinned_tensor_by_tensor():
+    """LoRA of Llama-3 70B on one H100 with the bf16 base offloaded (docs/finetune.md): FSDP2's
+    CPUOffloadPolicy pins every parameter on its own, frozen ones too, and the pinned host
+    allocator takes the power of two above each size (docs/estimate.md, "Host memory"). A layer
+    of Llama-3 70B (config.json: hidden 8192, intermediate 28672, 8 KV heads of 128) in bf16:
+    q and o 8192 x 8192 (2^27 B), k and v 1024 x 8192 (2^24 B), gate, up and down 28672 x 8192
+    (469,762,048 B, pinned as 2^29), two norms of 8192 (2^14 B)."""
+    pinned_layer = 2 * 2**27 + 2 * 2**24 + 3 * 2**29 + 2 * 2**14
+    doc = run_cli("estimate", "presets/jobs/llama-3-70b-qlora.toml", "--dp", "1", "--set", "cluster.gpus_per_node=1",
+                  "--set", "lora.base_dtype=bf16", "--json").json
+    offloaded = doc["devices"][0]["layers"] - doc["devices"][0]["resident_layers"]
+    assert offloaded > 0
+    label = "frozen base, offloaded layers (pinned, each rounded up to a power of two)"
+    assert doc["host"]["breakdown"][label] == offloaded * pinned_layer

@@ -51,6 +51,7 @@ from .finetune import (
     lora_ddp_buffers,
     lora_fsdp2_buffers,
     lora_pipelined_buffers,
+    pinned_frozen_terms,
     trainable_params,
 )
 from .lora import LoraPlan, lora_counts
@@ -405,7 +406,8 @@ def _lora(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, degree: int,
     memory = _with_frozen(memory, gpu, cpu, buffers)
     host = rank_host(inputs, trainable, eb, degree, resident, memory.cpu) if inputs.framework == "fsdp2" else []
     if inputs.framework == "fsdp2":
-        host += cpu
+        pinned = inputs.pin_memory and inputs.on_gpu and inputs.offload_params
+        host += pinned_frozen_terms(rp, inputs.lora, over, rp.num_layers - resident, held) if pinned else cpu
     return memory, host
 
 

@@ -30,6 +30,7 @@ transient of every forward and backward moment.
 from __future__ import annotations
 
 from .buffers import pipelined_buffers, place_gathered_blocks
+from .deepspeed import pinned_bytes
 from .lora import BASE_BYTES, LoraPlan, stores_nf4
 from .precision import FP32, ElementBytes
 from .quantized import nf4_bytes, nf4_dequant_bytes, nf4_shared_bytes, nf4_sharded_bytes
@@ -75,6 +76,18 @@ def frozen_terms(rp: RankParams, lora: LoraPlan, degree: int, resident: int,
     if root:
         (cpu if root_on_host else gpu).append(Term("frozen base, embedding/head", root, f"{root:,} B (bf16{cut})"))
     return gpu, cpu
+
+
+def pinned_frozen_terms(rp: RankParams, lora: LoraPlan, degree: int, offloaded: int, held: str) -> list[Term]:
+    """Host memory of the offloaded layers' frozen base under fsdp2's CPUOffloadPolicy with
+    pinned memory: each parameter is pinned on its own (`FSDPParam`: `pin_memory()` per
+    parameter, frozen ones too), taking the power of two above its size (core/host.py)."""
+    sizes = [frozen_bytes(p, lora, degree, held) for p in rp.layer]
+    if not offloaded or not sum(sizes):
+        return []
+    each = sum(pinned_bytes(size) for size in sizes)
+    return [Term("frozen base, offloaded layers (pinned, each rounded up to a power of two)", offloaded * each,
+                 lambda: f"{offloaded} * sum over {len(sizes)} tensors of their pinned sizes = {offloaded} * {each:,} B")]
 
 
 def _gathered(p: LocalParam, lora: LoraPlan, degree: int, compute: int) -> int:
