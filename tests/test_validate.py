@@ -222,3 +222,12 @@ def test_hf_config_relative_to_job_file(write, tmp_path):
 def test_job_presets_by_name():
     result = run_cli("validate", "llama-3-8b-h100")
     assert result.code == 0 and "valid: llama-3-8b" in result.out
+
+
+def test_degrees_that_miss_the_clusters_world_say_nothing_of_its_nodes(write):
+    """A 2-node job left at dp 1 (docs/plan.md's finetune-70b.toml before `plan`) is told the
+    world it misses, not that node 0 uses 1 of its 8 GPUs: those degrees place no rank."""
+    path = write("job.toml", '[model]\npreset = "llama-3-70b"\n[cluster]\npreset = "a100-80gb"\nnodes = 2\n')
+    result = run_cli("validate", path)
+    assert result.code == 2 and "!= world size 16 (from cluster: 2 nodes * 8 GPUs)" in result.err
+    assert "does not fill whole nodes" not in result.err

@@ -300,7 +300,8 @@ def job_problems(
         degrees = Degrees(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp)
     except PlanError as exc:  # a world beyond any cluster: nothing else can be checked
         return [error("parallel", str(exc))]
-    problems = world_problems(degrees, worlds)
+    mismatched = world_problems(degrees, worlds)
+    problems = list(mismatched)
     for axis in missing_axes(par.order, degrees):
         problems.append(error(
             "parallel.order",
@@ -319,7 +320,10 @@ def job_problems(
     # node is not a claim about the user's cluster.
     if "gpus_per_node" not in job.cluster.model_fields_set:
         placement = [p for p in placement if p.path != "cluster.gpus_per_node"]
-    problems += placement
+    # Degrees that do not make the cluster's world place no rank where it will run: their
+    # placement says nothing (a 2-node job at dp 1 is not "1 GPU used of node 0").
+    if not mismatched:
+        problems += placement
     world = worlds[0][0] if worlds else degrees.world
     nodes = -(-world // job.cluster.gpus_per_node)
     problems += sharding_problems(job, nodes)
