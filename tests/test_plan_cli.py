@@ -485,6 +485,12 @@ def test_misses_found_by_their_states_alone_say_at_least(write):
     assert misses and all(m["at_least"] for m in misses)
     closest = [line for line in result.err_lines if line.startswith("plan: closest:")]
     assert closest and all(line.endswith("(the whole step by more)") for line in closest)
+    # Each miss once, told apart by what it shows (two splits of one pipeline are two misses).
+    keys = [json.dumps({k: v for k, v in m.items() if k != "short_bytes"}, sort_keys=True) for m in misses]
+    assert len(keys) == len(set(keys))
+    assert len(closest) == len(set(closest)) == min(3, len(misses))
+    assert all(m["first_stage_layers"] is None or f"layers {m['first_stage_layers']}/" in " ".join(closest)
+               for m in misses[:3])
 
 
 def test_a_fixed_key_that_stops_every_plan_is_named_with_what_would_fit(write):

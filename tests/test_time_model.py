@@ -196,3 +196,14 @@ def test_data_parallel_collectives_are_those_the_engine_runs():
     # fsdp2: all-reduce (2 volumes) of fp32 gradients + fp32 parameters (1 volume): 3 x 4 B;
     # DeepSpeed: reduce-scatter + all-gather of 16-bit: 2 x 2 B.
     assert fsdp2_1 == pytest.approx(3 * deepspeed_1, rel=1e-3)
+
+
+def test_hybrid_sharding_reduces_across_replicas_every_microbatch():
+    """FSDP2's HSDP all-reduces the gradient shard across the replicas in every microbatch's
+    post-backward (after the reduce-scatter in the node), as its ZeRO-0 reduces: four
+    microbatches pay four times the replicas' all-reduce of one."""
+    base = EstimateInputs(shape=SHAPE, params=None, degrees=Degrees(dp=16), zero_stage=3, seq_len=1024,
+                          gpus_per_node=8, num_microbatches=1)
+    one = _data_parallel_seconds(base.with_(hybrid=True))
+    four = _data_parallel_seconds(base.with_(hybrid=True, num_microbatches=4))
+    assert four == pytest.approx(4 * one, rel=1e-9)

@@ -58,6 +58,21 @@ def stage_layers(num_layers: int, num_stages: int, first: int = 0, last: int = 0
     return ranges
 
 
+SPLIT_SHOWN = 8  # stages whose layer counts `split_label` lists one by one
+
+
+def split_label(num_layers: int, num_stages: int, first: int = 0, last: int = 0) -> str:
+    """`layers 19/21/21/19` (or `layers 3/5-6/3` past SPLIT_SHOWN stages) for an uneven split;
+    "" for the even one."""
+    if not first and not last:
+        return ""
+    counts = split_layers(num_layers, num_stages, first, last)
+    if len(counts) <= SPLIT_SHOWN:
+        return "layers " + "/".join(map(str, counts))
+    low, high = min(counts[1:-1]), max(counts[1:-1])
+    return f"layers {counts[0]}/{low if low == high else f'{low}-{high}'}/{counts[-1]}"
+
+
 def describe_split(num_layers: int, num_stages: int, first: int = 0, last: int = 0) -> str:
     """`stage 0: layers 0-10 (11), stage 1: ...` for messages."""
     parts = []

@@ -174,13 +174,14 @@ def sharded_traffic(plan: TimePlan, elements: int, trained: int, layers: int = 0
         # `run`'s stage 0 is fully_shard on a replicate-only mesh, which has no `no_sync`:
         # FSDP2 all-reduces each microbatch's gradients in its backward (runtime/train.py).
         return ShardedTraffic(0.0, collective_seconds(ALL_REDUCE, trained * eb.grads, n, link), plan.overlap)
+    replicated = hybrid_reduce_every_microbatch(plan, trained)
     if inputs.zero_stage < 2 or n == 1:
-        return ShardedTraffic(0.0, 0.0, plan.overlap)
+        return ShardedTraffic(0.0, replicated, plan.overlap)
     gather = collective_seconds(ALL_GATHER, gathered_bytes(plan, elements, layers), n, link)
     if defers_to_step_end(inputs):  # reduced once when the step ends (`tail`)
         return ShardedTraffic(0.0, 0.0, plan.overlap) if inputs.zero_stage == 2 else ShardedTraffic(
             gather, gather, plan.overlap)
-    reduce = collective_seconds(REDUCE_SCATTER, trained * eb.grads, n, link)
+    reduce = collective_seconds(REDUCE_SCATTER, trained * eb.grads, n, link) + replicated
     if inputs.zero_stage == 2:
         return ShardedTraffic(gather if inputs.framework == "fsdp2" else 0.0, reduce, plan.overlap)
     regathers = 2 if inputs.framework != "fsdp2" and inputs.recompute == "full" else 1
@@ -193,6 +194,17 @@ def reduces_every_microbatch(plan: TimePlan) -> bool:
     inputs = plan.inputs
     return (inputs.framework == "fsdp2" and inputs.zero_stage == 0 and plan.degree > 1
             and not defers_to_step_end(inputs))
+
+
+def hybrid_reduce_every_microbatch(plan: TimePlan, trained: int) -> float:
+    """Hybrid sharding under fsdp2 outside pipelines: after each microbatch's reduce-scatter in
+    the node, FSDP2 all-reduces the gradient shard across the replicas (HSDP's post-backward);
+    seconds of that all-reduce, else 0 (DeepSpeed's, and a pipeline's deferred one, run once)."""
+    inputs = plan.inputs
+    if not (inputs.hybrid and inputs.zero_stage >= 2 and inputs.framework == "fsdp2") or defers_to_step_end(inputs):
+        return 0.0
+    replicas = inputs.degrees.dp * inputs.degrees.cp // plan.degree
+    return collective_seconds(ALL_REDUCE, trained * plan.eb.grads / plan.degree, replicas, plan.links["replicate"])
 
 
 def offloaded_share(plan: TimePlan, pp_rank: int) -> float:
@@ -355,7 +367,7 @@ def tail(plan: TimePlan, pp_rank: int, elements: list[int], last_backward: float
     if deferred and stage >= 2 and n > 1:
         reduce = collective_seconds(REDUCE_SCATTER, grads, n, link)
     exposed = gather
-    if inputs.hybrid and stage >= 2:
+    if inputs.hybrid and stage >= 2 and not hybrid_reduce_every_microbatch(plan, trained):
         replicas = d.dp * d.cp // n
         reduce += collective_seconds(ALL_REDUCE, grads / n, replicas, plan.links["replicate"])
     exposed += overlapped(last_backward, reduce, c) if plan.overlap and not deferred else reduce

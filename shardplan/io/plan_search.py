@@ -20,7 +20,8 @@ from pathlib import Path
 from ..core.degrees import Degrees
 from ..core.estimate_inputs import EstimateInputs, inputs_from_job
 from ..core.memory import Estimate, estimate_memory, resolve_offload
-from ..core.search import (Fixed, Group, SearchResult, Space, candidates, degree_options, next_split_batch,
+from ..core.pipeline import split_label
+from ..core.search import (Fixed, Group, Miss, SearchResult, Space, candidates, degree_options, next_split_batch,
                            schedule_options, search)
 from ..spec.common import MAX_WORLD_SIZE
 from ..spec.errors import InputError, Problem
@@ -62,25 +63,34 @@ class PlanOutcome:
     def found(self) -> bool:
         return bool(self.entries)
 
+    def closest(self) -> list[Miss]:
+        """The misses as shown (text and JSON), each once by what tells them apart there: the
+        degrees, sharding and layer split, and for a miss timed whole its recomputation, micro
+        batch and schedule (a miss by its model states alone was measured for none of these).
+        Misses timed whole first: one found by its model states alone is over by at least its
+        figure, so it cannot be said to be closer than one measured whole."""
+        shown, seen = [], set()
+        for miss in sorted(self.result.misses, key=lambda m: bool(m.at_least)):
+            i = miss.inputs
+            key = (i.degrees, i.zero_stage, i.hybrid, i.stage_split,
+                   True if miss.at_least else (i.recompute, i.micro_batch, i.schedule, i.virtual))
+            if key not in seen:
+                seen.add(key)
+                shown.append(miss)
+        return shown
+
     def miss_lines(self) -> list[str]:
         """Nothing fits: the closest misses and what would take them under the GPU."""
         reasons = ", ".join(f"{n:,} {reason}" for reason, n in self.result.rejected.most_common())
         lines = [f"plan: no plan of {counted(self.world, 'GPU')} fits (evaluated {self.result.evaluated:,}"
                  + (f"; {reasons})" if reasons else ")")]
-        shown = set()
-        # Misses timed whole first: a miss found by its model states alone is over by at least
-        # its figure, so it cannot be said to be closer than one measured whole.
-        for miss in sorted(self.result.misses, key=lambda m: bool(m.at_least)):
+        for miss in self.closest()[:3]:
             d = miss.inputs.degrees
-            key = (d, miss.inputs.zero_stage, miss.at_least or (miss.inputs.recompute, miss.inputs.micro_batch))
-            if key in shown:
-                continue
-            shown.add(key)
-            if len(shown) > 3:
-                break
             what = "GPU" if miss.reason == "GPU memory" else "host"
             hybrid = " hybrid" if miss.inputs.hybrid else ""
-            head = f"plan: closest: dp {d.dp} tp {d.tp} pp {d.pp} cp {d.cp}, ZeRO {miss.inputs.zero_stage}{hybrid}, "
+            split = split_label(miss.inputs.shape.num_layers, d.pp * miss.inputs.virtual, *miss.inputs.stage_split)
+            head = (f"plan: closest: dp {d.dp} tp {d.tp} pp {d.pp} cp {d.cp}" + (f" ({split})" if split else "")
+                    + f", ZeRO {miss.inputs.zero_stage}{hybrid}, ")
             short = format_bytes(miss.short_bytes)
             kept = ("the model states it keeps on the GPU with every offload" if miss.inputs.offload_params
                     or miss.inputs.offload_optimizer else "its parameters and optimizer states")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..core.pipeline import split_label
 from ..spec.units import counted, format_bytes
 from .output import Line
 
@@ -16,20 +17,8 @@ def _schedule(inputs) -> str:
     if d.pp == 1:
         return "-"
     text = inputs.schedule + (f" v{inputs.virtual}" if inputs.virtual > 1 else "")
-    first, last = inputs.stage_split
-    if first or last:  # uneven end stages: every stage's layers, or the first, the others' range, the last
-        from ..core.pipeline import split_layers
-
-        counts = split_layers(inputs.shape.num_layers, d.pp * inputs.virtual, first, last)
-        if len(counts) <= SPLIT_SHOWN:
-            text += ", layers " + "/".join(map(str, counts))
-        else:
-            low, high = min(counts[1:-1]), max(counts[1:-1])
-            text += f", layers {counts[0]}/{low if low == high else f'{low}-{high}'}/{counts[-1]}"
-    return text
-
-
-SPLIT_SHOWN = 8  # stages whose layer counts are listed one by one
+    split = split_label(inputs.shape.num_layers, d.pp * inputs.virtual, *inputs.stage_split)
+    return text + (", " + split if split else "")
 
 
 def _offload(entry) -> str:
@@ -134,6 +123,10 @@ def plan_document(outcome) -> dict:
                     # A miss by its model states alone was measured for no recomputation or micro batch.
                     "activation_checkpointing": None if m.at_least else m.inputs.recompute,
                     "micro_batch_size": None if m.at_least else m.inputs.micro_batch,
+                    "pipeline_schedule": None if m.at_least or m.inputs.degrees.pp == 1 else m.inputs.schedule,
+                    "virtual_stages": None if m.at_least or m.inputs.degrees.pp == 1 else m.inputs.virtual,
+                    "first_stage_layers": m.inputs.stage_split[0] or None,
+                    "last_stage_layers": m.inputs.stage_split[1] or None,
                     "short_bytes": m.short_bytes, "at_least": bool(m.at_least), "reason": m.reason}
-                   for m in result.misses] if not plans else [],
+                   for m in outcome.closest()] if not plans else [],
     }
