@@ -231,3 +231,14 @@ def test_degrees_that_miss_the_clusters_world_say_nothing_of_its_nodes(write):
     result = run_cli("validate", path)
     assert result.code == 2 and "!= world size 16 (from cluster: 2 nodes * 8 GPUs)" in result.err
     assert "does not fill whole nodes" not in result.err
+
+
+def test_sharding_over_context_parallel_ranks_is_not_called_empty(write):
+    """FSDP shards over dp x cp (torchtitan's dp_shard_cp mesh; accelerate's
+    examples/torch_native_parallelism/configs/cp.yaml runs cp 8 at dp_shard 1): stage 3 at dp 1
+    and cp 8 shards over 8 ranks, so no "shards nothing" warning; at dp = cp = 1 it is given."""
+    job = '[model]\npreset = "llama-3-8b"\n[train]\nseq_len = 8192\n[zero]\nstage = 3\n'
+    result = run_cli("validate", write("cp.toml", job + "[parallel]\ncp = 8\n"))
+    assert result.code == 0 and "shards nothing" not in result.err, result.err
+    result = run_cli("validate", write("one.toml", job))
+    assert "stage 3 with dp = 1 shards nothing" in result.err

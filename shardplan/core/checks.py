@@ -211,7 +211,9 @@ def sharding_problems(job: JobSpec, nodes: int) -> list[Problem]:
             "zero.hybrid", "on a single node hybrid sharding is the same as sharding over dp"
         ))
     offloading = off.params or off.grads or off.optimizer
-    if zero.stage > 0 and job.parallel.dp == 1 and not offloading:
+    # ZeRO shards over the data-parallel and context-parallel ranks together (core/layout.py
+    # `shard_group_size`): cp 8 at dp 1 shards over 8.
+    if zero.stage > 0 and job.parallel.dp * job.parallel.cp == 1 and not offloading:
         problems.append(warning("zero.stage", f"stage {zero.stage} with dp = 1 shards nothing"))
     if zero.framework != "fsdp2" and job.parallel.pp > 1 and zero.stage >= 2:
         # DeepSpeed's PipelineEngine supports ZeRO stage 0 and 1 only.
