@@ -127,7 +127,7 @@ def test_a_model_problem_hides_nothing(write):
     result = run_cli("validate", job, "--world", "16")
     assert result.code == 2
     paths = [line.split(": ")[1] for line in result.err_lines]
-    assert paths == ["model.preset", "parallel", "parallel.num_microbatches", "warning", "offload.params"], result.err
+    assert paths == ["model.preset", "parallel", "parallel.num_microbatches", "offload.params"], result.err
     assert "did you mean 'llama-3-8b'" in result.err_lines[0]
 
 

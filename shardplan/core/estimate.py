@@ -20,6 +20,7 @@ from functools import lru_cache
 from math import gcd
 
 from ..spec.model import ModelShape
+from ..spec.units import counted
 from .activations import (
     ActivationShape,
     embedding_terms,
@@ -324,9 +325,9 @@ def activation_terms(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes,
         if layers:
             terms.append(Term(
                 f"{LAYERS_OF_STAGE} {stage}", count * layers * per_layer,
-                lambda count=count, layers=layers: f"{count} microbatches held * {layers} layers * {per_layer:,} B per layer",
+                lambda count=count, layers=layers: f"{counted(count, 'microbatch')} held * {counted(layers, 'layer')} * {per_layer:,} B per layer",
             ))
-        terms += [t.scaled(count, f"{count} microbatches held") for t in edges(stage)]
+        terms += [t.scaled(count, f"{counted(count, 'microbatch')} held") for t in edges(stage)]
     return terms, held.get(last_stage, 0)
 
 

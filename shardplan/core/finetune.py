@@ -29,6 +29,7 @@ transient of every forward and backward moment.
 
 from __future__ import annotations
 
+from ..spec.units import counted
 from .buffers import pipelined_buffers, place_gathered_blocks
 from .deepspeed import pinned_bytes
 from .lora import BASE_BYTES, LoraPlan, stores_nf4
@@ -87,7 +88,7 @@ def pinned_frozen_terms(rp: RankParams, lora: LoraPlan, degree: int, offloaded: 
         return []
     each = sum(pinned_bytes(size) for size in sizes)
     return [Term("frozen base, offloaded layers (pinned, each rounded up to a power of two)", offloaded * each,
-                 lambda: f"{offloaded} * sum over {len(sizes)} tensors of their pinned sizes = {offloaded} * {each:,} B")]
+                 lambda: f"{offloaded} * sum over {counted(len(sizes), 'tensor')} of their pinned sizes = {offloaded} * {each:,} B")]
 
 
 def _gathered(p: LocalParam, lora: LoraPlan, degree: int, compute: int) -> int:

@@ -17,6 +17,7 @@ node adds its ranks up and needs the larger moment.
 
 from __future__ import annotations
 
+from ..spec.units import counted
 from .deepspeed import SUB_GROUP_SIZE, flat_groups, ordered_params, pinned_bytes
 from .estimate_inputs import EstimateInputs
 from .offload import (CODE_BYTES, CODEC_CHUNK, INT8_BLOCK, MOMENTS, ROUNDING_CHUNKS, frees_device_grads,
@@ -96,7 +97,7 @@ def rank_host(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, degree: 
             sizes = [p.padded_shard_numel(degree) * unit for p in tensors]
             held = count * sum(pinned_bytes(size) if pin else size for size in sizes)
             label = f"offloaded {kind}" + (" (pinned, each rounded up to a power of two)" if pin else "")
-            terms.append(Term(label, held, lambda sizes=sizes, count=count: f"{count} blocks * sum over {len(sizes)} tensors"))
+            terms.append(Term(label, held, lambda sizes=sizes, count=count: f"{counted(count, 'block')} * sum over {counted(len(sizes), 'tensor')}"))
     for g in groups:
         if g.offloaded:
             continue

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from ..spec.units import counted
 from .offload import blocks, describe_moments, frees_device_grads, moment_bytes
 from .precision import FP32, ElementBytes
 from .quantized import adamw8bit_bytes
@@ -276,7 +277,7 @@ def _fsdp2_group(states: States, label: str, elements: TensorStates, count: int,
         describe_moments(local, elements.blocks, offload.compression, offload.optimizer_kind))
     if eb.step:
         add(states.cpu, "optimizer", "optimizer steps", elements.tensors * eb.step,
-            f"{elements.tensors} tensors * {eb.step} B")
+            f"{counted(elements.tensors, 'tensor')} * {eb.step} B")
     if not offloaded or eb.params != FP32:
         add(states.cpu, "optimizer", MASTER, local * FP32, f"{local:,} elements * {FP32} B")
 

@@ -6,6 +6,7 @@ built when the user asks for them (each TimeTerm's formula is a callable).
 
 from __future__ import annotations
 
+from ..spec.units import counted
 from .collectives import Link
 from .kernels import Work
 from .layer_time import LayerCosts
@@ -100,7 +101,7 @@ def _layer_terms(plan: TimePlan, layer: LayerCosts) -> list:
         each = "an all-gather and a reduce-scatter" if layer.tp_count == 4 else "an all-reduce"
         ring = "(t-1)/t" if layer.tp_count == 4 else "2(t-1)/t"
         items.append(("layer: tensor parallel, forward", layer.tp_forward,
-                      lambda: f"2 x {each} of T*h = {_si(layer.tp_message_bytes, 'B')} over {d.tp} ranks (ring: {ring} "
+                      lambda: f"2 x {each} of T*h = {_si(layer.tp_message_bytes, 'B')} over {counted(d.tp, 'rank')} (ring: {ring} "
                               f"of it per collective), {_link(plan.links['tp'])}"))
         items.append(("layer: tensor parallel, backward (and recompute)", layer.tp_backward + layer.tp_recompute,
                       lambda: "the same collectives backward" + (", twice the input all-gather again (Megatron-LM)"
@@ -137,10 +138,10 @@ def _pipeline_terms(plan: TimePlan, run: PipelineRun, critical: int, breakdown: 
     d, m = inputs.degrees, inputs.num_microbatches
     if d.pp == 1:
         return [("forward/backward phase", run.makespan,
-                 lambda: f"{m} microbatches x (F + B) = {m} x {seconds_text(run.busy[0] / m)}")]
+                 lambda: f"{counted(m, 'microbatch')} x (F + B) = {m} x {seconds_text(run.busy[0] / m)}")]
     return [
         ("pipeline phase (simulated)", run.makespan,
-         lambda: f"{inputs.schedule}, pp {d.pp}, {plan.chunks} chunks per rank, {m} microbatches: the "
+         lambda: f"{inputs.schedule}, pp {d.pp}, {counted(plan.chunks, 'chunk')} per rank, {counted(m, 'microbatch')}: the "
                  f"schedule simulator with every stage's F, B, W above"),
         (f"pipeline bubble of rank {critical}", breakdown["pipeline_bubble"],
          lambda: f"its finish {seconds_text(run.finish[critical])} - its own work {seconds_text(run.busy[critical])} "
@@ -160,11 +161,11 @@ def _tail_terms(plan: TimePlan, tails: list[Tail], critical: int) -> list:
         across = inputs.hybrid and inputs.zero_stage >= 2
         link = plan.links["replicate"] if across else plan.links["dp"]
         ranks = inputs.degrees.dp * inputs.degrees.cp // plan.degree if across else plan.degree
-        parts.append(f"{reduce} over {ranks} ranks on {_link(link)}: {seconds_text(t.reduce)}, {overlap}")
+        parts.append(f"{reduce} over {counted(ranks, 'rank')} on {_link(link)}: {seconds_text(t.reduce)}, {overlap}")
     if t.gather:
         parts.append(f"all-gather of the updated 16-bit parameters after the step: {seconds_text(t.gather)}")
     if inputs.zero_stage >= 2:
-        parts.append(f"the per-microbatch gathers and reduce-scatters over {plan.degree} ranks on "
+        parts.append(f"the per-microbatch gathers and reduce-scatters over {counted(plan.degree, 'rank')} on "
                      f"{_link(plan.links['dp'])} are in the stages' F and B")
     items = [("data parallel after the pipeline, exposed", t.data_parallel, lambda: "; ".join(parts) or "none"),
              ("optimizer step (GPU)", t.optimizer,
@@ -189,7 +190,7 @@ def explanation(plan: TimePlan, layer: LayerCosts, edges: EdgeCosts, costs: list
                   + f" (rank {critical} of the pipeline finishes last)" if d.pp > 1 else
                   " + ".join(f"{k} {seconds_text(breakdown[k])}" for k in CATEGORIES if breakdown[k])))
     items.append(("tokens per second", tokens / step,
-                  lambda: f"dp {d.dp} x {plan.inputs.micro_batch} x {plan.inputs.num_microbatches} microbatches x "
+                  lambda: f"dp {d.dp} x {plan.inputs.micro_batch} x {counted(plan.inputs.num_microbatches, 'microbatch')} x "
                           f"{plan.inputs.seq_len} tokens = {tokens:,} per step / {seconds_text(step)}", "tokens/s"))
     items.append(("MFU", model / capacity,
                   lambda: f"model FLOPs {_si(model, 'FLOP')} / ({seconds_text(step)} x {d.world} GPUs x "
