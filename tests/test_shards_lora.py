@@ -262,3 +262,20 @@ def _measure(shape_table: dict, lora_table: dict, cases: list, precision: str) -
 
 if __name__ == "__main__":
     print(json.dumps(_measure(*json.loads(sys.argv[1]))))
+
+
+def test_assign_outside_the_stage_1_view_claims_nothing_whole(write):
+    """At ZeRO-3 FSDP2 shards every parameter: an --assign view must not say they are whole."""
+    job = _job(write, GPT2, {"rank": 4, "targets": ["q_proj", "up_proj"]})
+    doc = _shards(job, "--dp", "2", "--zero", "3", "--assign", "round-robin")
+    assert doc["param_bytes"] == []
+    assert "whole" not in run_cli("shards", job, "--dp", "2", "--zero", "3", "--assign", "round-robin").out
+    assert doc["blocks"] and all(".lora_" in b["name"] for b in doc["blocks"])
+
+
+def test_fsdp1_refuses_the_frozen_base_beside_the_adapters(write):
+    """torch's FSDP1 flattens a block into one FlatParameter of one dtype (and one requires_grad
+    with use_orig_params=False): bf16/NF4 base and fp32 adapters cannot share it."""
+    job = _job(write, GPT2, {"rank": 4, "targets": ["q_proj"]})
+    result = run_cli("shards", job, "--dp", "2", "--style", "fsdp1")
+    assert result.code == 2 and "uniform dtype" in result.err and "Traceback" not in result.err

@@ -184,8 +184,11 @@ def shards(
     if assign is not None:
         # Whole parameters own optimizer states: only trainable ones have any (LoRA: the adapters).
         owned, shares = assign_params([p for p in placed if p.trainable], shard_world, assign, element_bytes)
+        # Every rank holds every parameter whole only where the job's stage keeps them so (the
+        # stage-1 view: DDP); an --assign asked of another stage says nothing about them.
+        whole = whole_param_bytes(placed, storage) if view is not None and view.assign else None
         document = param_blocks_document(model, shard_world, assign, element_bytes, owned, shares,
-                                         whole_param_bytes(placed, storage), storage.dtype,
+                                         whole, storage.dtype,
                                          lora.base_dtype if lora else None)
         _show(document, json_out, param_blocks_text, view and view.note)
         return

@@ -265,6 +265,11 @@ def model_shards(
         raise PlanError(f"unknown style {style!r} (styles: {', '.join(PER_PARAM_STYLES + FLAT_STYLES)})")
     if world < 1:
         raise PlanError(f"world must be a positive integer (got {world})")
+    if style == "fsdp1" and any(not p.trainable for p in placed):
+        # FlatParamHandle._validate_tensors_to_flatten (torch/distributed/fsdp/_flat_param.py).
+        raise PlanError("fsdp1 cannot hold LoRA's frozen base beside its adapters: FSDP1 flattens a block into "
+                        "one FlatParameter of one dtype (\"Must flatten tensors with uniform dtype\"; and uniform "
+                        "requires_grad with use_orig_params=False); use --style fsdp2")
     num_stages = max((p.stage for p in placed), default=0) + 1
     out: list[ParamShards] = []
     buffers: list[FlatBuffer] = []

@@ -208,7 +208,7 @@ def blocks_text(document: dict) -> Text:
 def param_blocks_text(document: dict) -> Text:
     d = document
     if d.get("frozen_dtype"):
-        what = f"adapters ({d['element_bytes']} bytes per element; the frozen base, held whole, owns no optimizer state)"
+        what = f"adapters ({d['element_bytes']} bytes per element; the frozen base has no optimizer state)"
     else:
         what = f"parameters ({d['element_bytes']} bytes per element)"
     out = Text(
