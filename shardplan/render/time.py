@@ -47,10 +47,12 @@ def _hardware_document(timing: StepTime) -> dict:
     return {
         "name": hw.name,
         "peak_tflops": hw.peak_flops / 1e12,
+        "peak_fp32_tflops": hw.peak_fp32_flops / 1e12,  # MFU's peak under precision = "fp32"
         "memory_bandwidth": hw.memory_bandwidth,
         "intra_node_bandwidth": hw.intra_node_bandwidth,
         "inter_node_bandwidth": hw.inter_node_bandwidth,
         "host_bandwidth": hw.host_bandwidth,
+        "host_memory_bandwidth": hw.host_memory_bandwidth,
         "efficiencies": {"matmul": hw.matmul_efficiency, "memory": hw.memory_efficiency,
                          "intra_node": hw.intra_node_efficiency, "inter_node": hw.inter_node_efficiency},
     }
