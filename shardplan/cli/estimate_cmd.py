@@ -68,7 +68,7 @@ def estimate(
 
         changes = changes_to_fit(inputs, hardware_of(cluster), lora_of(resolved.job.lora))
     if json_out:
-        document = estimate_document(result, gpu_memory, explain)
+        document = estimate_document(result, gpu_memory, explain, cpu_memory)
         if timing is not None:
             from ..render.time import time_document
 
@@ -81,7 +81,8 @@ def estimate(
     else:
         title = f"{resolved.model_name or 'model'}: memory per device"
         console = stdout_console()
-        print_estimate(console, result, gpu_memory, cpu_memory, title, explain, timing)
+        written = "cpu_memory_budget" in resolved.job.offload.model_fields_set
+        print_estimate(console, result, gpu_memory, cpu_memory, title, explain, timing, written)
         if changes is not None:
             from ..render.estimate import print_changes
 

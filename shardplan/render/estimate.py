@@ -73,7 +73,8 @@ def estimate_table(result: Estimate, gpu_memory: int | None, title: str) -> list
     return lines
 
 
-def summary_lines(result: Estimate, gpu_memory: int | None, cpu_memory: int | None) -> list[Text]:
+def summary_lines(result: Estimate, gpu_memory: int | None, cpu_memory: int | None,
+                  budget_written: bool = False) -> list[Text]:
     p = result.params
     params = f"parameters {format_count(p['total'])} ({p['total']:,})"
     if p["active"] != p["total"]:
@@ -93,7 +94,9 @@ def summary_lines(result: Estimate, gpu_memory: int | None, cpu_memory: int | No
                           "[cluster] preset to check the fit)"))
     cpu = f"host per node {format_bytes(result.cpu_bytes_per_node)} at {result.host_moment}"
     if cpu_memory:
-        cpu += f" of {format_bytes(cpu_memory)} (cpu_memory_budget: the node's RAM less a reserve unless written)"
+        where = ("offload.cpu_memory_budget, at most the node's RAM" if budget_written
+                 else "cpu_memory_budget: the node's RAM less a reserve")
+        cpu += f" of {format_bytes(cpu_memory)} ({where})"
     ranked = sorted(result.host_breakdown.items(), key=lambda item: -item[1])
     largest, rest = ranked[:3], ranked[3:]
     if largest:
@@ -131,10 +134,11 @@ def explain_lines(result: Estimate) -> list[Text]:
 
 
 def print_estimate(console, result: Estimate, gpu_memory: int | None, cpu_memory: int | None,
-                   title: str, explain: bool, timing=None) -> None:
+                   title: str, explain: bool, timing=None, budget_written: bool = False) -> None:
     """The table, then one unwrapped line per summary item (and formula with `--explain`);
-    with `timing` (core.step_time.StepTime), the time lines under the summary."""
-    lines = estimate_table(result, gpu_memory, title) + summary_lines(result, gpu_memory, cpu_memory)
+    with `timing` (core.step_time.StepTime), the time lines under the summary;
+    `budget_written`: the job gives offload.cpu_memory_budget (the host limit's source)."""
+    lines = estimate_table(result, gpu_memory, title) + summary_lines(result, gpu_memory, cpu_memory, budget_written)
     if timing is not None:
         from .time import time_lines
 
@@ -148,8 +152,9 @@ def print_estimate(console, result: Estimate, gpu_memory: int | None, cpu_memory
         console.print(line, soft_wrap=True)
 
 
-def estimate_document(result: Estimate, gpu_memory: int | None, explain: bool) -> dict:
-    """The contract's `estimate` JSON (byte figures are integers)."""
+def estimate_document(result: Estimate, gpu_memory: int | None, explain: bool, cpu_memory: int | None = None) -> dict:
+    """The contract's `estimate` JSON (byte figures are integers); `cpu_memory`: the host limit
+    per node `fits` is checked against (None when unknown)."""
     devices = []
     for device in result.devices:
         entry = {
@@ -180,7 +185,7 @@ def estimate_document(result: Estimate, gpu_memory: int | None, explain: bool) -
         "peak_gpu_bytes": result.peak_gpu_bytes,
         "cpu_bytes_per_node": result.cpu_bytes_per_node,
         "host": {"per_node": result.cpu_bytes_per_node, "moment": result.host_moment,
-                 "breakdown": result.host_breakdown},
+                 "breakdown": result.host_breakdown, "limit": cpu_memory},
         "cpu_pinned": result.cpu_pinned,
         "gpu_memory": gpu_memory,
         "headroom_bytes": None if gpu_memory is None else gpu_memory - result.peak_gpu_bytes,
