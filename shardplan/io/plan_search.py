@@ -64,16 +64,15 @@ class PlanOutcome:
         return bool(self.entries)
 
     def closest(self) -> list[Miss]:
-        """The misses as shown (text and JSON), each once by what tells them apart there: the
-        degrees, sharding and layer split, and for a miss timed whole its recomputation, micro
-        batch and schedule (a miss by its model states alone was measured for none of these).
-        Misses timed whole first: one found by its model states alone is over by at least its
-        figure, so it cannot be said to be closer than one measured whole."""
+        """The misses as shown (text and JSON): one per structure, the closest of its variants
+        (degrees and sharding; for a miss timed whole also its recomputation and micro batch,
+        for which a miss by its model states alone was measured for none), its layer split and
+        schedule named. Misses timed whole first: one found by its model states alone is over
+        by at least its figure, so it cannot be said to be closer than one measured whole."""
         shown, seen = [], set()
-        for miss in sorted(self.result.misses, key=lambda m: bool(m.at_least)):
+        for miss in sorted(self.result.misses, key=lambda m: (bool(m.at_least), m.short_bytes)):
             i = miss.inputs
-            key = (i.degrees, i.zero_stage, i.hybrid, i.stage_split,
-                   True if miss.at_least else (i.recompute, i.micro_batch, i.schedule, i.virtual))
+            key = (i.degrees, i.zero_stage, i.hybrid, True if miss.at_least else (i.recompute, i.micro_batch))
             if key not in seen:
                 seen.add(key)
                 shown.append(miss)
