@@ -168,7 +168,9 @@ def gathered_bytes(plan: TimePlan, elements: int, layers: int) -> float:
 
 
 def sharded_traffic(plan: TimePlan, elements: int, trained: int, layers: int = 0) -> ShardedTraffic:
-    """Per-microbatch collectives of one stage under ZeRO stage 2/3 (module docstring)."""
+    """Per-microbatch collectives of one stage: ZeRO stage 2/3's gathers and reduce-scatters
+    (module docstring), fsdp2's all-reduce at stage 0 and its hybrid sharding's all-reduce
+    across replicas (both every microbatch outside pipelines)."""
     inputs, eb, n, link = plan.inputs, plan.eb, plan.degree, plan.links["dp"]
     if reduces_every_microbatch(plan):
         # `run`'s stage 0 is fully_shard on a replicate-only mesh, which has no `no_sync`:
