@@ -48,7 +48,9 @@ def convert(fmt: str, data: dict, overrides: list[tuple[str, object]], world: in
             referenced: dict[str, Referenced] | None = None) -> Imported:
     """Run the importer of `fmt` with what the command line already decides. Without --dp,
     --world gives the data-parallel size as DeepSpeed and torchtitan derive it: the world
-    over tp x pp x cp. `referenced`: the files the config names (source.py `read_referenced`)."""
+    over tp x pp x cp; an accelerate config takes --world (or --dp) as the number of processes
+    when it leaves num_processes to `accelerate launch`. `referenced`: the files the config
+    names (source.py `read_referenced`)."""
     given = dict(overrides)
     dp = given.get("parallel.dp") if isinstance(given.get("parallel.dp"), int) else None
     said = ""
@@ -72,7 +74,7 @@ def convert(fmt: str, data: dict, overrides: list[tuple[str, object]], world: in
         return from_torchtitan(data, dp, layers, model_given, said)
     from ..io.interop.accelerate import from_accelerate
 
-    return from_accelerate(data, referenced)
+    return from_accelerate(data, referenced, world, dp)
 
 
 def job_text(tables: dict, source: str, fmt: str) -> str:

@@ -146,54 +146,64 @@ def dumps(config: dict) -> str:
 
 
 # -- import ---------------------------------------------------------------------------------
-def from_accelerate(data: dict, referenced: dict[str, Referenced] | None = None) -> Imported:
+def from_accelerate(data: dict, referenced: dict[str, Referenced] | None = None, world: int | None = None,
+                    dp: int | None = None) -> Imported:
     """Job tables from an accelerate config. `referenced`: the files it names, read by the
     caller (source.py `read_referenced`), by dotted key: the DeepSpeed config of
-    `deepspeed_config.deepspeed_config_file`."""
+    `deepspeed_config.deepspeed_config_file`. `world` and `dp`: what the command line gives
+    (--world, --dp), which stand for `accelerate launch --num_processes` where the config
+    leaves num_processes out."""
     out = Imported()
     top = Reader(data, "", out)
     kind = top.choice("distributed_type", ("NO", "MULTI_GPU", "FSDP", "DEEPSPEED", "MULTI_CPU", "MEGATRON_LM",
                                             "XLA", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA",
                                             "MULTI_MUSA", "MULTI_HPU")) if top.has("distributed_type") else "NO"
-    processes = top.int("num_processes", minimum=1) if top.has("num_processes") else 1
     machines = top.int("num_machines", minimum=1) if top.has("num_machines") else 1
-    processes, machines = processes or 1, machines or 1
-    if processes % machines:
-        out.problem("num_processes", f"{processes} processes do not fill {machines} machines evenly")
+    machines = machines or 1
+    parallelism = top.table("parallelism_config") if top.has("parallelism_config") else None
+    reader = Reader(parallelism or {}, "parallelism_config", out)
+    sizes = {}
+    for name in _PARALLELISM_SIZES:
+        key = f"parallelism_config_{name}_size"
+        sizes[name] = reader.int(key, minimum=1) if reader.has(key) else None
+    tp, sp = sizes["tp"] or 1, sizes["sp"] or 1
+    cp = (sizes["cp"] or 1) * sp  # accelerate refuses both above 1 (ParallelismConfig.__post_init__)
+    replicate = sizes["dp_replicate"]
+    processes = _processes(top, out, kind, world, dp, tp * cp, machines)
+    if processes is None:
         return out
-    out.set("cluster.nodes", machines, "num_machines")
-    out.set("cluster.gpus_per_node", processes // machines, "num_processes")
     mixed = top.choice("mixed_precision", ("no", "fp16", "bf16", "fp8")) if top.has("mixed_precision") else "no"
     if mixed == "fp8":
         out.note("mixed_precision", f"fp8 is read as bf16-mixed: {float8_not_modelled('bf16-mixed')}")
     if mixed:
         out.set("train.precision", {"no": "fp32", "fp16": "fp16-mixed"}.get(mixed, "bf16-mixed"), "mixed_precision")
-    tp = cp = 1
-    replicate = None
-    parallelism = top.table("parallelism_config") if top.has("parallelism_config") else None
     if parallelism is not None:
-        reader = Reader(parallelism, "parallelism_config", out)
-        sizes = {}
-        for name in ("dp_replicate", "dp_shard", "tp", "cp"):
-            key = f"parallelism_config_{name}_size"
-            sizes[name] = reader.int(key, minimum=1) if reader.has(key) else None
-        tp, cp = sizes["tp"] or 1, sizes["cp"] or 1
-        replicate = sizes["dp_replicate"]
-        node = processes // machines
         total = math.prod(size or 1 for size in sizes.values())
         if total != 1 and total != processes:  # sizes all 1: accelerate replicates over every process
             given = [name for name, size in sizes.items() if size is not None]
             where = reader.key(f"parallelism_config_{'dp_shard' if 'dp_shard' in given else given[0]}_size")
-            product = " * ".join(f"{name} {size or 1}" for name, size in sizes.items())
+            product = " * ".join(f"{name} {size or 1}" for name, size in sizes.items() if name != "sp" or size)
             out.problem(where, f"{product} = {total} does not match num_processes ({processes}); accelerate "
                                "rejects it (ParallelismConfig: total_size must equal num_processes)")
             return out
-        if replicate and replicate > 1 and sizes["dp_shard"] and sizes["dp_shard"] * tp * cp != node:
+        shard = sizes["dp_shard"]
+        if kind == "FSDP" and replicate and replicate > 1 and shard and shard * tp * cp != processes // machines:
+            # shardplan's hybrid sharding shards inside a node: a node of shard * cp * tp GPUs
+            # holds exactly one HSDP shard group (accelerate's mesh puts tp fastest, then cp,
+            # dp_shard and dp_replicate: ParallelismConfig._get_mesh), as torchtitan's import reads it.
+            node = shard * tp * cp
+            out.set("cluster.gpus_per_node", node, reader.key("parallelism_config_dp_shard_size"))
+            out.set("cluster.nodes", processes // node, reader.key("parallelism_config_dp_replicate_size"))
             out.note(reader.key("parallelism_config_dp_shard_size"),
-                     f"{sizes['dp_shard']} shard ranks: shardplan's hybrid sharding shards over one node's "
-                     f"{node // (tp * cp)} data-parallel ranks instead")
+                     f"HSDP ({replicate} replicas of {shard} shard ranks) is read as hybrid sharding inside nodes of "
+                     f"{node} GPUs (cluster.gpus_per_node, cluster.nodes; shardplan shards inside a node)")
         out.set("parallel.tp", tp, reader.key("parallelism_config_tp_size"))
-        out.set("parallel.cp", cp, reader.key("parallelism_config_cp_size"))
+        out.set("parallel.cp", cp, reader.key("parallelism_config_sp_size" if sp > 1 else "parallelism_config_cp_size"))
+        if sp > 1:
+            out.note(reader.key("parallelism_config_sp_size"),
+                     f"Ulysses sequence parallelism (DeepSpeed's ALST) over {sp} ranks is planned as context parallel "
+                     f"(parallel.cp = {sp}): each rank keeps the activations of 1/{sp} of the sequence, and ZeRO "
+                     "shards over the data-parallel and sequence-parallel ranks together, as DeepSpeed does")
         reader.unread()
     if processes % (tp * cp):
         out.problem("num_processes", f"{processes} is not divisible by tp ({tp}) * cp ({cp})")
@@ -205,7 +215,7 @@ def from_accelerate(data: dict, referenced: dict[str, Referenced] | None = None)
         _fsdp(Reader(fsdp or {}, "fsdp_config", out), out, replicate, dp)
     elif kind == "DEEPSPEED":
         ds = top.table("deepspeed_config") if top.has("deepspeed_config") else {}
-        _deepspeed(Reader(ds or {}, "deepspeed_config", out), out, top, processes, referenced or {})
+        _deepspeed(Reader(ds or {}, "deepspeed_config", out), out, top, processes, referenced or {}, cp)
     elif kind in ("NO", "MULTI_GPU", "MULTI_CPU"):
         out.set("zero.stage", 0, "distributed_type")
     elif kind:
@@ -216,6 +226,45 @@ def from_accelerate(data: dict, referenced: dict[str, Referenced] | None = None)
             out.note(key, _CPU if key == "use_cpu" and top.data[key] is True else _LAUNCHER)
     top.unread("not read: no effect on the plan")
     return out
+
+
+# ParallelismConfig's sizes as accelerate launch takes them (parallelism_config_*_size;
+# accelerate/parallelism_config.py: total_size is their product; sp is DeepSpeed's Ulysses
+# sequence parallelism, ALST).
+_PARALLELISM_SIZES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
+
+
+def _processes(top: Reader, out: Imported, kind: str | None, world: int | None, dp: int | None,
+               model_parallel: int, machines: int) -> int | None:
+    """The number of processes, and the cluster it fills. `num_processes` of the config, else
+    what the command line gives (--world, or --dp times tp x cp), as `accelerate launch
+    --num_processes` does: a config file without it (`ClusterConfig.num_processes` -1) needs that
+    flag (commands/launch.py, `_validate_launch_command`), except with distributed_type NO, one
+    process (config_args.py, `BaseConfig.process_config`). Neither: planned as 1 process, with a
+    note. No cluster is written where the config names neither the processes nor the machines
+    (`--num_machines` of the launch), so that --dp still applies and nodes of 8 GPUs are planned."""
+    if top.has("num_processes"):
+        processes = top.int("num_processes", minimum=1) or 1
+        where = "num_processes"
+        if world is not None and world != processes:
+            out.problem(where, f"{processes} processes, but --world {world}")
+            return None
+    elif world is not None or dp is not None:
+        processes, where = (world if world is not None else dp * model_parallel), ""
+    elif kind == "NO":
+        processes, where = 1, "distributed_type"
+    else:
+        out.note("num_processes", "not given: `accelerate launch` needs --num_processes with this config; planned "
+                                  "as 1 process: give --world N (or --dp N)")
+        return 1
+    if processes % machines:
+        out.problem(where or "num_machines", f"{processes} processes do not fill {machines} machines evenly")
+        return None
+    if not where and not top.has("num_machines"):
+        return processes  # the launch names the machines too: the cluster stays the job's default
+    out.set("cluster.nodes", machines, "num_machines")
+    out.set("cluster.gpus_per_node", processes // machines, where)
+    return processes
 
 
 # ClusterConfig's keys about the machines and the launch (accelerate/commands/config/config_args.py),
@@ -327,7 +376,8 @@ _REFUSED_BESIDE_FILE = ("accelerate refuses it beside deepspeed_config_file, who
 _ZERO_STAGE_DEFAULT = 2
 
 
-def _deepspeed(ds: Reader, out: Imported, top: Reader, processes: int, referenced: dict[str, Referenced]) -> None:
+def _deepspeed(ds: Reader, out: Imported, top: Reader, processes: int, referenced: dict[str, Referenced],
+               sequence: int = 1) -> None:
     out.set("zero.framework", "deepspeed", "distributed_type")
     if ds.has("deepspeed_config_file"):
         name = ds.str("deepspeed_config_file")
@@ -335,7 +385,7 @@ def _deepspeed(ds: Reader, out: Imported, top: Reader, processes: int, reference
         if name is not None and file is None:
             out.problem(ds.key("deepspeed_config_file"), f"{name}: the DeepSpeed config was not read")
         elif file is not None:
-            _deepspeed_file(ds, out, top, processes, file)
+            _deepspeed_file(ds, out, top, processes, file, sequence)
         return
     stage = ds.int("zero_stage") if ds.has("zero_stage") else _ZERO_STAGE_DEFAULT
     if stage is not None:
@@ -357,10 +407,13 @@ def _deepspeed(ds: Reader, out: Imported, top: Reader, processes: int, reference
     _deepspeed_extras(ds, out)
 
 
-def _deepspeed_file(ds: Reader, out: Imported, top: Reader, processes: int, file: Referenced) -> None:
+def _deepspeed_file(ds: Reader, out: Imported, top: Reader, processes: int, file: Referenced,
+                    sequence: int = 1) -> None:
     """The DeepSpeed config JSON that deepspeed_config_file names, read by the DeepSpeed
     importer with the data-parallel size accelerate launches (num_processes over its
-    tensor_parallel.autotp_size); its notes and problems point into that file."""
+    tensor_parallel.autotp_size and over `sequence`, the sequence-parallel ranks of
+    parallelism_config, which DeepSpeed's batch arithmetic leaves out of its data-parallel
+    world as the mpu accelerate hands it says); its notes and problems point into that file."""
     from .deepspeed import from_deepspeed, model_parallel_degrees
 
     where, doc = ds.key("deepspeed_config_file"), file.doc
@@ -379,12 +432,15 @@ def _deepspeed_file(ds: Reader, out: Imported, top: Reader, processes: int, file
         return
     tp = integral(model_parallel_degrees(doc.data).get("parallel.tp", 1))
     tp = tp if tp is not None and tp >= 1 else 1  # the DeepSpeed importer names a bad autotp_size
-    if processes % tp:
+    if processes % (tp * sequence):
         out.problem(where, f"num_processes ({processes}) is not a multiple of {doc.path}'s "
-                           f"tensor_parallel.autotp_size ({tp})")
+                           f"tensor_parallel.autotp_size ({tp})" + (f" x sequence parallel ({sequence})"
+                                                                    if sequence > 1 else ""))
         return
-    said = f"num_processes {processes}" + (f" / autotp_size {tp} makes dp {processes // tp}" if tp > 1 else "")
-    out.merge(from_deepspeed(doc.data, processes // tp, said), doc.path, doc.line_of)
+    dp = processes // (tp * sequence)
+    split = (f" / autotp_size {tp}" if tp > 1 else "") + (f" / sequence parallel {sequence}" if sequence > 1 else "")
+    said = f"num_processes {processes}" + (f"{split} makes dp {dp}" if split else "")
+    out.merge(from_deepspeed(doc.data, dp, said), doc.path, doc.line_of)
     _deepspeed_extras(ds, out)
 
 

@@ -28,6 +28,9 @@ _BUCKETS = {
     "param_persistence_threshold": "stage3_param_persistence_threshold",
 }
 _STAGE3_ONLY = ("prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold")
+# DeepSpeedZeroConfig's lower bounds where they are not 0 (zero/config.py: reduce_bucket_size
+# is `Field(..., gt=0)`; the others `ge=0`).
+_BUCKET_MINIMUM = {"reduce_bucket_size": 1}
 _STAGE12_ONLY = ("allgather_bucket_size",)  # stage 3 gathers by the prefetch bucket instead
 
 
@@ -75,8 +78,13 @@ def to_deepspeed(plan: Plan) -> Exported:
         notes.append(_stage_note(0, 1, par.dp))
     zero_config: dict = {"stage": stage}
     for key, name in _BUCKETS.items():
-        if _applies(key, stage):
-            zero_config[name] = getattr(zero, key)
+        if not _applies(key, stage):
+            continue
+        if getattr(zero, key) < _BUCKET_MINIMUM.get(key, 0):
+            notes.append(Note(f"zero.{key}", f"deepspeed refuses {getattr(zero, key)} (DeepSpeedZeroConfig: {name} "
+                                             "> 0); not exported, so DeepSpeed's default applies"))
+            continue
+        zero_config[name] = getattr(zero, key)
     if written is not None:  # the strategy's decision (its notes are written)
         if written.optimizer:
             zero_config["offload_optimizer"] = {"device": "cpu", "pin_memory": off.pin_memory}
@@ -162,6 +170,20 @@ def dumps(config: dict) -> str:
 # -- import ---------------------------------------------------------------------------------
 _AUTO = AUTO
 _OFFLOAD_DEVICES = ("cpu", "nvme", "none")
+# Sections DeepSpeed 0.19 removed: it refuses a config that has one before reading anything
+# else (runtime/config.py, `_reject_removed_config_keys`: _REMOVED_TOP_LEVEL_CONFIG_KEYS,
+# _REMOVED_ZERO_CONFIG_KEYS). Older configs (DeepSpeedExamples' BERT ones) still carry them.
+# mics_shard_size is read above, as hybrid sharding.
+_REMOVED = "(removed in DeepSpeed 0.19, which refuses a config that has the key: delete it to run this config)"
+_REMOVED_KEYS = {
+    "nebula": "Nebula checkpointing", "compression_training": "the compression library",
+    "amp": "NVIDIA Apex AMP", "quantize_training": "Mixture-of-Quantization",
+    "sparse_gradients": "sparse embedding gradients", "eigenvalue": "eigenvalue-based Mixture-of-Quantization",
+    "sparse_attention": "Sparse Attention", "elasticity": "elastic training",
+    "graph_harvesting": "graph harvesting", "curriculum_learning": "the top-level curriculum learning",
+    "progressive_layer_drop": "Progressive Layer Dropping",
+}
+_REMOVED_ZERO_KEYS = {"mics_hierarchical_params_gather": "MiCS", "zeropp_loco_param": "LoCo-Zero++"}
 
 
 def model_parallel_degrees(data: dict) -> dict[str, object]:
@@ -210,9 +232,16 @@ def from_deepspeed(data: dict, dp: int | None = None, dp_said: str = "") -> Impo
         for key in ("partition_activations", "cpu_checkpointing"):
             if reader.bool(key):
                 out.note(reader.key(key), "not read: shardplan keeps checkpoints on the GPU, unpartitioned")
+        # The section's other keys (activation_checkpointing/config.py); what export writes
+        # (false) is DeepSpeed's default, and only another value is named.
         for key in ("contiguous_memory_optimization", "number_checkpoints", "synchronize_checkpoint_boundary",
                     "profile"):
-            reader.raw(key)
+            if reader.raw(key) not in (None, False):
+                out.note(reader.key(key), "not read: shardplan has no setting for it")
+    for key, what in _REMOVED_KEYS.items():
+        if top.has(key):
+            top.raw(key)
+            out.note(key, f"not read: {what} {_REMOVED}")
     top.unread()
     return out
 
@@ -289,9 +318,13 @@ def _zero(top: Reader, out: Imported) -> None:
         else:
             out.set("zero.stage", stage, zero.key("stage"))
     for key, name in _BUCKETS.items():
-        for spelling in (name, key):  # DeepSpeed accepts the field name and its alias
+        for spelling in dict.fromkeys((name, key)):  # DeepSpeed accepts the field name and its alias
             value = zero.int(spelling) if zero.has(spelling) else None
             if value is None:
+                continue
+            if value < _BUCKET_MINIMUM.get(key, 0):
+                out.problem(zero.key(spelling), f"must be > 0 (got {value}): DeepSpeed refuses it "
+                                                "(zero/config.py, DeepSpeedZeroConfig)")
                 continue
             if _applies(key, stage or 0):
                 out.set(f"zero.{key}", value, zero.key(spelling))
@@ -342,6 +375,10 @@ def _zero(top: Reader, out: Imported) -> None:
             if key == "cpu_offload_param":
                 out.set("offload.gpu_param_budget", 0, zero.key(key))
             out.note(zero.key(key), f"deprecated form of {section} with device \"cpu\": read as {' and '.join(job_keys)}")
+    for key, what in _REMOVED_ZERO_KEYS.items():
+        if zero.has(key):
+            zero.raw(key)
+            out.note(zero.key(key), f"not read: {what} {_REMOVED}")
     if zero.has("cpu_offload_use_pin_memory"):
         zero.raw("cpu_offload_use_pin_memory")
         out.note(zero.key("cpu_offload_use_pin_memory"), "deprecated and read by no DeepSpeed field: not read")

@@ -47,11 +47,14 @@ FORMATS = {
 _NONE_OF_THEM = "not a DeepSpeed config (JSON), a torchtitan job config (TOML) or an accelerate config (YAML)"
 
 
-def json_key_lines(text: str) -> dict[str, int]:
+def json_key_lines(text: str, shown: str = "") -> dict[str, int]:
     """Dotted key -> 1-based line of every object key in a JSON text (keys inside arrays
-    are left out). A small scanner: `json` itself keeps no positions."""
+    are left out). A small scanner: `json` itself keeps no positions. A key given twice in
+    one object is refused (naming `shown`): `json` keeps the last silently, and DeepSpeed
+    refuses the file (runtime/config.py, `dict_raise_error_on_duplicate_keys`)."""
     lines: dict[str, int] = {}
     stack: list[str | None] = []  # per open container: the key it was reached by (None: array)
+    given: list[dict[str, int]] = []  # per open container: its keys so far, with their lines
     line, i, expecting_key, last_key = 1, 0, False, None
     while i < len(text):
         char = text[i]
@@ -65,17 +68,24 @@ def json_key_lines(text: str) -> dict[str, int]:
             if expecting_key and None not in stack:
                 last_key = json.loads(f'"{string}"') if "\\" in string else string
                 path = ".".join([k for k in stack[1:] if k] + [last_key])
+                if last_key in given[-1] and shown:
+                    raise InputError(Problem(path, f"given twice (lines {given[-1][last_key]} and {start_line})",
+                                             file=shown, line=start_line))
+                given[-1][last_key] = start_line
                 lines.setdefault(path, start_line)
             i = end
         elif char == "{":
             stack.append(last_key if stack else "")
+            given.append({})
             expecting_key = True
         elif char == "[":
             stack.append(None)
+            given.append({})
             expecting_key = False
         elif char in "}]":
             if stack:
                 stack.pop()
+                given.pop()
             expecting_key = False
         elif char == ",":
             expecting_key = bool(stack) and stack[-1] is not None
@@ -136,8 +146,16 @@ def read_source(path: str) -> tuple[str, Document]:
     text = _read_text(Path(path), path)
     stripped = text.lstrip()
     if stripped.startswith("{"):
-        doc = parse_json(text, path)
-        doc.lines = json_key_lines(text)
+        try:
+            doc = parse_json(text, path)
+        except InputError as json_error:
+            json_key_lines(text, path)  # a key given twice is refused at its two lines, not as bad JSON
+            # YAML's flow style opens with `{` too (gpt-neox's *.yml configs, with comments):
+            # a file not named *.json is read as YAML when it is not JSON.
+            if path.lower().endswith(".json"):
+                raise json_error from None
+            return _yaml_source(text, path, json_error)
+        doc.lines = json_key_lines(text, path)
         found = detect(doc, "json")
         if found:
             return found, doc
@@ -158,14 +176,24 @@ def read_source(path: str) -> tuple[str, Document]:
         if doc.data:
             raise InputError(Problem("", f"{_NONE_OF_THEM}: TOML without torchtitan's tables "
                                          "([parallelism], [training], [model], ...)", file=path))
+    return _yaml_source(text, path)
+
+
+def _yaml_source(text: str, path: str, json_error: InputError | None = None) -> tuple[str, Document]:
+    """(format, document) of a text read as YAML; `json_error`: why it is not JSON, the one
+    problem given when it is no YAML config either (a JSON file with a typo, whatever its name)."""
     try:
         doc = yaml_document(text, path)
     except InputError:
         _refuse_arguments(text, path)
+        if json_error is not None:
+            raise json_error from None
         raise
     found = detect(doc, "yaml")
     if found:
         return found, doc
+    if json_error is not None and set(doc.data) & DEEPSPEED_KEYS and not path.lower().endswith((".yml", ".yaml")):
+        raise json_error from None  # a DeepSpeed config that is not valid JSON
     if set(doc.data) == {""}:  # not a mapping: a YAML scalar, as a shell script's words parse
         _refuse_arguments(text, path)
     raise InputError(Problem("", _NONE_OF_THEM, file=path))
@@ -248,5 +276,5 @@ def read_referenced(fmt: str, doc: Document) -> dict[str, Referenced]:
                     f"`accelerate launch` runs): read {beside}, beside this file")
     text = _read_text(Path(found), found)
     referenced = parse_json(text, found)
-    referenced.lines = json_key_lines(text)
+    referenced.lines = json_key_lines(text, found)
     return {DEEPSPEED_CONFIG_FILE: Referenced(referenced, resolved)}
