@@ -72,6 +72,8 @@ FILE_CASES = [
      "stage 'hybrid_shard' is hybrid sharding, but hybrid = false"),
     ("too_many_layers", '[model]\nfamily = "gpt2"\nnum_layers = 200000\nhidden_size = 64\nnum_heads = 4\n'
      'vocab_size = 100\nmax_seq_len = 64\n', [], "model.num_layers: must be <= 100000"),
+    ("empty_hf_config", '[model]\nhf_config = ""\n', [], "model.hf_config: names no file"),
+    ("zero_params", "[model]\nparams = 0\n", [], "model.params: a model of 0 parameters"),
 ]
 
 JSON_CASES = [
@@ -80,6 +82,7 @@ JSON_CASES = [
     ("json_bad_type", '{"parallel": {"dp": "2"}}', "parallel.dp: expected an integer"),
     ("json_huge_int", '{"parallel": {"dp": 100000000000000000000000000000}}', "parallel.dp: must be <="),
     ("json_deep", "[" * 100000 + "]" * 100000, "JSON"),
+    ("json_null", '{"parallel": {"tp": null}}', "parallel.tp: expected an integer, got null"),
 ]
 
 HF_CASES = [

@@ -158,8 +158,18 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["SHARDPLAN_DEBUG"] = saved_debug
 
 
+def _command_path(exc, argv: list[str]) -> str:
+    """`shardplan estimate` for a usage error of that command: click leaves the context out
+    of some (an option given no value), which the command line then names."""
+    if exc.ctx is not None:
+        return exc.ctx.command_path
+    names = command_names(argv)
+    return f"shardplan {names[0]}" if len(names) == 1 else "shardplan"
+
+
 def _main(argv: list[str]) -> int:
-    json_out = "--json" in argv
+    end = argv.index("--") if "--" in argv else len(argv)
+    json_out = "--json" in argv[:end]  # after `--` it is an argument: a file named --json
     from ..spec.errors import EXIT_BAD_INPUT, EXIT_RUNTIME, InputError, ShardplanError
 
     import typer
@@ -177,7 +187,7 @@ def _main(argv: list[str]) -> int:
     except NoArgsIsHelpError:  # the help is already printed
         return EXIT_BAD_INPUT
     except UsageError as exc:
-        name = exc.ctx.command_path if exc.ctx else "shardplan"
+        name = _command_path(exc, argv)
         line = f"{name}: {exc.format_message()} (see {name} --help)"
         return _fail([line], EXIT_BAD_INPUT, json_out, [_usage_problem(exc, name)])
     except typer.Exit as exc:

@@ -8,14 +8,13 @@ import typer
 
 from ..core.degrees import Degrees
 from ..core.layout import Layout, layout_warnings
-from ..io.job import load_job
-from ..io.overrides import Override
+from ..io.overrides import Override, flag_label, set_key
 from ..render.layout import layout_document, layout_picture, rank_document, rank_text
 from ..render.output import write_document
 from ..render.output import emit_diagnostics, stdout_console
 from ..spec.errors import InputError, PlanError, Problem
 from ..spec.job import JobSpec
-from .options import JsonFlag, PlanFlags, WorldOption, plan_flags
+from .options import JsonFlag, PlanFlags, WorldOption, load_job_checked, plan_flags
 
 # Job-file fields whose cross-field rules do not move a rank: the pipeline schedule, the
 # training step, ZeRO/offload and run-time settings. A job that breaks only those still has
@@ -37,8 +36,8 @@ def load_placement(
 ) -> tuple[JobSpec, list[Problem]]:
     """The job's tables and the problems to show as warnings; errors that matter for
     placement stop it (every problem of the file is then listed, as `validate` would)."""
-    resolved = load_job(file, overrides, world=world, flag_labels=labels,
-                        warn_only=lambda problem: not _moves_ranks(problem))
+    resolved = load_job_checked(file, overrides, world=world, flag_labels=labels,
+                                warn_only=lambda problem: not _moves_ranks(problem))
     return resolved.job, resolved.warnings
 
 
@@ -57,10 +56,14 @@ def layout(
 ) -> None:
     """Rank grid, process groups and node placement: which rank does what."""
     overrides, labels = flags.overrides(), flags.labels()
-    if order is not None:
-        overrides.append(("parallel.order", order))
-        labels["parallel.order"] = f"--order {order}"
+    ordered = {}
+    if order is not None:  # as a shortcut flag: a `--set parallel.order=...` wins over it
+        ordered["parallel.order"] = (order, flag_label("order", order))
+        overrides.insert(0, ("parallel.order", order))
+        if not any(set_key(expression) == "parallel.order" for expression in flags.sets):
+            labels["parallel.order"] = ordered["parallel.order"][1]
     job, problems = load_placement(file, overrides, labels, world)
+    problems[:0] = flags.override_warnings(ordered)
     par = job.parallel
     degrees = Degrees(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp)
     grid = Layout(degrees, par.order, job.cluster.gpus_per_node)

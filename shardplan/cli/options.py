@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Callable, List, Optional
 
 import typer
 
-from ..io.overrides import SHORTCUTS, collect_overrides, override_warnings, parse_value
+from ..io.overrides import SHORTCUTS, collect_overrides, flag_label, override_warnings, parse_value, set_key
 from ..spec.common import MAX_WORLD_SIZE
 
 if TYPE_CHECKING:
@@ -74,24 +74,39 @@ class PlanFlags:
 
     def labels(self) -> dict[str, str]:
         """Dotted path -> the flag that set it (for messages)."""
-        overridden = {expression.partition("=")[0].strip() for expression in self.sets or []}
+        overridden = {set_key(expression) for expression in self.sets or []}
         return {
-            SHORTCUTS[k]: f"--{k.replace('_', '-')} {v}"
+            SHORTCUTS[k]: flag_label(k, v)
             for k, v in self.shortcuts.items()
             if v is not None and SHORTCUTS[k] not in overridden  # a later --set gives that key
         }
 
     def load(self, source: str | None, world: int | None = None, check_paths: bool = False,
              warn_only=None) -> ResolvedJob:
-        from ..io.job import load_job  # pydantic loads here, not when the command is registered
-
         overrides = self.overrides()
-        resolved = load_job(
+        resolved = load_job_checked(
             source, overrides, world=world, flag_labels=self.labels(), check_paths=check_paths,
             warn_only=warn_only,
         )
-        resolved.warnings[:0] = override_warnings(self._values(), self.sets)
+        resolved.warnings[:0] = self.override_warnings()
         return resolved
+
+    def override_warnings(self, flagged: dict[str, tuple[object, str]] | None = None) -> list:
+        """A warning for every `--set` that overrides a flag: a shortcut, or one of `flagged`
+        (key -> value and label) that the command sets the key with."""
+        return override_warnings(self._values(), self.sets, flagged)
+
+
+def load_job_checked(source: str | None, overrides, **options) -> ResolvedJob:
+    """`load_job`, where a path the job names that cannot even be looked at (a name too long
+    for the file system, a folder this user may not search) is bad input, not a crash."""
+    from ..io.files import unreadable
+    from ..io.job import load_job  # pydantic loads here, not when the command is registered
+
+    try:
+        return load_job(source, overrides, **options)
+    except OSError as exc:
+        raise unreadable(exc) from None
 
 
 def plan_flags(func: Callable) -> Callable:

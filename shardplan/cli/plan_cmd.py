@@ -47,7 +47,10 @@ def plan(
         raise InputError(Problem("--gpus", "give --gpus or --nodes, not both"))
     if write is not None:  # a path that cannot be written fails now, not after the search
         check_writable(write, "--write")
-    resolved = flags.load(file, warn_only=_searched)
+    try:
+        resolved = flags.load(file, warn_only=_searched)
+    except InputError as exc:  # the warnings about keys the search sets are not the user's
+        raise InputError([p for p in exc.problems if p.severity == "error" or not _searched(p)]) from None
     emit_diagnostics(p for p in resolved.warnings if not _searched(p))
     outcome = run_plan_search(resolved, gpus=gpus, nodes=nodes, global_batch=global_batch, top=top,
                               progress=not json_out, overrides=flags.overrides())

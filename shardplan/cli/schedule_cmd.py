@@ -7,7 +7,6 @@ parallel.pp, num_microbatches, pipeline_schedule and virtual_stages; flags overr
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, List, Optional
 
 import typer
@@ -41,28 +40,41 @@ def _problem(field: str | None, message: str, from_file: dict[str, str]) -> Prob
     return Problem(flag, message)
 
 
-def _resolve(job: str | None, flags: dict[str, object], sets: list[str]) -> tuple[dict[str, object], dict[str, str]]:
-    """The inputs, file values first and flags over them; and which came from the file.
+def _resolve(job: str | None, flags: dict[str, object],
+             sets: list[str]) -> tuple[dict[str, object], dict[str, str], list[Problem]]:
+    """The inputs, file values first and flags over them; where the ones that are not flags
+    came from (the job file, or `--set`); and a warning for each flag a `--set` overrides.
 
-    The flags are written into the job before it is read (as every command does); of the
-    job's cross-field rules only those of the pipeline keys stop it."""
+    The flags are written into the job before it is read (as every command does), a `--set`
+    of the same key after them (it wins, as over a shortcut flag elsewhere); of the job's
+    cross-field rules only those of the pipeline keys stop it."""
     values: dict[str, object] = {"virtual": 1}
     from_file: dict[str, str] = {}
+    warnings: list[Problem] = []
     if job is not None or sets:
-        from ..io.job import load_job  # only with a job: a schedule from flags needs no pydantic
-        from ..io.overrides import parse_set
+        from ..io.overrides import flag_label, override_warnings, parse_set
+        from .options import load_job_checked  # only with a job: a schedule from flags needs no pydantic
 
+        parsed = [parse_set(s) for s in sets]
+        set_keys = {key for key, _ in parsed}
+        flagged = {INPUTS[field][1]: (value, flag_label(INPUTS[field][0][2:], value)) for field, value in flags.items()
+                   if value is not None and INPUTS[field][1] is not None}
+        warnings = override_warnings({}, sets, flagged)
+        flags = {field: value for field, value in flags.items() if INPUTS[field][1] not in set_keys}
         overrides = [(INPUTS[field][1], value) for field, value in flags.items()
                      if value is not None and INPUTS[field][1] is not None]
         # The file's pipeline keys are checked here, with their lines; keys a flag set are
         # checked by the schedule itself, which names the flag.
         file_keys = tuple(key for _, key in INPUTS.values() if key and key not in dict(overrides))
-        par = load_job(job, overrides + [parse_set(s) for s in sets], env={},
-                       warn_only=lambda problem: not file_keys or not problem.path.startswith(file_keys)).job.parallel
+        par = load_job_checked(job, overrides + parsed, env={},
+                               warn_only=lambda problem: not file_keys or not problem.path.startswith(file_keys)).job.parallel
         values.update(pp=par.pp, microbatches=par.num_microbatches,
                       schedule=par.pipeline_schedule, virtual=par.virtual_stages)
-        if job is not None:
-            from_file = {field: job for field in ("pp", "microbatches", "schedule", "virtual")}
+        for field in ("pp", "microbatches", "schedule", "virtual"):
+            if INPUTS[field][1] in set_keys:
+                from_file[field] = "--set"
+            elif job is not None:
+                from_file[field] = job
     for field, value in flags.items():
         if value is not None:
             values[field] = value
@@ -72,7 +84,7 @@ def _resolve(job: str | None, flags: dict[str, object], sets: list[str]) -> tupl
         raise InputError([
             Problem(INPUTS[f][0], f"required (or give a job FILE that sets {INPUTS[f][1]})") for f in missing
         ])
-    return values, from_file
+    return values, from_file, warnings
 
 
 def schedule(
@@ -88,7 +100,7 @@ def schedule(
     virtual: Annotated[Optional[int], typer.Option(
         "--virtual", help="model chunks per rank, for interleaved-1f1b and round-robin (default 1)",
         show_default=False)] = None,
-    svg: Annotated[Optional[Path], typer.Option(
+    svg: Annotated[Optional[str], typer.Option(
         "--svg", help="also write the timeline as a standalone SVG file", show_default=False)] = None,
     cost_f: Annotated[Optional[int], typer.Option(
         "--cost-f", help="time units of a forward (default 1)", show_default=False)] = None,
@@ -106,7 +118,8 @@ def schedule(
     from ..render.schedule import print_schedule, schedule_document, schedule_svg
     flags = {"pp": pp, "microbatches": microbatches, "schedule": schedule_name, "virtual": virtual,
              "cost_f": cost_f, "cost_b": cost_b, "cost_w": cost_w}
-    values, from_file = _resolve(job, flags, sets or [])
+    values, from_file, warnings = _resolve(job, flags, sets or [])
+    emit_diagnostics(warnings)
     name = values["schedule"]
     defaults = default_costs(name)
     costs = Costs(
@@ -121,7 +134,7 @@ def schedule(
     if svg is not None:
         from ..io.writing import write_text
 
-        write_text(str(svg), schedule_svg(plan), "--svg")
+        write_text(svg, schedule_svg(plan), "--svg")
     if json_out:
         emit_json(schedule_document(plan))
     else:

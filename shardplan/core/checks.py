@@ -7,7 +7,7 @@ a framework's own constraint.
 
 from __future__ import annotations
 
-from ..spec.common import MAX_WORLD_SIZE
+from ..spec.common import MAX_DIM, MAX_WORLD_SIZE
 from ..spec.errors import PlanError, Problem
 from ..spec.job import JobSpec
 from ..spec.model import ModelShape
@@ -165,7 +165,7 @@ def batch_problems(job: JobSpec) -> list[Problem]:
     message = (f"{wanted} != dp ({par.dp}) * micro_batch_size ({par.micro_batch_size}) * "
                f"num_microbatches ({par.num_microbatches}) = {made}")
     per_step = par.dp * par.micro_batch_size
-    if wanted % per_step == 0:
+    if wanted % per_step == 0 and wanted // per_step <= MAX_DIM:  # a value num_microbatches takes
         message += f"; num_microbatches = {wanted // per_step} would make it"
     return [error("train.global_batch_size", message)]
 

@@ -44,6 +44,8 @@ def split_problem(num_layers: int, num_stages: int, first: int = 0, last: int = 
         given = " + ".join(f"{name} {value}" for name, value in (("first", first), ("last", last)) if value)
         if free == 0:
             return f"{given} = {first + last} layers on the {num_stages} stages, but the model has {num_layers}"
+        if rest < 0:
+            return f"{given}: more layers than the model's {num_layers}"
         return (f"{given} leave {rest} of {num_layers} layers for the other {free} stages, "
                 f"which need at least one each")
     return None

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 from ..spec.errors import InputError, Problem
 from .files import read_json
+from .problems import shown_value
 
 SUPPORTED = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "gemma", "falcon", "phi3")
 
@@ -120,8 +121,6 @@ def architectures_problem(data: dict, file: str) -> Problem | None:
     value = data.get("architectures")
     if value is None or (isinstance(value, list) and all(isinstance(a, str) and a for a in value)):
         return None
-    from .problems import shown_value
-
     return Problem("architectures", f"expected a list of model class names (strings), got {shown_value(value)}",
                    file=file)
 
@@ -166,10 +165,10 @@ class _Reader:
             if value is None:
                 continue
             if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                self.problems.append(Problem(key, f"expected a positive integer, got {value!r}", file=self.file))
+                self.problems.append(Problem(key, f"expected a positive integer, got {shown_value(value)}", file=self.file))
                 return None
             if kind is bool and not isinstance(value, bool):
-                self.problems.append(Problem(key, f"expected true or false, got {value!r}", file=self.file))
+                self.problems.append(Problem(key, f"expected true or false, got {shown_value(value)}", file=self.file))
                 return None
             return value
         if keys[0] in self.defaults:
@@ -192,7 +191,7 @@ def shape_from_hf_config(config: dict, file: str) -> dict:
     model_type = config.get("model_type")
     bad_names = architectures_problem(config, file)
     if model_type not in SUPPORTED:
-        said = "required" if model_type is None else f"{model_type!r} is not supported"
+        said = "required" if model_type is None else f"{shown_value(model_type)} is not supported"
         problem = Problem("model_type", f"{said} (supported: {', '.join(SUPPORTED)})", file=file)
         raise InputError([p for p in (bad_names, problem) if p])
     if bad_names:

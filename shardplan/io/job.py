@@ -20,7 +20,7 @@ from ..core.degrees import Degrees
 from ..spec.errors import InputError, Problem
 from ..spec.job import JobSpec
 from ..spec.model import ModelShape, ModelSpec, resolve_shape
-from ..spec.units import counted
+from ..spec.units import counted, quoted
 from .files import Document, read_document
 from .hf_config import config_key, looks_like_hf_config, model_kind, read_hf_config
 from .overrides import Override, apply_overrides
@@ -64,13 +64,26 @@ class ResolvedJob:
         return self.job.model.params
 
 
+def _why_not_a_file(path: Path) -> str | None:
+    """Why `path` names no file to read ("no such file", "is a directory", or why it cannot
+    even be looked at: a name too long, a folder this user may not search), else None."""
+    try:
+        if path.is_dir():
+            return "is a directory"
+        return None if path.exists() else "no such file"
+    except OSError as exc:
+        return f"cannot read: {exc.strerror or exc}"
+
+
 def open_job_source(source: str | None) -> Document:
     """A job file, else a job preset of that name; None gives an empty job (all defaults)."""
     if source is None:
         return Document("", {})
+    if not source.strip():
+        raise InputError(Problem("", "names no file: give a job file or a job preset name", file="''"))
     path = Path(source)
     looks_like_path = path.suffix in (".toml", ".json") or os.sep in source or "/" in source
-    if looks_like_path or path.exists():
+    if looks_like_path or _why_not_a_file(path) != "no such file":  # read_document says what is wrong
         return read_document(path)
     try:
         preset = find_preset(source, "jobs")
@@ -164,9 +177,9 @@ def _resolve_model(spec: ModelSpec, base_dir: Path) -> tuple[ModelShape | None, 
         config_path = Path(spec.hf_config or "")
         if not config_path.is_absolute():
             config_path = base_dir / config_path
-        if not config_path.is_file():
-            what = "is a directory" if config_path.is_dir() else "no such file"
-            return None, "", [Problem("model.hf_config", f"{spec.hf_config!r}: {what}")]
+        why = _why_not_a_file(config_path)  # a device or a pipe is read as a file is
+        if why:
+            return None, "", [Problem("model.hf_config", f"{spec.hf_config!r}: {why}")]
         table = read_hf_config(config_path, spec.hf_config or "")
         family = table.get("family", "")
 
@@ -202,9 +215,14 @@ def external_worlds(job: JobSpec, world: int | None, env: Mapping[str, str]) -> 
         worlds.append((world, "from --world"))
     raw = env.get("WORLD_SIZE")
     if raw is not None:
-        if not raw.strip().isdigit() or int(raw) < 1:
-            raise InputError(Problem("WORLD_SIZE", f"environment variable is {raw!r}, not a positive integer"))
-        worlds.append((int(raw), "from WORLD_SIZE"))
+        text = raw.strip()
+        # ASCII digits only (str.isdigit takes "²"); more than 20 is past any world.
+        if not (text.isascii() and text.isdigit()) or int(text[:20]) < 1:
+            raise InputError(Problem("WORLD_SIZE", f"environment variable is {quoted(raw)}, not a positive integer"))
+        if len(text) > 20:
+            raise InputError(Problem("WORLD_SIZE", f"environment variable is {quoted(raw)}, more than the largest "
+                                                   "supported world"))
+        worlds.append((int(text), "from WORLD_SIZE"))
     if job.cluster_given():
         c = job.cluster
         worlds.append((c.nodes * c.gpus_per_node, f"from cluster: {counted(c.nodes, 'node')} * {counted(c.gpus_per_node, 'GPU')}"))
@@ -327,9 +345,10 @@ def resolve_document(
         if not data_path.is_absolute():
             data_path = Path(folders["data", "path"]) / data_path
         data_file = str(data_path)
-        if not data_path.is_file():
+        why = _why_not_a_file(data_path)
+        if why:
             problems.append(Problem(
-                "data.path", f"{job.data.path!r}: no such file",
+                "data.path", f"{job.data.path!r}: " + ("is a directory, not a file" if why == "is a directory" else why),
                 severity="error" if check_paths else "warning",
             ))
     problems = _locate(problems, doc, flagged)

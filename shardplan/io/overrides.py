@@ -16,6 +16,8 @@ else:  # pragma: no cover
 
 from ..spec.errors import InputError, Problem
 from ..spec.names import SHAPE_KEYS, SOURCE_KEYS
+from ..spec.units import MAX_QUOTED, quoted
+from .files import longest_int_digits
 
 # CONTRACT: shortcut flags and the job-file key each one sets.
 SHORTCUTS = {
@@ -32,25 +34,49 @@ SHORTCUTS = {
 Override = tuple[str, object]
 
 
-def parse_value(text: str) -> object:
+def _read_value(text: str) -> object:
+    """`text` as a TOML value, else the plain string; a ValueError for an integer of more
+    digits than Python converts (`sys.set_int_max_str_digits`)."""
     try:
         return tomllib.loads(f"value = {text}")["value"]
     except tomllib.TOMLDecodeError:
         return text
 
 
+def parse_value(text: str) -> object:
+    try:
+        return _read_value(text)
+    except ValueError:  # a number too long to read: checked as the string it is (`--params`)
+        return text
+
+
+def flag_label(name: str, value: object) -> str:
+    """`--dp 4`: a flag and its value as messages name them (an empty value as '', a long one
+    cut as `quoted` cuts it)."""
+    text = str(value) if value != "" else repr("")
+    return f"--{name.replace('_', '-')} {text if len(text) <= MAX_QUOTED else text[:MAX_QUOTED - 3] + '...'}"
+
+
+def set_key(expression: str) -> str:
+    """The dotted key of `--set section.key=value` (`parallel . tp = 2` is parallel.tp)."""
+    return ".".join(part.strip() for part in expression.partition("=")[0].split("."))
+
+
 def parse_set(expression: str) -> Override:
     """`parallel.tp=4` -> ("parallel.tp", 4)."""
-    key, sep, raw = expression.partition("=")
-    key = key.strip()
+    _, sep, raw = expression.partition("=")
     if not sep:
-        raise InputError(Problem("--set", f"{expression!r} is not of the form section.key=value"))
+        raise InputError(Problem("--set", f"{quoted(expression)} is not of the form section.key=value"))
+    key = set_key(expression)
     parts = key.split(".")
     if len(parts) != 2 or not all(parts):
         raise InputError(Problem(
-            "--set", f"{key!r} is not a key of the job file (write section.key, e.g. parallel.tp)"
+            "--set", f"{quoted(key)} is not a key of the job file (write section.key, e.g. parallel.tp)"
         ))
-    return key, parse_value(raw.strip())
+    try:
+        return key, _read_value(raw.strip())
+    except ValueError:
+        raise InputError(Problem("--set", f"{key}: a number of more than {longest_int_digits()} digits")) from None
 
 
 def collect_overrides(shortcuts: dict[str, object], sets: list[str]) -> list[Override]:
@@ -59,7 +85,7 @@ def collect_overrides(shortcuts: dict[str, object], sets: list[str]) -> list[Ove
     suggestions are `--set` flags meant to be appended to the command). Two model sources on
     the command line (`--params` and `--set model.preset=...`) are bad input: which one was
     meant is not ours to guess."""
-    flagged = {SHORTCUTS[name]: (value, f"--{name.replace('_', '-')} {value}")
+    flagged = {SHORTCUTS[name]: (value, flag_label(name, value))
                for name, value in shortcuts.items() if value is not None}
     overrides: list[Override] = [(path, value) for path, (value, _) in flagged.items()]
     parsed = [parse_set(s) for s in sets or []]
@@ -97,13 +123,16 @@ def apply_overrides(data: dict, overrides: list[Override]) -> dict:
     return result
 
 
-def override_warnings(shortcuts: dict[str, object], sets: list[str]) -> list[Problem]:
-    """A warning for every `--set` that gives a shortcut flag's key another value (it wins)."""
+def override_warnings(shortcuts: dict[str, object], sets: list[str],
+                      flagged: dict[str, tuple[object, str]] | None = None) -> list[Problem]:
+    """A warning for every `--set` that gives a shortcut flag's key another value (it wins);
+    `flagged`: a command's own flags, key -> (value, label), as `--order` sets parallel.order."""
+    given = {SHORTCUTS[name]: (value, flag_label(name, value)) for name, value in shortcuts.items()
+             if value is not None}
+    given.update(flagged or {})
     found = []
     for expression in sets or []:
         path, value = parse_set(expression)
-        for name, given in shortcuts.items():
-            if given is not None and SHORTCUTS[name] == path and given != value:
-                flag = f"--{name.replace('_', '-')} {given}"
-                found.append(Problem("--set", f"{path}={value!r} overrides {flag}", severity="warning"))
+        if path in given and given[path][0] != value:
+            found.append(Problem("--set", f"{path}={value!r} overrides {given[path][1]}", severity="warning"))
     return found

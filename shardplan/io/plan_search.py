@@ -113,6 +113,10 @@ class PlanOutcome:
         data = relocate_job_paths(written_job(self.document, best.tables), self.folders, target)
         _fit_cluster(data, self.world, self.resolved.job.cluster.gpus_per_node)
         d = best.inputs.degrees
+        if target.lower().endswith(".json"):  # read back as JSON, as every command reads a .json job
+            import json
+
+            return json.dumps(data, indent=2) + "\n"
         header = (f"# shardplan plan: the fastest of the plans that fit {self.world} GPUs: dp {d.dp} x tp {d.tp} "
                   f"x pp {d.pp} x cp {d.cp}, {best.timing.step_seconds:.3f} s per step\n")
         return header + tomli_w.dumps(data)

@@ -60,5 +60,6 @@ def find_preset(name: str, kind: str | None = None, path: str = "") -> Preset:
         if preset.name == name:
             return preset
     what = {"models": "model", "clusters": "cluster", "gpus": "gpu", "jobs": "job"}.get(kind or "", "")
-    hint = did_you_mean(name, [p.name for p in candidates]) or " (see `shardplan presets`)"
+    stem = Path(name).stem if name.endswith(".toml") or "/" in name else name  # `models/gpt2.toml` is gpt2
+    hint = did_you_mean(stem, [p.name for p in candidates]) or " (see `shardplan presets`)"
     raise InputError(Problem(path, f"no {what + ' ' if what else ''}preset named {name!r}{hint}"))

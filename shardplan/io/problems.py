@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import datetime
 import difflib
 import typing
 
 from pydantic import BaseModel, ValidationError
 
 from ..spec.errors import Problem
-from ..spec.units import counted
+from ..spec.units import MAX_QUOTED, counted, quoted
 
 _TYPE_NAMES = {
     bool: "a boolean", int: "an integer", float: "a float", str: "a string",
-    dict: "a table", list: "an array", type(None): "nothing",
+    dict: "a table", list: "an array", type(None): "null",
+    # TOML's dates and times (`--set train.seq_len=2024-01-01` reads one)
+    datetime.datetime: "a date-time", datetime.date: "a date", datetime.time: "a time",
 }
 _EXPECTED = {
     "int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
@@ -41,10 +44,15 @@ def did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str:
 
 
 def shown_value(value: object) -> str:
-    """A value as a message quotes it: its repr (a boolean as TOML writes it), cut at 60
-    characters."""
-    text = str(value).lower() if isinstance(value, bool) else repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    """A value as a message quotes it: its repr (a boolean, a date or time as TOML writes it;
+    JSON's null as null), cut at 60 characters."""
+    if isinstance(value, bool):
+        text = str(value).lower()
+    elif isinstance(value, (datetime.date, datetime.time)):
+        text = value.isoformat()
+    else:
+        return "null" if value is None else quoted(value)  # an integer too long to print by its size
+    return text if len(text) <= MAX_QUOTED else text[:MAX_QUOTED - 3] + "..."
 
 
 def _type_name(value: object) -> str:
@@ -99,6 +107,8 @@ def problem_from_error(root: type[BaseModel], err: dict) -> Problem:
         choices = list(owner.model_fields) if owner else []
         table = len(loc) == 1 and isinstance(value, dict)
         what = "unknown table" if table else "unknown key"
+        if not str(loc[-1]).strip():  # a name of no letters: the path shows nothing, the message does
+            what += f" {shown_value(loc[-1])}"
         hint = "" if table else _other_table(root, owner, str(loc[-1]))
         hint = hint or did_you_mean(str(loc[-1]), choices)
         if not hint and choices:
@@ -107,7 +117,8 @@ def problem_from_error(root: type[BaseModel], err: dict) -> Problem:
     if kind == "missing":
         return Problem(path, "required")
     if kind in _EXPECTED:
-        return Problem(path, f"expected {_EXPECTED[kind]}, got {_type_name(value)} {shown_value(value)}")
+        got = "null" if value is None else f"{_type_name(value)} {shown_value(value)}"
+        return Problem(path, f"expected {_EXPECTED[kind]}, got {got}")
     if kind in _BOUNDS and isinstance(value, float) and value != value:
         return Problem(path, "must be a number (got nan)")  # NaN fails every bound
     if kind in _BOUNDS:
@@ -133,19 +144,30 @@ def problem_from_error(root: type[BaseModel], err: dict) -> Problem:
 # over every key of every table); the rest are counted per table. A file of 30,000 unknown keys
 # took 5.6 s to validate with every one hinted, and printed 30,000 lines.
 MAX_UNKNOWN_KEYS = 20
+# Likewise the bad items of one array (`lora.targets`): a list of 200,000 unknown names took
+# 51 s and printed 200,000 lines.
+MAX_ITEM_PROBLEMS = 20
 
 
 def problems_from_validation(root: type[BaseModel], exc: ValidationError) -> list[Problem]:
-    problems, unknown, more = [], 0, {}
+    problems, unknown, more, items = [], 0, {}, {}
     for err in exc.errors(include_url=False):
+        loc = tuple(err.get("loc", ()))
+        parent = ".".join(str(p) for p in loc[:-1])
         if err.get("type") == "extra_forbidden":
             unknown += 1
             if unknown > MAX_UNKNOWN_KEYS:
-                parent = ".".join(str(p) for p in tuple(err.get("loc", ()))[:-1])
                 more[parent] = more.get(parent, 0) + 1
+                continue
+        elif loc and isinstance(loc[-1], int):  # an item of an array
+            items[parent] = items.get(parent, 0) + 1
+            if items[parent] > MAX_ITEM_PROBLEMS:
                 continue
         problems.append(problem_from_error(root, err))
     for parent, count in more.items():
         where = "" if parent else " at the top level"
         problems.append(Problem(parent, f"and {counted(count, 'more unknown key', ',')}{where}"))
+    for parent, count in items.items():
+        if count > MAX_ITEM_PROBLEMS:
+            problems.append(Problem(parent, f"and {counted(count - MAX_ITEM_PROBLEMS, 'more bad item', ',')}"))
     return problems

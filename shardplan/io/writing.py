@@ -74,6 +74,8 @@ def check_writable(path: str, flag: str) -> None:
         if not os.access(path, os.W_OK):
             raise _unwritable(path, flag, os.strerror(errno.EACCES))
         return
+    if path.endswith(("/", os.sep)):  # a folder that does not exist, not a file (open() refuses it too)
+        raise _unwritable(path, flag, os.strerror(errno.EISDIR))
     folder = os.path.dirname(os.path.realpath(path))
     if not os.path.isdir(folder):
         raise _unwritable(path, flag, os.strerror(errno.ENOENT if not os.path.exists(folder) else errno.ENOTDIR))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .common import Count, Dim, Table
 from .errors import Problem
@@ -101,6 +101,20 @@ class ModelSpec(Table):
     dropout: float = Field(
         0.0, ge=0.0, lt=1.0, description="dropout probability; > 0 keeps masks for backward"
     )
+
+    @field_validator("hf_config")
+    @classmethod
+    def _names_a_file(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("names no file: give the path of a config.json (relative to this file)")
+        return value
+
+    @field_validator("params")
+    @classmethod
+    def _some_params(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("a model of 0 parameters has nothing to plan (write e.g. '7.5B')")
+        return value
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:

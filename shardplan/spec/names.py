@@ -20,13 +20,15 @@ SOURCE_KEYS = ("preset", "hf_config", "params")
 
 def parse_order(order: str) -> tuple[str, ...]:
     """Axis names of an order string, fastest first; unknown or repeated axes raise."""
+    from .units import quoted  # messages quote a long order cut
+
     names = tuple(part.strip() for part in order.split("-"))
     unknown = [n for n in names if n not in AXES]
     if unknown:
         raise ValueError(
-            f"unknown axis {unknown[0]!r} in order {order!r} (axes: {', '.join(AXES)}, fastest first)"
+            f"unknown axis {quoted(unknown[0])} in order {quoted(order)} (axes: {', '.join(AXES)}, fastest first)"
         )
-    repeated = sorted({n for n in names if names.count(n) > 1})
+    repeated = sorted({n for n in AXES if names.count(n) > 1})  # a count per axis: linear in a long order
     if repeated:
-        raise ValueError(f"axis {repeated[0]!r} appears twice in order {order!r}")
+        raise ValueError(f"axis {repeated[0]!r} appears twice in order {quoted(order)}")
     return names

@@ -8,7 +8,7 @@ scientific notation or integers. Both parse to exact integers (Decimal, never fl
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, InvalidOperation, Overflow
 
 # Larger than any memory or model that exists by orders of magnitude; a bound keeps absurd
 # input (1e400, 10**30) from reaching arithmetic that would loop or print nonsense.
@@ -36,16 +36,34 @@ _SIZE_RE = re.compile(rf"^\s*{_NUMBER}\s*(?P<unit>[A-Za-z]*)\s*$")
 _COUNT_RE = re.compile(rf"^\s*{_NUMBER}\s*(?P<unit>[A-Za-z]?)\s*$")
 
 
+# Values quoted in messages are cut to this many characters: a message stays one line.
+MAX_QUOTED = 60
+
+
+def quoted(value: object) -> str:
+    """`value` as a message quotes it: its repr, cut at MAX_QUOTED characters; an integer too
+    long for Python to print (`sys.set_int_max_str_digits`) by its size."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"  # log10(2)
+    return text if len(text) <= MAX_QUOTED else text[:MAX_QUOTED - 3] + "..."
+
+
 def _to_int(number: str, scale: int, what: str, text: str, limit: int) -> int:
     try:
         value = Decimal(number) * scale
     except InvalidOperation:  # pragma: no cover - the regex admits only numbers
-        raise ValueError(f"not a {what}: {text!r}") from None
+        raise ValueError(f"not a {what}: {quoted(text)}") from None
+    except Overflow:  # an exponent past what Decimal computes with (`1e999999999999`)
+        value = Decimal("Infinity")
     if not value.is_finite() or value > limit:
-        raise ValueError(f"{what} {text!r} is absurdly large (limit {limit:.3g})")
+        raise ValueError(f"{what} {quoted(text)} is absurdly large (limit {limit:.3g})")
     if value != value.to_integral_value():
         unit = "bytes" if what == "size" else "elements"
-        raise ValueError(f"{what} {text!r} is not a whole number of {unit} ({value.normalize():f})")
+        exact = f"{value.normalize():f}"
+        exact = f" ({exact})" if len(exact) <= MAX_QUOTED else ""
+        raise ValueError(f"{what} {quoted(text)} is not a whole number of {unit}{exact}")
     return int(value)
 
 
@@ -55,23 +73,23 @@ def parse_size(value: object) -> int:
         raise ValueError("expected a size such as '80GiB' or an integer of bytes, got a boolean")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"a size cannot be negative (got {value})")
+            raise ValueError(f"a size cannot be negative (got {quoted(value)})")
         if value > MAX_BYTES:
-            raise ValueError(f"size {value} is absurdly large")
+            raise ValueError(f"{quoted(value)} is absurdly large for a size (limit {MAX_BYTES:.3g})")
         return value
     if isinstance(value, float):
-        raise ValueError(f"write sizes as an integer of bytes or with a unit ('80GiB'), got {value}")
+        raise ValueError(f"write sizes as an integer of bytes or with a unit ('80GiB'), got {quoted(value)}")
     if not isinstance(value, str):
         raise ValueError(f"expected a size such as '80GiB', got {type(value).__name__}")
     match = _SIZE_RE.match(value)
     if not match:
         if value.strip().startswith("-"):
-            raise ValueError(f"a size cannot be negative (got {value!r})")
-        raise ValueError(f"not a size: {value!r} (write e.g. '80GiB', '80GB', '512MiB' or bytes)")
+            raise ValueError(f"a size cannot be negative (got {quoted(value)})")
+        raise ValueError(f"not a size: {quoted(value)} (write e.g. '80GiB', '80GB', '512MiB' or bytes)")
     unit = match["unit"].lower()
     if unit not in _SIZE_UNITS:
         known = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
-        raise ValueError(f"unknown size unit {match['unit']!r} in {value!r} (known: {known})")
+        raise ValueError(f"unknown size unit {quoted(match['unit'])} in {quoted(value)} (known: {known})")
     return _to_int(match["num"], _SIZE_UNITS[unit], "size", value, MAX_BYTES)
 
 
@@ -81,24 +99,24 @@ def parse_count(value: object) -> int:
         raise ValueError("expected a count such as '7.5B' or an integer, got a boolean")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"a count cannot be negative (got {value})")
+            raise ValueError(f"a count cannot be negative (got {quoted(value)})")
         if value > MAX_COUNT:
-            raise ValueError(f"count {value} is absurdly large")
+            raise ValueError(f"{quoted(value)} is absurdly large for a count (limit {MAX_COUNT:.3g})")
         return value
     if isinstance(value, float):
         if value != value or value in (float("inf"), float("-inf")):
-            raise ValueError(f"not a count: {value}")
+            raise ValueError(f"not a count: {quoted(value)}")
         value = repr(value)
     if not isinstance(value, str):
         raise ValueError(f"expected a count such as '7.5B', got {type(value).__name__}")
     match = _COUNT_RE.match(value)
     if not match:
         if value.strip().startswith("-"):
-            raise ValueError(f"a count cannot be negative (got {value!r})")
-        raise ValueError(f"not a count: {value!r} (write e.g. '7.5B', '124M', '1T' or '7.5e9')")
+            raise ValueError(f"a count cannot be negative (got {quoted(value)})")
+        raise ValueError(f"not a count: {quoted(value)} (write e.g. '7.5B', '124M', '1T' or '7.5e9')")
     unit = match["unit"].lower()
     if unit not in _COUNT_SUFFIXES:
-        raise ValueError(f"unknown suffix {match['unit']!r} in {value!r} (known: K, M, B, T)")
+        raise ValueError(f"unknown suffix {quoted(match['unit'])} in {quoted(value)} (known: K, M, B, T)")
     return _to_int(match["num"], _COUNT_SUFFIXES[unit], "count", value, MAX_COUNT)
 
 
@@ -115,26 +133,31 @@ def parse_bandwidth(value: object) -> float:
     of bytes per second (CONTRACT: "Bandwidths accept GB/s and GiB/s")."""
     if isinstance(value, bool):
         raise ValueError("expected a bandwidth such as '450GB/s', got a boolean")
+    if isinstance(value, int) and value > MAX_BANDWIDTH:  # before float(), which overflows
+        raise ValueError(f"{quoted(value)} is absurdly large for a bandwidth (limit {MAX_BANDWIDTH:.3g} B/s)")
     if isinstance(value, (int, float)):
         number = float(value)
     elif isinstance(value, str):
         match = _BANDWIDTH_RE.match(value)
         if not match:
-            raise ValueError(f"not a bandwidth: {value!r} (write e.g. '450GB/s', '25GiB/s' or bytes per second)")
+            raise ValueError(f"not a bandwidth: {quoted(value)} (write e.g. '450GB/s', '25GiB/s' or bytes per second)")
         raw = match["unit"]
         bits = raw.lower().endswith("bit") or (len(raw) == 2 and raw[1] == "b")
         unit = raw.lower().removesuffix("it") if bits else raw.lower()
         if (bits and unit not in _BIT_UNITS) or (not bits and unit not in _SIZE_UNITS):
-            raise ValueError(f"unknown unit {raw!r} in {value!r} (known: GB/s, GiB/s, MB/s, TB/s, "
+            raise ValueError(f"unknown unit {quoted(raw)} in {quoted(value)} (known: GB/s, GiB/s, MB/s, TB/s, "
                              "Gb/s for bits, or bytes per second)")
         scale = Decimal(_BIT_UNITS[unit]) / 8 if bits else _SIZE_UNITS[unit]
-        number = float(Decimal(match["num"]) * scale)
+        try:
+            number = float(Decimal(match["num"]) * scale)
+        except Overflow:  # an exponent past what Decimal computes with
+            number = float("inf")
     else:
         raise ValueError(f"expected a bandwidth such as '450GB/s', got {type(value).__name__}")
     if not number > 0 or number != number:
-        raise ValueError(f"a bandwidth must be positive (got {value!r})")
+        raise ValueError(f"a bandwidth must be positive (got {quoted(value)})")
     if number > MAX_BANDWIDTH:
-        raise ValueError(f"bandwidth {value!r} is absurdly large (limit {MAX_BANDWIDTH:.3g} B/s)")
+        raise ValueError(f"bandwidth {quoted(value)} is absurdly large (limit {MAX_BANDWIDTH:.3g} B/s)")
     return number
 
 
