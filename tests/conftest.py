@@ -69,3 +69,22 @@ def write(tmp_path):
         return str(path)
 
     return _write
+
+
+class DataParallelUnit:
+    """The part of Megatron's mpu DeepSpeedConfig reads: the data-parallel world size."""
+
+    def __init__(self, dp: int):
+        self.dp = dp
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+
+@pytest.fixture
+def deepspeed_parse(monkeypatch):
+    """DeepSpeed's own reading of a config: DeepSpeedConfig(config, dp) without a process group
+    (rank 0 stood in for), on a copy of the config (it fills in what it reads)."""
+    ds_config = pytest.importorskip("deepspeed.runtime.config", reason="DeepSpeed is in the `interop` extra")
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda group=None: 0)
+    return lambda config, dp: ds_config.DeepSpeedConfig(json.loads(json.dumps(config)), mpu=DataParallelUnit(dp))

@@ -22,24 +22,9 @@ ds_config = pytest.importorskip("deepspeed.runtime.config")
 pytestmark = pytest.mark.interop
 
 
-class DataParallelUnit:
-    """The part of Megatron's mpu DeepSpeedConfig reads: the data-parallel world size."""
-
-    def __init__(self, dp: int):
-        self.dp = dp
-
-    def get_data_parallel_world_size(self) -> int:
-        return self.dp
-
-
 @pytest.fixture
-def ds(monkeypatch):
-    monkeypatch.setattr(ds_config.dist, "get_rank", lambda group=None: 0)
-
-    def parse(config: dict, dp: int):
-        return ds_config.DeepSpeedConfig(config, mpu=DataParallelUnit(dp))
-
-    return parse
+def ds(deepspeed_parse):
+    return deepspeed_parse
 
 
 def exported(write, plan: str):

@@ -430,24 +430,6 @@ def test_every_config_is_imported_or_refused_in_one_line_and_exports(tmp_path, n
 
 
 # -- DeepSpeed: what shardplan reads is what DeepSpeedConfig reads ---------------------------
-class DataParallelUnit:
-    """The part of Megatron's mpu DeepSpeedConfig reads: the data-parallel world size."""
-
-    def __init__(self, dp: int):
-        self.dp = dp
-
-    def get_data_parallel_world_size(self) -> int:
-        return self.dp
-
-
-@pytest.fixture
-def deepspeed_parse(monkeypatch):
-    """DeepSpeedConfig(config, dp) without a process group (rank 0 stood in for)."""
-    ds_config = pytest.importorskip("deepspeed.runtime.config", reason="DeepSpeed is in the `interop` extra")
-    monkeypatch.setattr(ds_config.dist, "get_rank", lambda group=None: 0)
-    return lambda config, dp: ds_config.DeepSpeedConfig(json.loads(json.dumps(config)), mpu=DataParallelUnit(dp))
-
-
 def as_deepspeed_reads(parsed) -> dict:
     """The plan's keys as DeepSpeed reads them from a config."""
     zero = parsed.zero_config
