@@ -199,6 +199,7 @@ class ModelShards:
     buffers: list[FlatBuffer]
     totals: list[RankTotal]
     frozen_dtype: str | None = None  # LoRA: the frozen base's storage (bf16 | nf4); None: full training
+    dtype: str = "fp32"  # the trainable parameters' storage (`Storage.dtype`)
 
 
 @dataclass(frozen=True)
@@ -342,7 +343,7 @@ def model_shards(
         for stage in range(num_stages) for rank in range(world)
     ]
     frozen = None if storage.lora is None else storage.lora.base_dtype
-    return ModelShards(style, world, storage.element_bytes, out, buffers, totals, frozen)
+    return ModelShards(style, world, storage.element_bytes, out, buffers, totals, frozen, storage.dtype)
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ def model_document(context: dict, plan: ModelShards) -> dict:
     return {
         "model": context["model"], "style": plan.style, "world": plan.world, "tp": context["tp"],
         "tp_rank": context["tp_rank"], "pp": context["pp"], "element_bytes": plan.element_bytes,
-        "dtype": _trainable_dtype(plan), "frozen_dtype": plan.frozen_dtype,
+        "dtype": plan.dtype, "frozen_dtype": plan.frozen_dtype,
         "numel": sum(p.numel for p in plan.params),
         "params": [param_json(p) for p in plan.params],
         "flat_buffers": [
@@ -136,10 +136,6 @@ def _precision_note(precision: str, element_bytes: int) -> str:
         return precision
     kept = "FSDP keeps fp32 shards" if element_bytes == 4 else "DeepSpeed keeps 16-bit parameters"
     return f"{precision}: {kept}"
-
-
-def _trainable_dtype(plan: ModelShards) -> str:
-    return next((p.dtype for p in plan.params if p.trainable), "fp32" if plan.element_bytes == 4 else "bf16")
 
 
 def storage_text(precision: str, element_bytes: int, dtype: str, frozen_dtype: str | None) -> str:
@@ -274,7 +270,7 @@ def model_text(context: dict, plan: ModelShards, num_layers: int) -> Text:
         f"{d['model']}: {plan.style} over {plan.world} ranks"
         + (f"; tp {d['tp']} (tp rank {d['tp_rank']}'s pieces)" if d["tp"] > 1 else "")
         + (f"; pp {d['pp']}" if d["pp"] > 1 else "")
-        + f"; {storage_text(d['precision'], plan.element_bytes, _trainable_dtype(plan), plan.frozen_dtype)}\n",
+        + f"; {storage_text(d['precision'], plan.element_bytes, plan.dtype, plan.frozen_dtype)}\n",
         style="bold",
     )
     if plan.frozen_dtype is not None and plan.buffers:
