@@ -16,7 +16,7 @@ else:  # pragma: no cover
 
 from ..spec.errors import InputError, Problem
 from ..spec.names import SHAPE_KEYS, SOURCE_KEYS
-from ..spec.units import MAX_QUOTED, quoted
+from ..spec.units import cut, quoted
 from .files import longest_int_digits
 
 # CONTRACT: shortcut flags and the job-file key each one sets.
@@ -54,7 +54,7 @@ def flag_label(name: str, value: object) -> str:
     """`--dp 4`: a flag and its value as messages name them (an empty value as '', a long one
     cut as `quoted` cuts it)."""
     text = str(value) if value != "" else repr("")
-    return f"--{name.replace('_', '-')} {text if len(text) <= MAX_QUOTED else text[:MAX_QUOTED - 3] + '...'}"
+    return f"--{name.replace('_', '-')} {cut(text)}"
 
 
 def set_key(expression: str) -> str:

@@ -9,7 +9,7 @@ import typing
 from pydantic import BaseModel, ValidationError
 
 from ..spec.errors import Problem
-from ..spec.units import MAX_QUOTED, counted, quoted
+from ..spec.units import counted, cut, quoted
 
 _TYPE_NAMES = {
     bool: "a boolean", int: "an integer", float: "a float", str: "a string",
@@ -52,7 +52,7 @@ def shown_value(value: object) -> str:
         text = value.isoformat()
     else:
         return "null" if value is None else quoted(value)  # an integer too long to print by its size
-    return text if len(text) <= MAX_QUOTED else text[:MAX_QUOTED - 3] + "..."
+    return cut(text)
 
 
 def _type_name(value: object) -> str:

@@ -4,6 +4,8 @@ them from here, so a command that reads no job file never loads pydantic."""
 
 from __future__ import annotations
 
+from .units import quoted
+
 AXES = ("tp", "cp", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-dp-pp"
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "round-robin")
@@ -20,8 +22,6 @@ SOURCE_KEYS = ("preset", "hf_config", "params")
 
 def parse_order(order: str) -> tuple[str, ...]:
     """Axis names of an order string, fastest first; unknown or repeated axes raise."""
-    from .units import quoted  # messages quote a long order cut
-
     names = tuple(part.strip() for part in order.split("-"))
     unknown = [n for n in names if n not in AXES]
     if unknown:

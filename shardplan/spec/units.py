@@ -40,6 +40,11 @@ _COUNT_RE = re.compile(rf"^\s*{_NUMBER}\s*(?P<unit>[A-Za-z]?)\s*$")
 MAX_QUOTED = 60
 
 
+def cut(text: str) -> str:
+    """`text` cut at MAX_QUOTED characters, the cut marked with `...`."""
+    return text if len(text) <= MAX_QUOTED else text[:MAX_QUOTED - 3] + "..."
+
+
 def quoted(value: object) -> str:
     """`value` as a message quotes it: its repr, cut at MAX_QUOTED characters; an integer too
     long for Python to print (`sys.set_int_max_str_digits`) by its size."""
@@ -47,7 +52,7 @@ def quoted(value: object) -> str:
         text = repr(value)
     except ValueError:
         return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"  # log10(2)
-    return text if len(text) <= MAX_QUOTED else text[:MAX_QUOTED - 3] + "..."
+    return cut(text)
 
 
 def _to_int(number: str, scale: int, what: str, text: str, limit: int) -> int:
