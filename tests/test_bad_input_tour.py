@@ -267,13 +267,13 @@ def test_a_long_hf_config_value_is_quoted_cut(config, needle, write):
 # --- a JSON job that gives a key twice ------------------------------------------------------
 
 @pytest.mark.parametrize("text, key", [
-    ('{"parallel": {"dp": 2, "dp": 4}}', "dp"),
-    ('{"train": {"lr": 1}, "train": {"lr": 2}}', "train"),
+    ('{"parallel": {"dp": 2,\n "dp": 4}}', "parallel.dp"),
+    ('{"train": {"lr": 1},\n "train": {"lr": 2}}', "train"),
 ], ids=["key", "table"])
 def test_a_json_job_key_given_twice_is_refused(text, key, write):
     # json keeps the last one without a word; the same job in TOML is refused.
     path = write("job.json", text)
-    assert _bad(run_cli("validate", path), "given twice") == [f"{path}: invalid JSON: key {key!r} given twice in one object"]
+    assert _bad(run_cli("validate", path), "given twice") == [f"{path}:2: {key}: given twice (lines 1 and 2)"]
     assert "invalid TOML" in run_cli("validate", write("job.toml", "[parallel]\ndp = 2\ndp = 4\n")).err
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import DATA, run_cli
 from interop_plans import PLANS
-from shardplan.io.interop.source import json_key_lines
+from shardplan.io.files import json_key_lines
 from shardplan.io.interop.torchtitan import stage_fqns, torchtitan_split
 
 if sys.version_info >= (3, 11):

@@ -169,12 +169,12 @@ def test_problems_of_set_values_name_the_flag(write):
     for expression, message in cases:
         result = run_cli("validate", path, "--set", expression)
         assert result.code == 2 and errors(result) == [message], (expression, result.err)
-    # A table the file writes (here as JSON, which records no lines) keeps its problems when
-    # --set changes another key of it.
+    # A table the file writes (here as JSON, on one line) keeps its problems when --set
+    # changes another key of it.
     doc = write("job.json", json.dumps({"model": {"preset": "llama-3-8b"}, "parallel": {"dp": 2},
                                         "cluster": {"preset": "h100-80gb", "nodes": 1}}))
     result = run_cli("validate", doc, "--set", "parallel.micro_batch_size=2")
-    assert errors(result)[0].startswith(f"{doc}: parallel: dp(2) * tp(1) * pp(1) * cp(1) = 2 != world size 8")
+    assert errors(result)[0].startswith(f"{doc}:1: parallel: dp(2) * tp(1) * pp(1) * cp(1) = 2 != world size 8")
     # The same item written in the file is the file's, at its line.
     bad = write("bad.toml", LLAMA3 + '[lora]\nrank = 8\ntargets = ["q_proj", "bogus"]\n')
     assert errors(run_cli("validate", bad))[0].startswith(f"{bad}:5: lora.targets.1: must be one of")

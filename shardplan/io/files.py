@@ -19,7 +19,6 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from ..spec.errors import InputError, Problem
-from ..spec.units import quoted
 
 # A job file is a few dozen lines; anything this large is not one (and reading it whole
 # would be the first mistake).
@@ -140,38 +139,70 @@ def parse_toml(text: str, shown: str) -> Document:
     return Document(shown, data, toml_key_lines(text))
 
 
-class _RepeatedKey(ValueError):
-    pass
+def json_key_lines(text: str, shown: str = "") -> dict[str, int]:
+    """Dotted key -> 1-based line of every object key in a JSON text (keys inside arrays
+    are left out). A small scanner: `json` itself keeps no positions. A key given twice in
+    one object is refused at both its lines (naming `shown`): `json` keeps the last silently,
+    where TOML refuses it and so does DeepSpeed (runtime/config.py,
+    `dict_raise_error_on_duplicate_keys`)."""
+    lines: dict[str, int] = {}
+    stack: list[str | None] = []  # per open container: the key it was reached by (None: array)
+    given: list[dict[str, int]] = []  # per open container: its keys so far, with their lines
+    line, i, expecting_key, last_key = 1, 0, False, None
+    while i < len(text):
+        char = text[i]
+        if char == "\n":
+            line += 1
+        elif char == '"':
+            end, start_line = i + 1, line
+            while end < len(text) and text[end] != '"':
+                end += 2 if text[end] == "\\" else 1
+            string = text[i + 1:end]
+            if expecting_key and None not in stack:
+                last_key = json.loads(f'"{string}"') if "\\" in string else string
+                path = ".".join([k for k in stack[1:] if k] + [last_key])
+                if last_key in given[-1] and shown:
+                    raise InputError(Problem(path, f"given twice (lines {given[-1][last_key]} and {start_line})",
+                                             file=shown, line=start_line))
+                given[-1][last_key] = start_line
+                lines.setdefault(path, start_line)
+            i = end
+        elif char == "{":
+            stack.append(last_key if stack else "")
+            given.append({})
+            expecting_key = True
+        elif char == "[":
+            stack.append(None)
+            given.append({})
+            expecting_key = False
+        elif char in "}]":
+            if stack:
+                stack.pop()
+                given.pop()
+            expecting_key = False
+        elif char == ",":
+            expecting_key = bool(stack) and stack[-1] is not None
+        elif char == ":":
+            expecting_key = False
+        i += 1
+    return lines
 
 
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    """A JSON object whose keys are all different: `json` keeps the last of a repeated key
-    without a word, where a job file in TOML refuses it."""
-    data = {}
-    for key, value in pairs:
-        if key in data:
-            raise _RepeatedKey(key)
-        data[key] = value
-    return data
-
-
-def parse_json(text: str, shown: str, unique_keys: bool = False) -> Document:
-    """`unique_keys`: a key given twice in one object is refused (a job file), not the last
-    one kept (as `json`, and transformers reading a config.json, keep it)."""
+def parse_json(text: str, shown: str, key_lines: bool = False) -> Document:
+    """`key_lines`: the document keeps every key's line (a job file, a DeepSpeed config), and a
+    key given twice in one object is refused there (`json_key_lines`), not the last one kept
+    (as `json`, and transformers reading a config.json, keep it)."""
     try:
-        data = json.loads(text, object_pairs_hook=_unique_keys if unique_keys else None)
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(Problem("", f"invalid JSON: {exc.msg}", file=shown, line=exc.lineno)) from None
     except RecursionError:
         raise InputError(Problem("", "invalid JSON: nested too deeply", file=shown)) from None
-    except _RepeatedKey as exc:
-        raise InputError(Problem("", f"invalid JSON: key {quoted(exc.args[0])} given twice in one object",
-                                 file=shown)) from None
     except ValueError:  # an integer longer than Python converts
         raise _long_number(text, "JSON", shown) from None
     if not isinstance(data, dict):
         raise InputError(Problem("", "expected a JSON object at the top", file=shown))
-    return Document(shown, data)
+    return Document(shown, data, json_key_lines(text, shown) if key_lines else {})
 
 
 def read_json(path: str | Path, shown: str | None = None) -> Document:
@@ -185,5 +216,5 @@ def read_document(path: str | Path) -> Document:
     shown = str(path)
     text = _read_text(Path(path), shown)
     if shown.lower().endswith(".json"):
-        return parse_json(text, shown, unique_keys=True)
+        return parse_json(text, shown, key_lines=True)
     return parse_toml(text, shown)

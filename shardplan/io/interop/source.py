@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...spec.errors import InputError, Problem
-from ..files import Document, _read_text, parse_json, parse_toml
+from ..files import Document, _read_text, json_key_lines, parse_json, parse_toml
 
 # Keys that only each format's configs have at the top (DeepSpeed's config-json docs,
 # torchtitan's JobConfig tables, accelerate's ClusterConfig).
@@ -45,54 +45,6 @@ FORMATS = {
     "accelerate": "accelerate config (YAML)",
 }
 _NONE_OF_THEM = "not a DeepSpeed config (JSON), a torchtitan job config (TOML) or an accelerate config (YAML)"
-
-
-def json_key_lines(text: str, shown: str = "") -> dict[str, int]:
-    """Dotted key -> 1-based line of every object key in a JSON text (keys inside arrays
-    are left out). A small scanner: `json` itself keeps no positions. A key given twice in
-    one object is refused (naming `shown`): `json` keeps the last silently, and DeepSpeed
-    refuses the file (runtime/config.py, `dict_raise_error_on_duplicate_keys`)."""
-    lines: dict[str, int] = {}
-    stack: list[str | None] = []  # per open container: the key it was reached by (None: array)
-    given: list[dict[str, int]] = []  # per open container: its keys so far, with their lines
-    line, i, expecting_key, last_key = 1, 0, False, None
-    while i < len(text):
-        char = text[i]
-        if char == "\n":
-            line += 1
-        elif char == '"':
-            end, start_line = i + 1, line
-            while end < len(text) and text[end] != '"':
-                end += 2 if text[end] == "\\" else 1
-            string = text[i + 1:end]
-            if expecting_key and None not in stack:
-                last_key = json.loads(f'"{string}"') if "\\" in string else string
-                path = ".".join([k for k in stack[1:] if k] + [last_key])
-                if last_key in given[-1] and shown:
-                    raise InputError(Problem(path, f"given twice (lines {given[-1][last_key]} and {start_line})",
-                                             file=shown, line=start_line))
-                given[-1][last_key] = start_line
-                lines.setdefault(path, start_line)
-            i = end
-        elif char == "{":
-            stack.append(last_key if stack else "")
-            given.append({})
-            expecting_key = True
-        elif char == "[":
-            stack.append(None)
-            given.append({})
-            expecting_key = False
-        elif char in "}]":
-            if stack:
-                stack.pop()
-                given.pop()
-            expecting_key = False
-        elif char == ",":
-            expecting_key = bool(stack) and stack[-1] is not None
-        elif char == ":":
-            expecting_key = False
-        i += 1
-    return lines
 
 
 def yaml_document(text: str, shown: str) -> Document:
@@ -149,13 +101,12 @@ def read_source(path: str) -> tuple[str, Document]:
         try:
             doc = parse_json(text, path)
         except InputError as json_error:
-            json_key_lines(text, path)  # a key given twice is refused at its two lines, not as bad JSON
             # YAML's flow style opens with `{` too (gpt-neox's *.yml configs, with comments):
             # a file not named *.json is read as YAML when it is not JSON.
             if path.lower().endswith(".json"):
                 raise json_error from None
             return _yaml_source(text, path, json_error)
-        doc.lines = json_key_lines(text, path)
+        doc.lines = json_key_lines(text, path)  # outside the try: a key given twice is refused as such
         found = detect(doc, "json")
         if found:
             return found, doc
@@ -275,6 +226,5 @@ def read_referenced(fmt: str, doc: Document) -> dict[str, Referenced]:
         resolved = (f"{name} is not in the working directory, where accelerate opens it (from where "
                     f"`accelerate launch` runs): read {beside}, beside this file")
     text = _read_text(Path(found), found)
-    referenced = parse_json(text, found)
-    referenced.lines = json_key_lines(text, found)
+    referenced = parse_json(text, found, key_lines=True)
     return {DEEPSPEED_CONFIG_FILE: Referenced(referenced, resolved)}
