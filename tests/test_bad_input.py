@@ -28,6 +28,8 @@ FILE_CASES = [
     ("array_stage", "[zero]\nstage = [1]\n", [], "zero.stage"),
     ("bad_stage_name", '[zero]\nstage = "full_shrd"\n', [], "zero.stage: unknown sharding"),
     ("stage_too_high", "[zero]\nstage = 4\n", [], "zero.stage: must be <= 3"),
+    # DeepSpeed 0.19.8 deepspeed/runtime/zero/config.py: `reduce_bucket_size: int = Field(pp_int(5e8), gt=0)`.
+    ("empty_reduce_bucket", "[zero]\nreduce_bucket_size = 0\n", [], "zero.reduce_bucket_size: must be >= 1 (got 0)"),
     ("absurd_size", '[cluster]\ngpu_memory = "1e400GiB"\n', [], "cluster.gpu_memory"),
     ("bad_size_unit", '[cluster]\ngpu_memory = "80 gigs"\n', [], "cluster.gpu_memory"),
     ("negative_size", "[cluster]\ngpu_memory = -5\n", [], "cluster.gpu_memory"),

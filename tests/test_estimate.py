@@ -114,6 +114,24 @@ def test_cli_sequence_parallel_layer_term(framework, write):
         assert said == []
 
 
+@pytest.mark.parametrize("threshold, persistent", [(4096, True), (4095, False)])
+def test_deepspeed_stage3_keeps_tensors_up_to_the_threshold_whole(threshold, persistent):
+    """DeepSpeed marks a parameter persistent when `param.ds_numel <=
+    Init.param_persistence_threshold` (deepspeed/runtime/zero/partition_parameters.py line
+    1264; parameter_offload.py `mark_persistent_parameters`): kept whole after its first
+    gather, besides its partition. llama-3-8b's 65 RMSNorm weights have 4,096 elements each
+    (transformers LlamaRMSNorm over hidden_size 4096); every other tensor is far larger."""
+    result = run_cli("estimate", "--set", "model.preset=llama-3-8b", "--dp", "8", "--zero", "3",
+                     "--framework", "deepspeed", "--set", f"zero.param_persistence_threshold={threshold}",
+                     "--json", "--explain")
+    assert result.code == 0, result.err
+    terms = result.json["devices"][0]["terms"]["gpu.params"]
+    whole = [t["bytes"] for t in terms if t["label"].startswith("persistent parameters")]
+    partitions = [t["bytes"] for t in terms if t["label"].startswith("16-bit parameter partitions")]
+    assert whole == ([65 * 4096 * 2] if persistent else [])
+    assert partitions == [2 * 8_030_261_248 // 8]  # 8,030,261,248 elements divide by 8: no padding
+
+
 def _inputs(**changes):
     base = dict(shape=gpt_shape(num_layers=8), params=None, degrees=Degrees(dp=2), seq_len=1024,
                 micro_batch=2, zero_stage=3, gpus_per_node=8)

@@ -244,6 +244,12 @@ def test_agreeing_overrides_and_a_repeated_set_are_taken():
 @pytest.mark.parametrize("setting, message", [
     ("train.precision=BF16-mixed", "(did you mean 'bf16-mixed'?)"),  # case does not count
     ("cluster.gpu=h100", "(did you mean 'h100-pcie' or 'h100-sxm'?)"),  # presets/gpus: the names it starts
+    # A name of a known family (the word before the first '-') is matched within the family:
+    # 'h100-80gb' was taken for 'a100-sxm-80gb' by spelling alone.
+    ("cluster.gpu=h100-sxm-80gb", "(did you mean 'h100-sxm'?)"),
+    ("cluster.gpu=h100-80gb", "(did you mean 'h100-sxm'?)"),
+    ("cluster.gpu=a100-80gb", "(did you mean 'a100-sxm-80gb'?)"),
+    ("model.preset=mistral-7b-v0.3", "(did you mean 'mistral-7b'?)"),
     ("parallel.tpp=2", "(did you mean 'tp'?)"),
     ("train.lr=nan", "train.lr: must be a number (got nan)"),
 ])

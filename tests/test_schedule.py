@@ -328,6 +328,7 @@ def test_terminal_picture():
     (["--pp", "4", "--microbatches", "4", "--schedule", "gpipe", "--virtual", "100"], "--virtual: must be <= 64"),
     (["--pp", "four", "--microbatches", "4", "--schedule", "gpipe"], "'--pp'"),
     (["--pp", "4", "--microbatches", "4", "--schedule", "1f1f"], "--schedule: unknown schedule '1f1f' (did you mean '1f1b'?"),
+    (["--pp", "4", "--microbatches", "4", "--schedule", "1F1B"], "--schedule: unknown schedule '1F1B' (did you mean '1f1b'?"),
     (["--pp", "4", "--microbatches", "4", "--schedule", "1f1b", "--cost-w", "1"], "--cost-w: only zero-bubble splits"),
     (["--pp", "4", "--microbatches", "4", "--schedule", "1f1b", "--cost-f", "0"], "--cost-f: must be >= 1 (got 0)"),
     (["--pp", "4", "--microbatches", "4", "--schedule", "1f1b", "--cost-b", "1000"], "--cost-b: must be <= 100"),

@@ -152,9 +152,43 @@ def test_deepspeed_flat_buffers_hold_only_the_adapters(write):
     assert all(p["replicated"] and p["unit"] == "frozen" and p["dtype"] == "bf16" for p in frozen)
     assert all(s["bytes"] == 2 * _numel(p) for p in frozen for s in p["shards"])
     # Stage 3: every parameter partitioned, frozen ones in bf16 as the estimate's `frozen_bytes`.
+    # tiny-gpt2's embedding (512 x 128) is under stage3_param_persistence_threshold (1e5):
+    # DeepSpeed keeps it whole besides its partition (partition_parameters.py line 1264).
     doc3 = _shards(job, "--dp", "4", "--framework", "deepspeed", "--zero", "3")
     lm = next(p for p in doc3["params"] if p["name"] == "embed.weight")
-    assert doc3["style"] == "zero3" and lm["shards"][0]["bytes"] == 2 * -(-_numel(lm) // 4)
+    assert doc3["style"] == "zero3" and lm["persistent_bytes"] == 2 * 512 * 128
+    assert lm["shards"][0]["bytes"] == 2 * -(-_numel(lm) // 4) + 2 * 512 * 128
+
+
+@pytest.mark.parametrize("model, lora", [
+    (LLAMA_8B, None),
+    (LLAMA_8B, {"rank": 16, "base_dtype": "bf16"}),
+    (LLAMA_8B, {"rank": 8, "targets": ALL_LINEARS, "base_dtype": "nf4"}),
+    (GPT2, {"rank": 4, "targets": ["q_proj", "up_proj"], "base_dtype": "bf16"}),
+])
+@pytest.mark.parametrize("extra", [(), ("--set", "offload.params=true", "--set", "offload.optimizer=true"),
+                                   ("--set", "zero.param_persistence_threshold=0")])
+def test_deepspeed_stage3_bytes_equal_the_estimate(write, model, lora, extra):
+    """DeepSpeed ZeRO-3: every parameter partitioned to ceil(numel / dp) elements, and those of at
+    most stage3_param_persistence_threshold elements (1e5 by default: the norms of 4,096, and
+    LoRA adapters such as a rank-16 lora_A of a 4,096-wide projection, 16 x 4,096 = 65,536) also
+    kept whole (partition_parameters.py line 1264). Per rank, `shards` stores what the estimate
+    counts, GPU and host together, with parameter offload too."""
+    if lora is None:
+        job = write("job.toml", f"{model}[train]\nprecision = \"bf16-mixed\"\n")
+    else:
+        job = _job(write, model, lora)
+    flags = ("--dp", "4", "--framework", "deepspeed", "--zero", "3", *extra)
+    doc = _shards(job, *flags)
+    estimate = _estimate_params(job, *flags)
+    assert doc["style"] == "zero3"
+    assert [rank["bytes"] for rank in doc["ranks"]] == [estimate[0]] * 4
+    kept = [p for p in doc["params"] if p["persistent_bytes"]]
+    if "zero.param_persistence_threshold=0" in extra:
+        assert kept == [] and doc["persistent_at_most"] == 0
+    else:
+        assert kept and all(_numel(p) <= 100_000 for p in kept)
+        assert all(_numel(p) > 100_000 for p in doc["params"] if not p["persistent_bytes"])
 
 
 def _numel(param: dict) -> int:

@@ -203,9 +203,15 @@ def shards(
                                  f"{len(placed):,} parameters x {shard_world:,} ranks = {rows:,} shards, more than "
                                  f"the {MAX_SHARD_ROWS:,} a model listing holds: give --numel N to cut one tensor, "
                                  "or a smaller --world"))
-    plan = model_shards(placed, shard_world, chosen, element_bytes, min_numel=job.zero.min_num_params,
-                        storage=storage)
-    context = {"model": model, "tp": par.tp, "tp_rank": 0, "pp": par.pp, "precision": job.train.precision}
+    # DeepSpeed has no min_num_params (the estimate ignores it there); its stage 3 keeps small
+    # parameters whole besides their partitions (stage3_param_persistence_threshold).
+    deepspeed = job.zero.framework == "deepspeed"
+    persistent = job.zero.param_persistence_threshold if deepspeed and job.zero.stage == 3 and chosen == "zero3" else None
+    plan = model_shards(placed, shard_world, chosen, element_bytes,
+                        min_numel=0 if deepspeed else job.zero.min_num_params, storage=storage,
+                        persistent_at_most=persistent)
+    context = {"model": model, "tp": par.tp, "tp_rank": 0, "pp": par.pp, "precision": job.train.precision,
+               "persistent_at_most": persistent}
     _show(model_document(context, plan), json_out, lambda _: model_text(context, plan, shape.num_layers),
           view and view.note)
 

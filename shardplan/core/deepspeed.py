@@ -290,10 +290,20 @@ def _per_param_pinned(rp: RankParams, plan: DeepSpeedPlan, groups: tuple[FlatGro
     return total
 
 
+def persists(numel: int, threshold: int) -> bool:
+    """Stage 3 keeps a parameter of at most `threshold` elements whole after its first gather,
+    besides its partition: `ds_persist` (zero/partition_parameters.py line 1264,
+    `param.ds_numel <= Init.param_persistence_threshold`; zero/parameter_offload.py
+    `mark_persistent_parameters`), frozen ones too. The coordinator never releases it
+    (partitioned_param_coordinator.py line 565). `stage3_model_persistence_threshold` (default
+    sys.maxsize, no cap) is not modelled."""
+    return numel <= threshold
+
+
 def _stage3(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
     model = plan.model_bytes
     params = ordered_params(rp)
-    persistent = [p for p in params if p.numel < plan.persistence_threshold]
+    persistent = [p for p in params if persists(p.numel, plan.persistence_threshold)]
     partition = sum(-(-p.numel // plan.degree) for p in params)
     whole = sum(p.numel for p in persistent)
     gpu: dict[str, list[Term]] = {"params": [], "grads": [], "optimizer": []}
@@ -305,7 +315,7 @@ def _stage3(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
     parts = _term("16-bit parameter partitions", partition, model, f"each parameter padded to a multiple of {plan.degree}, / dp")
     (cpu if plan.offload_params else gpu)["params"].append(parts)
     if whole:
-        gpu["params"].append(_term("persistent parameters (under stage3_param_persistence_threshold)", whole, model,
+        gpu["params"].append(_term("persistent parameters (at most stage3_param_persistence_threshold elements)", whole, model,
                                    f"{len(persistent)} small tensors kept whole"))
     grad_parts = _term("gradient partitions (grad_partitions_flat_buffer)", partition, model, "one flat buffer")
     place = cpu if plan.offload_optimizer else gpu

@@ -46,6 +46,7 @@ from .degrees import Degrees
 from .estimate_inputs import EstimateInputs, defers_to_step_end
 from .finetune import (
     deepspeed_frozen_buffers,
+    deepspeed_persistent_frozen,
     frozen_bytes,
     frozen_terms,
     gathered_block_bytes,
@@ -386,7 +387,13 @@ def _lora(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes, degree: int,
         memory, host = _deepspeed(inputs, trainable, degree, index)
         held = "partition" if inputs.zero_stage == 3 else "whole"
         on_host = inputs.offload_params  # stage 3: zero.Init allocates every partition on the host
-        gpu, cpu = frozen_terms(rp, inputs.lora, degree, 0 if on_host else rp.num_layers, held, root_on_host=on_host)
+        persistent, base = [], rp
+        if inputs.zero_stage == 3:
+            persistent, base = deepspeed_persistent_frozen(rp, inputs.lora, inputs.param_persistence_threshold,
+                                                           degree, on_host)
+        gpu, cpu = frozen_terms(base, inputs.lora, degree, 0 if on_host else rp.num_layers, held,
+                                root_on_host=on_host)
+        gpu += persistent
         memory = _with_frozen(memory, gpu, cpu, deepspeed_frozen_buffers(rp, inputs.lora, inputs.zero_stage))
         return memory, host + cpu
     memory = _torch_or_paper(inputs, trainable, eb, degree, index, resident, buffers=False)

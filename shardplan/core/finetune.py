@@ -29,9 +29,11 @@ transient of every forward and backward moment.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..spec.units import counted
 from .buffers import pipelined_buffers, place_gathered_blocks
-from .deepspeed import pinned_bytes
+from .deepspeed import persists, pinned_bytes
 from .lora import BASE_BYTES, LoraPlan, stores_nf4
 from .precision import FP32, ElementBytes
 from .quantized import nf4_bytes, nf4_dequant_bytes, nf4_shared_bytes, nf4_sharded_bytes
@@ -198,3 +200,31 @@ def deepspeed_frozen_buffers(rp: RankParams, lora: LoraPlan, stage: int) -> dict
         at[moment].append(gathered)
         at[moment] += dequant_terms(rp, lora)
     return at
+
+
+def deepspeed_persistent_frozen(rp: RankParams, lora: LoraPlan, threshold: int, degree: int,
+                                on_host: bool) -> tuple[list[Term], RankParams]:
+    """DeepSpeed stage 3 keeps small tensors whole besides their partition (`persists`), the
+    frozen base's too: its norm weights (and, in small models, whole linears). With
+    offload_param their partitions stay on the GPU as well: `_partition_param` allocates a
+    persistent tensor's partition on the local device (zero/partition_parameters.py lines
+    1800-1802), and only trainable partitions move to the optimizer's host buffer. Returns the
+    GPU term and the rank's parameters less those the term holds (all of them on the GPU)."""
+    layer = [p for p in rp.layer if persists(p.numel, threshold)]
+    root = [p for p in rp.root if persists(p.numel, threshold)]
+    count = rp.num_layers * len(layer) + len(root)
+    if not count:
+        return [], rp
+    whole = rp.num_layers * sum(frozen_bytes(p, lora, 1, "whole") for p in layer)
+    whole += sum(frozen_bytes(p, lora, 1, "whole") for p in root)
+    label = "frozen base, persistent tensors kept whole (stage 3)"
+    if not on_host:
+        return [Term(label, whole, lambda: f"{counted(count, 'tensor')} of at most {threshold:,} elements, "
+                     f"{whole:,} B")], rp
+    parts = rp.num_layers * sum(frozen_bytes(p, lora, degree, "partition") for p in layer)
+    parts += sum(frozen_bytes(p, lora, degree, "partition") for p in root)
+    rest = replace(rp, layer=tuple(p for p in rp.layer if p not in layer),
+                   root=tuple(p for p in rp.root if p not in root))
+    return [Term(label + " and their partitions", whole + parts,
+                 lambda: f"{counted(count, 'tensor')} of at most {threshold:,} elements: {whole:,} B whole "
+                 f"+ {parts:,} B of partitions (on the GPU under offload_param)")], rest

@@ -93,7 +93,8 @@ def check_schedule(schedule: str, pp: int, microbatches: int, virtual: int = 1, 
     """Raise `ScheduleInputError` when the schedule cannot run with these values; `limits`
     adds the bounds that keep a drawn schedule readable (the estimate does without them)."""
     if schedule not in SCHEDULES:
-        close = difflib.get_close_matches(str(schedule), SCHEDULES, n=1)
+        text = str(schedule).lower()  # '1F1B' is '1f1b' with the wrong case
+        close = [text] if text in SCHEDULES else difflib.get_close_matches(text, SCHEDULES, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ScheduleInputError(
             "schedule", f"unknown schedule {schedule!r} ({hint}one of: {', '.join(SCHEDULES)})"

@@ -162,6 +162,11 @@ class ParamShards:
     dtype: str = "fp32"  # how it is stored: fp32, bf16, fp16, or nf4 (QLoRA's base linears)
     trainable: bool = True
     stored_bytes: tuple[int, ...] = ()  # bytes each rank stores of it, padding included
+    persistent_bytes: int = 0  # DeepSpeed stage 3: a whole copy kept on every rank besides the partition
+
+    @property
+    def persistent(self) -> bool:
+        return self.persistent_bytes > 0
 
     @property
     def numel(self) -> int:
@@ -253,6 +258,7 @@ def model_shards(
     element_bytes: int = FP32,
     min_numel: int = 0,
     storage: Storage | None = None,
+    persistent_at_most: int | None = None,
 ) -> ModelShards:
     """Per-parameter shards, flat buffers and per-(stage, rank) totals of a model.
 
@@ -260,12 +266,17 @@ def model_shards(
     (`placed_params`); `min_numel` keeps smaller trainable parameters whole on every rank
     under the per-parameter styles (FSDP's min_num_params, DeepSpeed's param persistence
     threshold; the estimate cuts LoRA's frozen base regardless). `storage` says how each
-    parameter is stored (default: `element_bytes` each, full training)."""
+    parameter is stored (default: `element_bytes` each, full training). `persistent_at_most`
+    (the zero3 style, DeepSpeed stage 3's stage3_param_persistence_threshold): parameters of at
+    most that many elements, frozen ones too, are partitioned and also kept whole on every
+    rank (core/deepspeed.py `persists`); their whole copies count in the totals."""
     storage = storage or Storage(element_bytes, dtype_name("", element_bytes))
     if style not in PER_PARAM_STYLES + FLAT_STYLES:
         raise PlanError(f"unknown style {style!r} (styles: {', '.join(PER_PARAM_STYLES + FLAT_STYLES)})")
     if world < 1:
         raise PlanError(f"world must be a positive integer (got {world})")
+    if persistent_at_most is not None and style != "zero3":
+        raise PlanError(f"persistent parameters are DeepSpeed stage 3's (the zero3 style), not {style}'s")
     if style == "fsdp1" and any(not p.trainable for p in placed):
         # FlatParamHandle._validate_tensors_to_flatten (torch/distributed/fsdp/_flat_param.py).
         raise PlanError("fsdp1 cannot hold LoRA's frozen base beside its adapters: FSDP1 flattens a block into "
@@ -280,17 +291,21 @@ def model_shards(
     frozen_how = "fsdp2" if style == "fsdp2" else "partition"
 
     def add(param: PlacedParam, unit: str, replicated: bool, shards: tuple[Shard, ...],
-            rows: tuple[int, ...] | None, counted: bool = True) -> ParamShards:
-        """`counted`: its shards add to the totals (a flat buffer's members are counted as the buffer)."""
+            rows: tuple[int, ...] | None, counted: bool = True, persistent: bool = False) -> ParamShards:
+        """`counted`: its shards add to the totals (a flat buffer's members are counted as the buffer);
+        `persistent`: a whole copy on every rank besides its shard."""
         how = "whole" if replicated else frozen_how
-        sizes = tuple(storage.bytes(param, shard, world, how) for shard in shards)
+        numel = prod(param.local_shape)
+        extra = storage.bytes(param, Shard(0, 0, numel, 0), 1, "whole") if persistent else 0
+        sizes = tuple(storage.bytes(param, shard, world, how) + extra for shard in shards)
         for shard, size in zip(shards, sizes):
             stored[param.stage][shard.rank] += size
             if counted:
-                held[param.stage][shard.rank] += shard.numel
+                held[param.stage][shard.rank] += shard.numel + (numel if persistent else 0)
                 padded[param.stage][shard.rank] += shard.padding
         return ParamShards(param.name, param.info.shape, param.local_shape, param.info.layer, param.stage, unit,
-                           replicated, shards, rows, storage.param_dtype(param), param.trainable, sizes)
+                           replicated, shards, rows, storage.param_dtype(param), param.trainable, sizes,
+                           extra)
 
     def whole(numel: int) -> tuple[Shard, ...]:
         return tuple(Shard(rank, 0, numel, 0) for rank in range(world))
@@ -306,7 +321,8 @@ def model_shards(
                 shards, rows = _rows_shards(shape, world)
             else:
                 shards = tuple(shard_ranges(numel, world, "zero3"))
-            out.append(add(param, param.name, replicated, shards, rows))
+            persistent = persistent_at_most is not None and numel <= persistent_at_most
+            out.append(add(param, param.name, replicated, shards, rows, persistent=persistent))
     else:
         flattened = [p for p in placed if p.trainable]  # only trainable parameters are flattened
         units: dict[tuple[int, str], list[PlacedParam]] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import difflib
+import re
 import typing
 
 from pydantic import BaseModel, ValidationError
@@ -39,6 +40,16 @@ def did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str:
     started = [name for name in names if text and name.lower().startswith(text)]
     if 1 <= len(started) <= 3:
         return f" (did you mean {' or '.join(repr(name) for name in started)}?)"
+    # A name's first word is its family (`h100` of 'h100-sxm'): a word of a known family is
+    # matched within it, so 'h100-80gb' is not taken for 'a100-sxm-80gb'.
+    head = re.split(r"[-_.]", text, maxsplit=1)[0]
+    family = [name for name in lowered if head and re.split(r"[-_.]", name, maxsplit=1)[0] == head]
+    if family and head != text:
+        close = difflib.get_close_matches(text, family, n=1, cutoff=0.5)
+        if close:
+            return f" (did you mean {lowered[close[0]]!r}?)"
+        if len(family) <= 3:
+            return f" (did you mean {' or '.join(repr(lowered[name]) for name in family)}?)"
     close = difflib.get_close_matches(text, list(lowered), n=1, cutoff=0.6)
     return f" (did you mean {lowered[close[0]]!r}?)" if close else ""
 

@@ -10,7 +10,7 @@ from rich.text import Text
 
 from ..core.shards import RankShare, Shard
 from ..core.shards_model import ModelShards, ParamOwner, ParamShards
-from ..spec.units import format_bytes
+from ..spec.units import counted, format_bytes
 
 # Ranks listed in full before a table shows the first and last few.
 RANKS_SHOWN = 16
@@ -72,13 +72,14 @@ def model_document(context: dict, plan: ModelShards) -> dict:
         return {
             "name": p.name, "shape": list(p.shape), "local_shape": list(p.local_shape),
             "stage": p.stage, "unit": p.unit, "replicated": p.replicated, "shards": shards,
-            "dtype": p.dtype, "trainable": p.trainable,
+            "dtype": p.dtype, "trainable": p.trainable, "persistent_bytes": p.persistent_bytes,
         }
 
     return {
         "model": context["model"], "style": plan.style, "world": plan.world, "tp": context["tp"],
         "tp_rank": context["tp_rank"], "pp": context["pp"], "element_bytes": plan.element_bytes,
         "dtype": plan.dtype, "frozen_dtype": plan.frozen_dtype,
+        "persistent_at_most": context.get("persistent_at_most"),
         "numel": sum(p.numel for p in plan.params),
         "params": [param_json(p) for p in plan.params],
         "flat_buffers": [
@@ -251,6 +252,8 @@ def _param_rows(plan: ModelShards, params: list[ParamShards], show_tp: bool, sho
         else:
             held = runs([s.numel for s in p.shards])
             pad = runs([s.padding for s in p.shards])
+        if p.persistent:
+            held += f" + {p.numel:,} whole (persistent)"
         row = [p.name, "x".join(map(str, p.shape))]
         if plan.frozen_dtype is not None:
             row.append(p.dtype)
@@ -287,6 +290,12 @@ def model_text(context: dict, plan: ModelShards, num_layers: int) -> Text:
         out.append_text(_table(header, _param_rows(plan, shown, show_tp, show_stage), set()))
         if num_layers > 1:
             out.append(f"layers 1..{num_layers - 1} the same as layer 0\n", style="dim")
+        kept = [p for p in plan.params if p.persistent]
+        if kept:
+            size = sum(p.persistent_bytes for p in kept)
+            out.append(f"{counted(len(kept), 'parameter')} of at most {d['persistent_at_most']:,} elements "
+                       f"(stage3_param_persistence_threshold) are also kept whole on every rank: "
+                       f"{format_bytes(size)} ({size:,} bytes) per rank, in the totals\n", style="dim")
         if plan.style == "fsdp1":
             out.append_text(_flat_parameters(plan, num_layers))
     else:

@@ -115,7 +115,9 @@ class ZeroSpec(Table):
     # stage3_max_live_parameters 1e9, stage3_param_persistence_threshold 1e5). The `deepspeed`
     # accounting reads them; `export --to deepspeed` writes them.
     reduce_bucket_size: Count = Field(
-        500_000_000, description="elements per gradient reduce bucket (DeepSpeed reduce_bucket_size)"
+        # DeepSpeed 0.19.8 zero/config.py: `reduce_bucket_size: int = Field(pp_int(5e8), gt=0)`.
+        500_000_000, ge=1, json_schema_extra={"minimum": 1},
+        description="elements per gradient reduce bucket (DeepSpeed reduce_bucket_size)",
     )
     allgather_bucket_size: Count = Field(
         500_000_000, description="elements per parameter all-gather bucket, stages 1-2 (DeepSpeed allgather_bucket_size)"
