@@ -526,8 +526,8 @@ def test_deepspeed_reads_the_export_of_an_imported_config(deepspeed_parse, write
 
 def test_reduce_bucket_size_zero_is_refused_as_deepspeed_refuses_it(write):
     """DS_REDUCE_BUCKET_0 (transformers' ds_config_zero3.json): reduce_bucket_size 0 was read as
-    0 and exported as 0, which DeepSpeed then refused. It is refused at its line; a job file
-    that says 0 is exported without the key, and says so."""
+    0 and exported as 0, which DeepSpeed then refused. It is refused at its line, and so is a
+    job file that says 0 (DeepSpeed's bound is the job file's)."""
     text = as_json(DS_REDUCE_BUCKET_0)
     path = write("ds.json", text)
     result = run_cli("import", path, "--world", "8")
@@ -535,10 +535,8 @@ def test_reduce_bucket_size_zero_is_refused_as_deepspeed_refuses_it(write):
                                 "must be > 0 (got 0): DeepSpeed refuses it (zero/config.py, DeepSpeedZeroConfig)"]
     job = write("job.toml", '[model]\npreset = "gpt2"\n[parallel]\ndp = 2\n[zero]\nstage = 2\n'
                             "reduce_bucket_size = 0\n")
-    exported = run_cli("export", job, "--to", "deepspeed", "--json")
-    assert exported.code == 0 and "reduce_bucket_size" not in exported.json["config"]["zero_optimization"]
-    assert "export: zero.reduce_bucket_size: deepspeed refuses 0 (DeepSpeedZeroConfig: reduce_bucket_size > 0); " \
-           "not exported, so DeepSpeed's default applies" in exported.err_lines
+    exported = run_cli("export", job, "--to", "deepspeed")
+    assert exported.code == 2 and exported.err_lines == [f"{job}:7: zero.reduce_bucket_size: must be >= 1 (got 0)"]
 
 
 @pytest.mark.interop

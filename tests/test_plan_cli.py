@@ -208,7 +208,7 @@ def test_a_batch_no_plan_splits_names_one_that_does(job, write):
     result = run_cli("plan", big, "--gpus", "64", "--global-batch", "7")
     assert result.code == 1, result.err
     assert "a global batch of 8 splits, but no plan of it fits" in result.err
-    assert "more GPUs do not help: no plan of 128 to 4096 GPUs splits a global batch of 8" in result.err
+    assert "more GPUs do not help: no plan of 128 to 4,096 GPUs splits a global batch of 8" in result.err
 
 
 @pytest.mark.parametrize("extra,text,message", [
@@ -503,7 +503,7 @@ def test_a_fixed_key_that_stops_every_plan_is_named_with_what_would_fit(write):
     result = run_cli("plan", job, "--nodes", "256", "--tp", "8", "--pp", "8")
     assert result.code == 1
     assert ('plan: with train.activation_checkpointing left to the search instead of "selective" (take it out of '
-            'the job) a plan fits 2048 GPUs: train.activation_checkpointing = "full"') in result.err_lines
+            'the job) a plan fits 2,048 GPUs: train.activation_checkpointing = "full"') in result.err_lines
     assert any("with the job's keys as written" in line for line in result.err_lines)
     closest = [line for line in result.err_lines if line.startswith("plan: closest:")]
     # One miss by the states alone (ZeRO 0); its hybrid ZeRO 2 and 3 twins were listed too.

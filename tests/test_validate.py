@@ -69,7 +69,7 @@ def test_world_past_the_largest_is_refused_where_given(write):
     path = write("job.toml", "[parallel]\ndp = 8\n[cluster]\nnodes = 200000\ngpus_per_node = 8\n")
     result = run_cli("validate", path)
     assert result.code == 2
-    assert (f"{path}:4: cluster.nodes: world size 1,600,000 (from cluster: 200000 nodes * 8 GPUs) exceeds the "
+    assert (f"{path}:4: cluster.nodes: world size 1,600,000 (from cluster: 200,000 nodes * 8 GPUs) exceeds the "
             "largest supported world (1,048,576)") in errors(result)
     assert "would fit" not in result.err
     result = run_cli("validate", write("j2.toml", "[parallel]\ndp = 8\n"), env={"WORLD_SIZE": str(2**21)})

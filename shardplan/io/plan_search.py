@@ -447,18 +447,18 @@ def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer,
                          f"the job) a plan fits {counted(space.world, 'GPU')}: {_chosen(name, chosen, space.global_batch)}")
     worlds = [space.world * factor for factor in (2, 4, 8, 16, 32, 64) if space.world * factor <= MAX_WORLD_SIZE]
     if not worlds:
-        return notes + [f"more GPUs cannot be planned ({space.world} GPUs is over half the largest supported world, "
-                        f"{MAX_WORLD_SIZE}): lower the sequence length, or plan a smaller model"]
+        return notes + [f"more GPUs cannot be planned ({space.world:,} GPUs is over half the largest supported world, "
+                        f"{MAX_WORLD_SIZE:,}): lower the sequence length, or plan a smaller model"]
     unsplit = True  # no larger world splits the global batch either
     for world in worlds:
         result = searched(base, world, False)
         if result.plans:
-            return notes + [f"with {world} GPUs (--gpus {world}) a plan fits at this global batch"]
+            return notes + [f"with {world:,} GPUs (--gpus {world}) a plan fits at this global batch"]
         unsplit = unsplit and result.batch_unsplit()
     if unsplit:
-        return notes + [f"more GPUs do not help: no plan of {worlds[0]} to {worlds[-1]} GPUs splits a "
-                        f"global batch of {space.global_batch} (raise --global-batch)"]
-    most = f" (the most that can be planned: {MAX_WORLD_SIZE} at most)" if len(worlds) < 6 else ""
+        return notes + [f"more GPUs do not help: no plan of {worlds[0]:,} to {worlds[-1]:,} GPUs splits a "
+                        f"global batch of {space.global_batch:,} (raise --global-batch)"]
+    most = f" (the most that can be planned: {MAX_WORLD_SIZE:,} at most)" if len(worlds) < 6 else ""
     kept = " with the job's keys as written" if notes else ""
-    return notes + [f"not even {worlds[-1]} GPUs{most} fit this global batch{kept}: lower the sequence length, "
+    return notes + [f"not even {worlds[-1]:,} GPUs{most} fit this global batch{kept}: lower the sequence length, "
                     "or plan a smaller model"]

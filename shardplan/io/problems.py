@@ -177,8 +177,8 @@ def problems_from_validation(root: type[BaseModel], exc: ValidationError) -> lis
         problems.append(problem_from_error(root, err))
     for parent, count in more.items():
         where = "" if parent else " at the top level"
-        problems.append(Problem(parent, f"and {counted(count, 'more unknown key', ',')}{where}"))
+        problems.append(Problem(parent, f"and {counted(count, 'more unknown key')}{where}"))
     for parent, count in items.items():
         if count > MAX_ITEM_PROBLEMS:
-            problems.append(Problem(parent, f"and {counted(count - MAX_ITEM_PROBLEMS, 'more bad item', ',')}"))
+            problems.append(Problem(parent, f"and {counted(count - MAX_ITEM_PROBLEMS, 'more bad item')}"))
     return problems

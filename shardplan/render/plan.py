@@ -66,10 +66,9 @@ def print_plans(console, outcome) -> None:
     """The table of plans, best first, then what the search did."""
     result = outcome.result
     name = outcome.resolved.model_name or "model"
-    gpus = "1 GPU" if outcome.world == 1 else f"{outcome.world} GPUs"
-    lines = [Line(f"{name}: plans for {gpus} ({outcome.hardware.name}, "
-                  f"{format_bytes(outcome.gpu_memory)} each), global batch {outcome.global_batch} x "
-                  f"{outcome.resolved.job.train.seq_len} tokens, fastest first",
+    lines = [Line(f"{name}: plans for {counted(outcome.world, 'GPU')} ({outcome.hardware.name}, "
+                  f"{format_bytes(outcome.gpu_memory)} each), global batch {outcome.global_batch:,} x "
+                  f"{outcome.resolved.job.train.seq_len:,} tokens, fastest first",
                   style="bold")]
     if outcome.entries:
         headers, rows = plan_rows(outcome)
@@ -82,7 +81,7 @@ def print_plans(console, outcome) -> None:
 
         lines.append(Line(line(headers)))
         lines += [Line(line(r)) for r in rows]
-    searched = f"evaluated {counted(result.evaluated, 'plan', ',')} in {result.seconds:.2f} s"
+    searched = f"evaluated {counted(result.evaluated, 'plan')} in {result.seconds:.2f} s"
     if result.rejected:
         searched += "; rejected: " + ", ".join(f"{n:,} {reason}" for reason, n in result.rejected.most_common())
     lines.append(Line(searched, style="dim"))

@@ -205,8 +205,8 @@ def format_count(count: int) -> str:
     return str(count)
 
 
-def counted(n: int, noun: str, digits: str = "") -> str:
+def counted(n: int, noun: str, digits: str = ",") -> str:
     """`n` and its noun, plural unless one ("1 GPU", "8 GPUs", "2 microbatches"); `digits`
-    formats n (e.g. "," for thousands)."""
+    formats n (thousands separated by default, as every figure shardplan prints)."""
     plural = noun if n == 1 else noun + "es" if noun.endswith(("h", "s")) else noun + "s"
     return f"{n:{digits}} {plural}"

@@ -80,11 +80,7 @@ def to_deepspeed(plan: Plan) -> Exported:
     for key, name in _BUCKETS.items():
         if not _applies(key, stage):
             continue
-        if getattr(zero, key) < _BUCKET_MINIMUM.get(key, 0):
-            notes.append(Note(f"zero.{key}", f"deepspeed refuses {getattr(zero, key)} (DeepSpeedZeroConfig: {name} "
-                                             "> 0); not exported, so DeepSpeed's default applies"))
-            continue
-        zero_config[name] = getattr(zero, key)
+        zero_config[name] = getattr(zero, key)  # the job file holds DeepSpeed's bounds (spec/job.py)
     if written is not None:  # the strategy's decision (its notes are written)
         if written.optimizer:
             zero_config["offload_optimizer"] = {"device": "cpu", "pin_memory": off.pin_memory}
