@@ -118,7 +118,7 @@ def test_cli_sequence_parallel_layer_term(framework, write):
 def test_deepspeed_stage3_keeps_tensors_up_to_the_threshold_whole(threshold, persistent):
     """DeepSpeed marks a parameter persistent when `param.ds_numel <=
     Init.param_persistence_threshold` (deepspeed/runtime/zero/partition_parameters.py line
-    1264; parameter_offload.py `mark_persistent_parameters`): kept whole after its first
+    1292; parameter_offload.py `mark_persistent_parameters`): kept whole after its first
     gather, besides its partition. llama-3-8b's 65 RMSNorm weights have 4,096 elements each
     (transformers LlamaRMSNorm over hidden_size 4096); every other tensor is far larger."""
     result = run_cli("estimate", "--set", "model.preset=llama-3-8b", "--dp", "8", "--zero", "3",

@@ -77,7 +77,7 @@ def test_deepspeed_offload_param_puts_the_frozen_base_on_the_host():
     stage3_param_persistence_threshold (1e5) elements: its partition is allocated on the local
     device (`_partition_param`, `if param.ds_persist: device = self.local_device`) and, frozen,
     never moves to the optimizer's host buffer; and it is kept whole besides
-    (`ds_persist`, partition_parameters.py line 1264: `ds_numel <= param_persistence_threshold`).
+    (`ds_persist`, partition_parameters.py line 1292: `ds_numel <= param_persistence_threshold`).
     In llama-3-8b those are the 65 RMSNorm weights of 4,096 elements (transformers
     LlamaRMSNorm); every linear and the embeddings are larger."""
     from shardplan.core.stages import rank_params

@@ -153,7 +153,7 @@ def test_deepspeed_flat_buffers_hold_only_the_adapters(write):
     assert all(s["bytes"] == 2 * _numel(p) for p in frozen for s in p["shards"])
     # Stage 3: every parameter partitioned, frozen ones in bf16 as the estimate's `frozen_bytes`.
     # tiny-gpt2's embedding (512 x 128) is under stage3_param_persistence_threshold (1e5):
-    # DeepSpeed keeps it whole besides its partition (partition_parameters.py line 1264).
+    # DeepSpeed keeps it whole besides its partition (partition_parameters.py line 1292).
     doc3 = _shards(job, "--dp", "4", "--framework", "deepspeed", "--zero", "3")
     lm = next(p for p in doc3["params"] if p["name"] == "embed.weight")
     assert doc3["style"] == "zero3" and lm["persistent_bytes"] == 2 * 512 * 128
@@ -172,7 +172,7 @@ def test_deepspeed_stage3_bytes_equal_the_estimate(write, model, lora, extra):
     """DeepSpeed ZeRO-3: every parameter partitioned to ceil(numel / dp) elements, and those of at
     most stage3_param_persistence_threshold elements (1e5 by default: the norms of 4,096, and
     LoRA adapters such as a rank-16 lora_A of a 4,096-wide projection, 16 x 4,096 = 65,536) also
-    kept whole (partition_parameters.py line 1264). Per rank, `shards` stores what the estimate
+    kept whole (partition_parameters.py line 1292). Per rank, `shards` stores what the estimate
     counts, GPU and host together, with parameter offload too."""
     if lora is None:
         job = write("job.toml", f"{model}[train]\nprecision = \"bf16-mixed\"\n")

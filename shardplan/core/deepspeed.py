@@ -1,40 +1,40 @@
 """`framework = "deepspeed"`: GPU and host memory as DeepSpeed's code allocates it (v0.19).
 
-Sources, DeepSpeed v0.19.5 (deepspeed/runtime/...):
+Sources, DeepSpeed 0.19.8, the release the `interop` extra installs (deepspeed/runtime/...):
 
 - ZeRO stage 1 and 2, zero/stage_1_and_2.py. Each optimizer parameter group is flattened into
   one 16-bit buffer padded to a multiple of 2*dp elements (`flatten_dense_tensors_aligned`,
-  nccl_start_alignment_factor = 2; lines 415-470) that the model's parameters view; the rank's
-  1/dp of it gets an fp32 master copy (`single_partition_of_fp32_groups`, line 487) whose Adam
+  nccl_start_alignment_factor = 2; lines 387-526) that the model's parameters view; the rank's
+  1/dp of it gets an fp32 master copy (`single_partition_of_fp32_groups`, line 560) whose Adam
   moments the optimizer keeps. With contiguous gradients (the default) backward copies each
   gradient into an IPG bucket of `reduce_bucket_size` elements (`setup_buckets`, lines
-  2467-2490; two buckets with `overlap_comm`), reduces it, and keeps this rank's part in
+  3256-3280; two buckets with `overlap_comm`), reduces it, and keeps this rank's part in
   `grads_in_partition`, sized by the full numel of every parameter that overlaps the
-  partition (`copy_grads_in_partition`, lines 1643-1662). The buckets are released at the
-  end of every backward (`_release_ipg_buffers`, line 939). Stage 1 without overlap_comm
+  partition (`copy_grads_in_partition`, lines 2142-2203). The buckets are released at the
+  end of every backward (`_release_ipg_buffers`, lines 924-932). Stage 1 without overlap_comm
   keeps every parameter's full gradient until the accumulation boundary (`process_gradients`
   reduces only under partition_gradients or overlap_comm). The step flattens the partition's
-  gradients and casts them to fp32 (`step`, lines 2331-2335).
+  gradients and casts them to fp32 (`step`, lines 3108-3119).
 - ZeRO-Offload (stage 1/2 with offload_optimizer): the fp32 master partition, a 16-bit staging
-  copy of it (lines 492-504) and the fp32 gradient partition (`initialize_optimizer_states`,
-  lines 819-823) live in host memory, pinned when `pin_memory`; DeepSpeedCPUAdam's moments in
+  copy of it (lines 560-575) and the fp32 gradient partition (`initialize_optimizer_states`,
+  lines 934-942) live in host memory, pinned when `pin_memory`; DeepSpeedCPUAdam's moments in
   plain host memory; one gradient-sized staging buffer of the largest parameter on each side
-  (`temp_grad_buffer_for_cpu_offload` / `_for_gpu_offload`, lines 582-590); with gradient
-  accumulation one pinned 16-bit buffer per parameter of the partition (line 1500).
+  (`temp_grad_buffer_for_cpu_offload` / `_for_gpu_offload`, lines 653-661); with gradient
+  accumulation at stage 2 one pinned 16-bit buffer per parameter of the partition (lines 1822-1826).
 - ZeRO stage 3, zero/stage3.py and zero/partitioned_param_coordinator.py: each parameter is
   partitioned to ceil(numel/dp) elements, except those under
   `stage3_param_persistence_threshold`, which stay whole; the gradient partitions live in one
-  flat buffer allocated at start (lines 706-721; pinned on the host with offload_optimizer);
-  one IPG bucket of `reduce_bucket_size` (line 702); the step casts one sub-group (at most
+  flat buffer allocated at start (lines 786-801; pinned on the host with offload_optimizer);
+  one IPG bucket of `reduce_bucket_size` (lines 780-784); the step casts one sub-group (at most
   `sub_group_size` = 1e9 elements, zero/config.py) of gradients to fp32 at a time
-  (`_prepare_fp32_grad_for_sub_group`, lines 2369-2378). A module's parameters are gathered
-  whole when it runs (`fetch_sub_module`, lines 310-350): `stage3_max_live_parameters` only
+  (`_prepare_fp32_grad_for_sub_group`, lines 2683-2694). A module's parameters are gathered
+  whole when it runs (`fetch_sub_module`, lines 310-491): `stage3_max_live_parameters` only
   bounds the prefetch, which fetches whole parameters until `stage3_prefetch_bucket_size`
-  elements are in flight (lines 452-467).
+  elements are in flight (lines 451-481).
 - Stage 0 with 16-bit training, runtime/fp16/fused_optimizer.py (FP16_Optimizer, used for fp16
-  and, as DDP_BFLOAT16, for bf16; engine.py lines 1967-1975, 2021-2023): a flat 16-bit copy the
+  and, as DDP_BFLOAT16, for bf16 at pp 1; engine.py lines 2294-2326, 2555-2631): a flat 16-bit copy the
   parameters view, an fp32 master copy and its Adam moments; the step casts every gradient to
-  fp32 and concatenates them (lines 286-294), two fp32 copies at once.
+  fp32 and concatenates them (lines 283-296), two fp32 copies at once.
 
 Pinned host memory comes from torch's caching host allocator, which rounds every allocation up
 to the next power of two (torch 2.13, ATen/core/CachingHostAllocator.h, `allocate`: "Round up
@@ -98,7 +98,7 @@ class DeepSpeedPlan:
     @property
     def master(self) -> bool:
         """An fp32 master copy exists: 16-bit training, and ZeRO 1/2 even in fp32 (its
-        `single_partition_of_fp32_groups` is a clone of the partition, line 487)."""
+        `single_partition_of_fp32_groups` is a clone of the partition, line 560)."""
         return self.precision != "fp32" or self.stage in (1, 2)
 
     @property
@@ -237,6 +237,12 @@ def _stage12(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
                           "the head's share, in autograd's input buffer")
         for moment in BACKWARD_MOMENTS:
             buffers_at[moment].append(held_grad)
+    # Stage 1 reduces only at the accumulation boundary (`reduce_ready_partitions_and_remove_grads`,
+    # line 2294: `partition_gradients or is_gradient_accumulation_boundary()`), and without
+    # overlap_comm not during backward at all (`process_gradients`, line 2290): every gradient
+    # is held whole until then.
+    full_until_boundary = plan.stage == 1 and (not plan.overlap or plan.accumulating)
+    full = _term("gradients of every parameter (stage 1: reduced at the boundary)", numel, model, "all local gradients")
     if plan.offload_optimizer:
         cpu["optimizer"] = optimizer
         cpu["grads"].append(_term("fp32 gradient partition", partition, FP32, "single_partition_of_fp32_groups[i].grad"))
@@ -252,26 +258,41 @@ def _stage12(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
         staging = _term("gradient staging buffer (largest parameter)", largest, model, "temp_grad_buffer_for_gpu_offload")
         for moment in grads_at:
             buffers_at[moment].append(staging)
-        if plan.accumulating:
+        if full_until_boundary:
+            # Stage 1 copies gradients to the host only when it reduces them, at the boundary
+            # (copy_grads_in_partition, lines 2164-2176): until then every parameter's 16-bit
+            # gradient stays on the GPU, as without offload.
+            for moment in (LOSS, BACKWARD, BACKWARD_END) + ((FORWARD,) if plan.accumulating else ()):
+                grads_at[moment].append(full)
+        if plan.accumulating and plan.stage == 2:
             # One pinned buffer per parameter of the partition, each rounded on its own; the
-            # parameters overlapping the partition bound them.
+            # parameters overlapping the partition bound them. Created only when a microbatch
+            # before the boundary reduces (`micro_step_id > 0 or not boundary`, line 2166):
+            # stage 1 reduces at the boundary alone, where micro_step_id is still 0.
             host.append(Term("accumulated gradients (one pinned buffer per parameter)",
                              _per_param_pinned(rp, plan, groups, model),
                              "accumulated_grads_in_cpu: each parameter in the partition, 16-bit, rounded"))
         return DeepSpeedMemory(gpu, cpu, grads_at, buffers_at, host)
     gpu["optimizer"] = optimizer
-    # Gradients: the partition's part (stage 2, or stage 1 with overlap_comm), or every full
-    # gradient until the boundary (stage 1).
-    partitioned = plan.stage == 2 or plan.overlap
+    # Gradients: the partition's part (stage 2, or stage 1 with overlap_comm at the boundary),
+    # or every full gradient until the boundary (stage 1).
     held = _term("gradients overlapping the partition (grads_in_partition)", in_partition, model,
                  "full numel of the parameters in this rank's part")
-    full = _term("gradients of every parameter (stage 1: reduced at the boundary)", numel, model, "all local gradients")
-    during = held if partitioned else full
+    during = full if full_until_boundary else held
     gpu["grads"].append(during)
     for moment in (LOSS, BACKWARD, BACKWARD_END):
         grads_at[moment].append(during)
     if plan.accumulating:
         grads_at[FORWARD].append(during)
+        if not full_until_boundary:
+            # The epilogue keeps the accumulated gradients (`all_grad_tensors`, views of the
+            # last grads_in_partition, lines 1036-1045) and drops its own reference
+            # (`_release_ipg_buffers`, line 930): the next backward allocates a new one
+            # (line 2192) and adds it in at its epilogue. Two copies during backward.
+            second = _term("this microbatch's grads_in_partition (accumulating)", in_partition, model,
+                           "a new buffer beside the accumulated one")
+            for moment in (BACKWARD, BACKWARD_END):
+                grads_at[moment].append(second)
     grads_at[STEP].append(held)
     buffers_at[STEP].append(_term("flattened gradient partition", partition, model, "flatten(averaged_gradients)"))
     buffers_at[STEP].append(_term("fp32 gradient partition", partition, FP32, "single_grad_partition"))
@@ -292,10 +313,10 @@ def _per_param_pinned(rp: RankParams, plan: DeepSpeedPlan, groups: tuple[FlatGro
 
 def persists(numel: int, threshold: int) -> bool:
     """Stage 3 keeps a parameter of at most `threshold` elements whole after its first gather,
-    besides its partition: `ds_persist` (zero/partition_parameters.py line 1264,
+    besides its partition: `ds_persist` (zero/partition_parameters.py line 1292,
     `param.ds_numel <= Init.param_persistence_threshold`; zero/parameter_offload.py
     `mark_persistent_parameters`), frozen ones too. The coordinator never releases it
-    (partitioned_param_coordinator.py line 565). `stage3_model_persistence_threshold` (default
+    (partitioned_param_coordinator.py lines 565 and 640). `stage3_model_persistence_threshold` (default
     sys.maxsize, no cap) is not modelled."""
     return numel <= threshold
 
@@ -329,19 +350,28 @@ def _stage3(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
     if plan.moments:
         optimizer.append(_term("Adam moments", partition, plan.moments, f"{plan.moments} B of moments per element"))
     place["optimizer"] = optimizer
-    sub_group = min(SUB_GROUP_SIZE, partition)
+    groups = [[-(-p.numel // plan.degree) for p in group] for group in weight_decay_groups(params)]
+    sub_groups = [size for group in groups for size in _sub_groups(group)]
     if plan.offload_optimizer:
         host.append(_pinned("gradient partitions", partition * model, plan.pin, "grad_partitions_flat_buffer"))
-        for size in _sub_groups(partition):
-            host.append(_pinned("fp32 master sub-group", size * FP32, plan.pin, f"sub-group of {size:,}"))
+        if plan.master:
+            # A plain clone on the host (`converted.clone().detach()`, stage3.py lines 1157-1160):
+            # not pinned.
+            host.append(_term("fp32 master partition", partition, FP32, "fp32_partitioned_groups_flat, unpinned"))
+        for size in sub_groups:  # pinned when pin_memory (lines 1337-1340)
             host.append(_pinned("fp32 gradient sub-group", size * FP32, plan.pin, f"sub-group of {size:,}"))
         if plan.moments:
             host.append(_term("Adam moments (DeepSpeedCPUAdam)", partition, plan.moments, "partition"))
     else:
-        buffers_at[STEP].append(_term("fp32 gradients of one sub-group", sub_group, FP32 + model,
-                                      "flatten (16-bit) then cast (fp32), min(sub_group_size, partition)"))
+        largest = max(sub_groups, default=0)
+        buffers_at[STEP].append(_term("fp32 gradients of one sub-group", largest, FP32 + model,
+                                      "flatten (16-bit) then cast (fp32), the largest sub-group"))
     if plan.offload_params:
-        host.append(_pinned("16-bit parameter partitions", partition * model, plan.pin, "param_groups_fp16_flat_cpu_memory"))
+        # One buffer per optimizer parameter group, pinned whatever pin_memory says
+        # (`_create_param_groups_fp16_flat_cpu_memory`, stage3.py lines 839-862).
+        for group in groups:
+            host.append(_pinned("16-bit parameter partitions", sum(group) * model, True,
+                                f"param_groups_fp16_flat_cpu_memory, a group of {len(group):,} tensors"))
     bucket = _term("IPG bucket (reduce_bucket_size)", plan.reduce_bucket_size, model, "allocated at start")
     layer_module, root_module, _ = largest_modules(rp)
     prefetch = min(plan.prefetch_bucket_size, plan.max_live_parameters)
@@ -362,9 +392,20 @@ def _stage3(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
     return DeepSpeedMemory(gpu, cpu, grads_at, buffers_at, host)
 
 
-def _sub_groups(partition: int) -> list[int]:
-    full, rest = divmod(partition, SUB_GROUP_SIZE)
-    return [SUB_GROUP_SIZE] * full + ([rest] if rest else [])
+def _sub_groups(partitions: list[int]) -> list[int]:
+    """Stage 3's optimizer sub-groups of one parameter group, given its tensors' partitions:
+    the whole group when it is at most `sub_group_size`, else cut after the tensor that takes
+    a sub-group to `sub_group_size` or past it (`_create_fp16_sub_groups`, stage3.py lines
+    1209-1232)."""
+    if sum(partitions) <= SUB_GROUP_SIZE:
+        return [sum(partitions)] if partitions else []
+    out, current = [], 0
+    for size in partitions:
+        current += size
+        if current >= SUB_GROUP_SIZE:
+            out.append(current)
+            current = 0
+    return out + ([current] if current else [])
 
 
 def _stage0(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:

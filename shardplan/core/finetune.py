@@ -208,7 +208,7 @@ def deepspeed_persistent_frozen(rp: RankParams, lora: LoraPlan, threshold: int, 
     frozen base's too: its norm weights (and, in small models, whole linears). With
     offload_param their partitions stay on the GPU as well: `_partition_param` allocates a
     persistent tensor's partition on the local device (zero/partition_parameters.py lines
-    1800-1802), and only trainable partitions move to the optimizer's host buffer. Returns the
+    1829-1830), and only trainable partitions move to the optimizer's host buffer. Returns the
     GPU term and the rank's parameters less those the term holds (all of them on the GPU)."""
     layer = [p for p in rp.layer if persists(p.numel, threshold)]
     root = [p for p in rp.root if persists(p.numel, threshold)]
