@@ -264,8 +264,8 @@ def model_shards(
 
     `placed` gives each parameter's pipeline rank and tensor-parallel piece
     (`placed_params`); `min_numel` keeps smaller trainable parameters whole on every rank
-    under the per-parameter styles (FSDP's min_num_params, DeepSpeed's param persistence
-    threshold; the estimate cuts LoRA's frozen base regardless). `storage` says how each
+    under the per-parameter styles (FSDP's min_num_params; the estimate cuts LoRA's frozen base
+    regardless). `storage` says how each
     parameter is stored (default: `element_bytes` each, full training). `persistent_at_most`
     (the zero3 style, DeepSpeed stage 3's stage3_param_persistence_threshold): parameters of at
     most that many elements, frozen ones too, are partitioned and also kept whole on every

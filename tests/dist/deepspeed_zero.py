@@ -1,25 +1,30 @@
-"""Under torchrun (gloo, DeepSpeed's CPU accelerator): build shardplan's model of a job the way
-`shardplan run` builds it (runtime/model.py `Transformer`, parameter names as `shardplan
-shards` lists them), hand it to real DeepSpeed at each ZeRO stage asked for, take one training
-step (forward, backward, step) with torch's AdamW, and write what DeepSpeed allocated on this
-rank to a JSON file per job and stage.
+"""Under torchrun (gloo, DeepSpeed's CPU accelerator): build the model of a shardplan job the
+way `shardplan run` builds it (runtime/model.py `Transformer`: the parameter names `shardplan
+shards` lists), hand it to real DeepSpeed at each ZeRO stage asked for with torch's AdamW over
+two parameter groups (matrices, vectors: the weight-decay split shardplan's accounting
+assumes), train, and write what DeepSpeed allocated on this rank to
+OUT_DIR/<tag>_stage<S>_rank<R>.json.
 
-ZeRO-3 (the model is built inside `deepspeed.zero.Init`, as ZeRO-3 training scripts do):
-- per parameter, after `zero.Init`: `ds_numel`, the partition `ds_tensor` (elements, element
-  size), `ds_persist`, and how many elements `param.data` still holds;
-- per parameter, after the forward and after the step: whether it is gathered whole
-  (`ds_status` AVAILABLE with `data.numel() == ds_numel`);
-- the optimizer's buffers: the 16-bit partitions, the fp32 master partitions, the gradient
+ZeRO-3 (the model built inside `deepspeed.zero.Init`, as ZeRO-3 scripts do; two steps, since
+the first records the module trace and releases even persistent parameters):
+- per parameter: `ds_numel`, the partition `ds_tensor` (elements, element size), `ds_persist`
+  after `zero.Init` and after `deepspeed.initialize` (which marks them), and what `param.data`
+  holds after `zero.Init`;
+- the parameters held whole after each forward and each step;
+- the elements of non-persistent parameters held whole (gathered or in flight) after each
+  forward and at their peak over each step (after every fetch and release of the coordinator);
+- the optimizer's buffers: the 16-bit and fp32 partitions (one per sub-group), the gradient
   partitions' flat buffer, the IPG bucket(s) and AdamW's moments.
 
-ZeRO-1/2 (a model built without `zero.Init`, parameters in two optimizer groups, matrices and
-vectors, as shardplan's accounting assumes): each group's flat 16-bit buffer (padded), this
-rank's fp32 master partition and AdamW's moments, and the IPG bucket(s).
+ZeRO-1/2 (the model built plainly; one step): each group's flat 16-bit buffer (padded), this
+rank's fp32 master partitions, AdamW's moments, and when backward ends `grads_in_partition`
+and the IPG bucket buffers.
 
-usage: torchrun --standalone --nproc_per_node 2 tests/dist/deepspeed_zero.py OUT_DIR JOB STAGES [JOB STAGES ...]
-(STAGES: comma-separated, e.g. 3,2; reports go to OUT_DIR/<job stem>_stage<S>_rank<R>.json; the
-DeepSpeed config is `shardplan export JOB --to
-deepspeed` at that stage, without its "optimizer" section: torch's AdamW is passed instead.)
+usage: torchrun --standalone --nproc_per_node 2 tests/dist/deepspeed_zero.py OUT_DIR RUNS_JSON
+RUNS_JSON: [{"tag": ..., "job": JOB_TOML, "stages": [3, 2, 1], "zero_optimization": {...}}, ...];
+the DeepSpeed config of each stage is `shardplan export JOB --to deepspeed --zero S`, its
+"zero_optimization" updated by the run's (keys shardplan has no setting for), without its
+"optimizer" section: torch's AdamW is passed instead (DeepSpeedCPUAdam compiles an op).
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ import torch
 
 import deepspeed
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from shardplan.cli.app import main as shardplan_main
 from shardplan.io.job import load_job
@@ -46,6 +53,54 @@ from shardplan.runtime.model import Transformer, loss_fn
 # nothing ZeRO allocates depends on it. (The module by path: `deepspeed.comm.torch` as an
 # attribute is torch itself, which deepspeed/comm/__init__.py re-exports.)
 importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
+class Gathered:
+    """The elements of non-persistent parameters held whole (gathered, or in flight: an
+    all-gather's output is allocated when it is launched) right after every fetch and release
+    of the ZeRO-3 coordinator, and their peak."""
+
+    params: list = []
+    peak = 0
+
+    @classmethod
+    def now(cls) -> int:
+        return sum(int(p.data.numel()) for p in cls.params if not p.ds_persist)
+
+    @classmethod
+    def wrap(cls, method):
+        def wrapped(self, *args, **kwargs):
+            result = method(self, *args, **kwargs)
+            cls.peak = max(cls.peak, cls.now())
+            return result
+        return wrapped
+
+
+PartitionedParameterCoordinator.fetch_sub_module = Gathered.wrap(PartitionedParameterCoordinator.fetch_sub_module)
+PartitionedParameterCoordinator.release_sub_module = Gathered.wrap(PartitionedParameterCoordinator.release_sub_module)
+
+
+class BackwardEnd:
+    """ZeRO-1/2 gradient buffers as they are when backward ends, just before
+    `_release_ipg_buffers` frees them (stage_1_and_2.py 923-932): `grads_in_partition`
+    (allocated at the first gradient copied into it, line 2192) and the IPG bucket buffers."""
+
+    seen: dict = {}  # the last backward's (the constructor calls it too, line 619)
+
+    @classmethod
+    def wrap(cls, method):
+        def wrapped(self, *args, **kwargs):
+            held = getattr(self, "grads_in_partition", None)
+            cls.seen = {
+                "grads_in_partition": None if held is None else int(held.numel()),
+                "grads_element_size": None if held is None else held.element_size(),
+                "ipg_buffers": [int(t.numel()) for bucket in self.ipg_buckets.values() for t in bucket.buffer],
+            }
+            return method(self, *args, **kwargs)
+        return wrapped
+
+
+DeepSpeedZeroOptimizer._release_ipg_buffers = BackwardEnd.wrap(DeepSpeedZeroOptimizer._release_ipg_buffers)
 
 
 def exported_config(job: str, stage: int) -> dict:
@@ -82,6 +137,17 @@ def moments(optimizer) -> dict:
     return {"numel": found, "element_size": size}
 
 
+def weight_decay_groups(model) -> list[dict]:
+    """Matrices, then vectors (biases, norms) without weight decay, each in module order: the
+    split Megatron-LM and transformers' Trainer make, which shardplan's accounting assumes."""
+    params = list(model.parameters())
+    # Under zero.Init `param.data` is an empty 1-D tensor; `ds_shape` is the real shape.
+    matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]
+    groups = [{"params": [p for p, m in zip(params, matrix) if m]},
+              {"params": [p for p, m in zip(params, matrix) if not m], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
 def batch(resolved, rank: int):
     seq = resolved.job.train.seq_len
     micro = resolved.job.parallel.micro_batch_size
@@ -90,8 +156,7 @@ def batch(resolved, rank: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def stage3(resolved, job: str, rank: int) -> dict:
-    config = exported_config(job, 3)
+def stage3(resolved, config: dict, rank: int) -> dict:
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = Transformer(resolved.shape, dropout=resolved.job.model.dropout, attention=resolved.job.train.attention)
     params = dict(model.named_parameters())
@@ -106,7 +171,7 @@ def stage3(resolved, job: str, rank: int) -> dict:
         }
         for name, p in params.items()
     }
-    optimizer = torch.optim.AdamW(model.parameters(), lr=resolved.job.train.lr)
+    optimizer = torch.optim.AdamW(weight_decay_groups(model), lr=resolved.job.train.lr)
     engine, zero_opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     buffers = {
         "fp16_partitioned_groups_flat": numels(zero_opt.fp16_partitioned_groups_flat),
@@ -120,28 +185,32 @@ def stage3(resolved, job: str, rank: int) -> dict:
     for name, p in params.items():  # marked by deepspeed.initialize (parameter_offload.py 317-329)
         after_init[name]["persist_after_initialize"] = bool(p.ds_persist)
     inputs, targets = batch(resolved, rank)
-    whole_at = {}
+    whole_at, gathered = {}, {}
+    Gathered.params = list(params.values())
     for step in (1, 2):  # step 1 records the trace; step 2 runs as every later step does
+        Gathered.peak = 0
         logits = engine(inputs)
         whole_at[f"forward{step}"] = sorted(name for name, p in params.items() if whole(p))
+        gathered[f"after_forward{step}"] = Gathered.now()
         engine.backward(loss_fn(logits, targets))
         engine.step()
+        gathered[f"peak{step}"] = Gathered.peak
         whole_at[f"step{step}"] = sorted(name for name, p in params.items() if whole(p))
-    return {"params": after_init, "buffers": buffers, "moments": moments(zero_opt.optimizer), "whole": whole_at}
+    return {"params": after_init, "buffers": buffers, "moments": moments(zero_opt.optimizer), "whole": whole_at,
+            "gathered": gathered}
 
 
-def stage12(resolved, job: str, stage: int, rank: int) -> dict:
-    config = exported_config(job, stage)
+def stage12(resolved, config: dict, rank: int) -> dict:
     model = Transformer(resolved.shape, dropout=resolved.job.model.dropout, attention=resolved.job.train.attention)
-    named = list(model.named_parameters())
-    groups = [{"params": [p for _, p in named if p.dim() >= 2]},
-              {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=resolved.job.train.lr)
+    optimizer = torch.optim.AdamW(weight_decay_groups(model), lr=resolved.job.train.lr)
     engine, zero_opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     inputs, targets = batch(resolved, rank)
+    BackwardEnd.seen = {}
     engine.backward(loss_fn(engine(inputs), targets))
+    at_backward_end = BackwardEnd.seen
     engine.step()
     return {
+        "backward_end": at_backward_end,
         "group_numel": [sum(int(p.numel()) for p in g) for g in zero_opt.bit16_groups],
         "bit16_groups_flat": numels(zero_opt.bit16_groups_flat),
         "bit16_element_size": zero_opt.bit16_groups_flat[0].element_size(),
@@ -152,17 +221,19 @@ def stage12(resolved, job: str, stage: int, rank: int) -> dict:
 
 
 def main() -> None:
-    out_dir, runs = sys.argv[1], sys.argv[2:]
+    out_dir, runs = sys.argv[1], json.loads(sys.argv[2])
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
-    for job, stages in zip(runs[::2], runs[1::2]):
-        resolved = load_job(job, world=world)
-        tag = os.path.splitext(os.path.basename(job))[0]
-        for stage in (int(s) for s in stages.split(",")):
+    for run in runs:
+        resolved = load_job(run["job"], world=world)
+        for stage in run["stages"]:
             torch.manual_seed(resolved.job.train.seed)
-            report = stage3(resolved, job, rank) if stage == 3 else stage12(resolved, job, stage, rank)
-            report["world"] = world
-            with open(os.path.join(out_dir, f"{tag}_stage{stage}_rank{rank}.json"), "w", encoding="utf-8") as handle:
+            config = exported_config(run["job"], stage)
+            config["zero_optimization"].update(run.get("zero_optimization", {}))
+            report = stage3(resolved, config, rank) if stage == 3 else stage12(resolved, config, rank)
+            report["world"], report["config"] = world, config
+            path = os.path.join(out_dir, f"{run['tag']}_stage{stage}_rank{rank}.json")
+            with open(path, "w", encoding="utf-8") as handle:
                 json.dump(report, handle, indent=1)
             deepspeed.comm.barrier()
     torch.distributed.destroy_process_group()
