@@ -93,3 +93,19 @@ def test_stage_3_offload_host_buffers_follow_stage3():
     # before it, 32 layers and the embedding hold 1,003,749,376 - 65,667,072 < 1e9.
     assert host["fp32 gradient sub-group"] == [4 * matrices, 4 * vectors]  # pin=False: exact
     assert host["16-bit parameter partitions (pinned)"] == [pinned_bytes(2 * matrices), pinned_bytes(2 * vectors)]
+
+
+@pytest.mark.parametrize("preset", ["llama-3-8b", "gpt2", "mixtral-8x7b"])
+@pytest.mark.parametrize("dp", [2, 3, 8, 64])
+def test_the_fullest_zero12_rank_is_the_one_with_most_gradients(preset, dp):
+    """grads_in_partition holds the full numel of every parameter overlapping a rank's part
+    (stage_1_and_2.py lines 2185-2194): the rank whose part cuts into a large tensor holds
+    more than rank 0 (measured with DeepSpeed itself in tests/test_deepspeed_real.py). The
+    one-pass `fullest_flat_index` finds the same rank as trying every rank."""
+    from shardplan.core.deepspeed import flat_groups, fullest_flat_index
+    from shardplan.core.stages import rank_params
+    from shardplan.io.job import load_job
+
+    rp = rank_params(load_job(None, [("model.preset", preset)], env={}).shape, 1, 1, 0, 1, 0)
+    held = [sum(g.in_partition for g in flat_groups(rp, dp, index)) for index in range(dp)]
+    assert fullest_flat_index(rp, dp) == held.index(max(held))

@@ -29,8 +29,9 @@ Sources, DeepSpeed 0.19.8, the release the `interop` extra installs (deepspeed/r
   `sub_group_size` = 1e9 elements, zero/config.py) of gradients to fp32 at a time
   (`_prepare_fp32_grad_for_sub_group`, lines 2683-2694). A module's parameters are gathered
   whole when it runs (`fetch_sub_module`, lines 310-491): `stage3_max_live_parameters` only
-  bounds the prefetch, which fetches whole parameters until `stage3_prefetch_bucket_size`
-  elements are in flight (lines 451-481).
+  bounds the prefetch, which fetches up to `stage3_prefetch_bucket_size` more elements of
+  whole parameters at every module's call while fewer than `stage3_max_live_parameters` are
+  available (lines 451-481), so what is in flight piles up to the latter.
 - Stage 0 with 16-bit training, runtime/fp16/fused_optimizer.py (FP16_Optimizer, used for fp16
   and, as DDP_BFLOAT16, for bf16 at pp 1; engine.py lines 2294-2326, 2555-2631): a flat 16-bit copy the
   parameters view, an fp32 master copy and its Adam moments; the step casts every gradient to
@@ -161,6 +162,34 @@ def flat_groups(rp: RankParams, degree: int, index: int) -> tuple[FlatGroup, ...
             offset += p.numel
         groups.append(FlatGroup(numel, padded, partition, overlapping, max(p.numel for p in group)))
     return tuple(groups)
+
+
+@lru_cache(maxsize=1024)
+def fullest_flat_index(rp: RankParams, degree: int) -> int:
+    """The rank of a ZeRO-1/2 group whose `grads_in_partition` is largest: it holds the full
+    numel of every parameter overlapping its part of each flat group (`flat_groups`), so a
+    rank whose part cuts into a large tensor holds more than rank 0 (ties: the lowest rank).
+    One pass over the tensors with a difference array over the ranks."""
+    if degree <= 1:
+        return 0
+    held = [0] * (degree + 1)
+    for group in weight_decay_groups(ordered_params(rp)):
+        numel = sum(p.numel for p in group)
+        align = ALIGNMENT_FACTOR * degree
+        partition = -(-numel // align) * align // degree
+        offset = 0
+        for p in group:
+            if p.numel:
+                first, last = offset // partition, min((offset + p.numel - 1) // partition, degree - 1)
+                held[first] += p.numel
+                held[last + 1] -= p.numel
+            offset += p.numel
+    best, running, most = 0, 0, -1
+    for index in range(degree):
+        running += held[index]
+        if running > most:
+            best, most = index, running
+    return best
 
 
 def _tied_embedding(rp: RankParams) -> int:
@@ -374,7 +403,12 @@ def _stage3(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
                                 f"param_groups_fp16_flat_cpu_memory, a group of {len(group):,} tensors"))
     bucket = _term("IPG bucket (reduce_bucket_size)", plan.reduce_bucket_size, model, "allocated at start")
     layer_module, root_module, _ = largest_modules(rp)
-    prefetch = min(plan.prefetch_bucket_size, plan.max_live_parameters)
+    # Each fetch_sub_module call prefetches up to min(max_live - available, prefetch_bucket)
+    # more whole parameters (partitioned_param_coordinator.py lines 452-467), and every module
+    # makes a call: what is in flight piles up to stage3_max_live_parameters, of the
+    # parameters that are not already whole (persistent ones are). No prefetch at bucket 0.
+    gatherable = sum(p.numel for p in params if not persists(p.numel, plan.persistence_threshold))
+    prefetch = min(plan.max_live_parameters, gatherable) if plan.prefetch_bucket_size else 0
     for moment in moments:
         buffers_at[moment].append(bucket)
     for moment, module, what in ((FORWARD, max(layer_module, root_module), "the largest module"),
@@ -385,7 +419,8 @@ def _stage3(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
                                             "fetch_sub_module gathers every parameter of the running module"))
         if prefetch:
             buffers_at[moment].append(_term("prefetched parameters", prefetch, model,
-                                            "min(stage3_prefetch_bucket_size, stage3_max_live_parameters)"))
+                                            "in flight up to min(stage3_max_live_parameters, the rank's "
+                                            "non-persistent parameters)"))
     if module := (layer_module or root_module):
         buffers_at[BACKWARD].append(_term("the gathered module's 16-bit gradients", module, model,
                                           "produced whole, then reduce-scattered"))

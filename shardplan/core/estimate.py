@@ -41,7 +41,7 @@ from .buffers import (
     pipelined_fsdp2_buffers,
     step_buffers,
 )
-from .deepspeed import DeepSpeedPlan, deepspeed_memory
+from .deepspeed import DeepSpeedPlan, deepspeed_memory, fullest_flat_index
 from .degrees import Degrees
 from .estimate_inputs import EstimateInputs, defers_to_step_end
 from .finetune import (
@@ -155,10 +155,14 @@ def fullest_shard_index(inputs: EstimateInputs, rp: RankParams, degree: int) -> 
     """The position in its shard group of the rank holding the most model states: 0 where
     tensors are cut `torch.chunk`-style or flat (the first pieces are the largest); under
     fsdp2's stage 1 the rank ZeroRedundancyOptimizer gives the most optimizer-state bytes (of
-    the adapters, with LoRA)."""
+    the adapters, with LoRA); under DeepSpeed's stages 1 and 2 the rank whose
+    grads_in_partition is largest (`fullest_flat_index`)."""
+    lora = inputs.lora is not None and inputs.shape is not None
+    if inputs.framework == "deepspeed" and inputs.zero_stage in (1, 2) and degree > 1:
+        # DeepSpeed flattens the trainable parameters (with LoRA, the adapters).
+        return fullest_flat_index(trainable_params(rp) if lora else rp, degree)
     if inputs.framework != "fsdp2" or inputs.zero_stage != 1 or degree <= 1:
         return 0
-    lora = inputs.lora is not None and inputs.shape is not None
     eb = element_bytes(inputs.framework, inputs.precision, inputs.optimizer)
     return fullest_zero1_index(trainable_params(rp) if lora else rp, degree, eb)
 
