@@ -367,7 +367,8 @@ def assumptions(inputs: EstimateInputs) -> dict[str, object]:
         "attention": inputs.attention,
         "loss": inputs.loss,
         "devices_shown": "each stage's fullest rank (tp rank 0; shard index 0, or under ZeroRedundancyOptimizer "
-                         "the rank it gives the most)",
+                         "the rank it gives the most, under DeepSpeed's ZeRO-1/2 the rank with the largest "
+                         "grads_in_partition)",
         "peak": "the largest moment of the step (forward, loss, backward, backward end, step); "
                 "buffers that never coexist are never added",
         "cuda_context_bytes": CUDA_CONTEXT_BYTES if inputs.on_gpu else 0,
