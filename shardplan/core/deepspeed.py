@@ -173,11 +173,8 @@ def fullest_flat_index(rp: RankParams, degree: int) -> int:
     if degree <= 1:
         return 0
     held = [0] * (degree + 1)
-    for group in weight_decay_groups(ordered_params(rp)):
-        numel = sum(p.numel for p in group)
-        align = ALIGNMENT_FACTOR * degree
-        partition = -(-numel // align) * align // degree
-        offset = 0
+    for group, flat in zip(weight_decay_groups(ordered_params(rp)), flat_groups(rp, degree, 0)):
+        partition, offset = flat.partition, 0
         for p in group:
             if p.numel:
                 first, last = offset // partition, min((offset + p.numel - 1) // partition, degree - 1)
@@ -354,7 +351,8 @@ def _stage3(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
     model = plan.model_bytes
     params = ordered_params(rp)
     persistent = [p for p in params if persists(p.numel, plan.persistence_threshold)]
-    partition = sum(-(-p.numel // plan.degree) for p in params)
+    groups = [[-(-p.numel // plan.degree) for p in group] for group in weight_decay_groups(params)]
+    partition = sum(map(sum, groups))
     whole = sum(p.numel for p in persistent)
     gpu: dict[str, list[Term]] = {"params": [], "grads": [], "optimizer": []}
     cpu: dict[str, list[Term]] = {"params": [], "grads": [], "optimizer": []}
@@ -379,7 +377,6 @@ def _stage3(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
     if plan.moments:
         optimizer.append(_term("Adam moments", partition, plan.moments, f"{plan.moments} B of moments per element"))
     place["optimizer"] = optimizer
-    groups = [[-(-p.numel // plan.degree) for p in group] for group in weight_decay_groups(params)]
     sub_groups = [size for group in groups for size in _sub_groups(group)]
     if plan.offload_optimizer:
         host.append(_pinned("gradient partitions", partition * model, plan.pin, "grad_partitions_flat_buffer"))

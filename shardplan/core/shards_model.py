@@ -41,6 +41,7 @@ from math import prod
 
 from ..spec.errors import PlanError
 from ..spec.model import ModelShape
+from .deepspeed import persists
 from .finetune import frozen_bytes
 from .lora import BASE_BYTES, LoraPlan, adapter_params, stores_nf4
 from .precision import FP32, element_bytes as precision_bytes
@@ -321,7 +322,7 @@ def model_shards(
                 shards, rows = _rows_shards(shape, world)
             else:
                 shards = tuple(shard_ranges(numel, world, "zero3"))
-            persistent = persistent_at_most is not None and numel <= persistent_at_most
+            persistent = persistent_at_most is not None and persists(numel, persistent_at_most)
             out.append(add(param, param.name, replicated, shards, rows, persistent=persistent))
     else:
         flattened = [p for p in placed if p.trainable]  # only trainable parameters are flattened
