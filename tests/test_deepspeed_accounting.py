@@ -109,3 +109,66 @@ def test_the_fullest_zero12_rank_is_the_one_with_most_gradients(preset, dp):
     rp = rank_params(load_job(None, [("model.preset", preset)], env={}).shape, 1, 1, 0, 1, 0)
     held = [sum(g.in_partition for g in flat_groups(rp, dp, index)) for index in range(dp)]
     assert fullest_flat_index(rp, dp) == held.index(max(held))
+
+
+# llama-3-8b's tensors in module order: the embedding (525,336,576), 32 layers of attn_norm
+# 4,096, q 16,777,216, k and v 4,194,304, o 16,777,216, mlp_norm 4,096, gate, up and down
+# 58,720,256 (218,112,000 a layer), the final norm 4,096 and the head 525,336,576.
+LAYER = 218_112_000
+DOWN = 58_720_256
+
+
+@pytest.mark.parametrize("stage, dp, in_backward, expected", [
+    # ZeRO-3 (stage3.py line 1583: a gradient that would pass reduce_bucket_size = 5e8 first
+    # reduces the bucket): backward reduces the head alone, one tensor divisible by 8 that
+    # reduce_scatter_coalesced views (coalesced_collectives.py line 102); then the final norm,
+    # layers 31 and 30 and layer 29's down projection, concatenated (line 122). Later buckets
+    # hold at most as much (494,944,256 and 494,948,352 again).
+    (3, 8, True, 4_096 + 2 * LAYER + DOWN),
+    (3, 1, True, 4_096 + 2 * LAYER + DOWN),
+    # ZeRO-1/2 on one rank: every slice goes to partition 0 and merges into one (stage_1_and_2.py
+    # line 1676), which flatten views.
+    (2, 1, True, 0),
+    (1, 1, False, 0),
+    # ZeRO-2 on 8 ranks: the head, reduced alone, lies inside the last partition of the
+    # matrices' flat buffer (8,029,995,008 elements, 1,003,749,376 a rank: the head starts at
+    # 7,504,658,432, partition 7 at 7,026,245,632), one slice, viewed. Buckets of several
+    # gradients do cross partition boundaries, which one depends on autograd's order inside a
+    # layer: the largest, the same final norm + 2 layers + down projection, stands for it.
+    (2, 8, True, 4_096 + 2 * LAYER + DOWN),
+    # ZeRO-1 without overlap_comm reduces after backward, the matrices' group in module order
+    # (stage_1_and_2.py lines 958-978): the crossing bucket is exact.
+    (1, 8, False, 494_927_872),
+    # No ZeRO (engine.py lines 3828-3838, in module order, a list flushed once it passes 5e8):
+    # the embedding alone is viewed; every 5 layers make two lists; the last, layers 30 and 31,
+    # the final norm and the head, is the largest.
+    (0, 8, False, 2 * LAYER + 4_096 + 525_336_576),
+])
+def test_reduction_copy_follows_deepspeeds_bucketing(stage, dp, in_backward, expected):
+    from shardplan.core.deepspeed import reduction_copy
+    from shardplan.core.stages import rank_params
+    from shardplan.io.job import load_job
+
+    rp = rank_params(load_job(None, [("model.preset", "llama-3-8b")], env={}).shape, 1, 1, 0, 1, 0)
+    assert reduction_copy(rp, stage, dp, 500_000_000, in_backward) == expected
+
+
+@pytest.mark.parametrize("stage, overlap, moment", [(2, None, "backward"), (1, True, "backward"),
+                                                    (1, None, "backward end"), (3, None, "backward")])
+def test_reduction_copy_lives_where_deepspeed_reduces(stage, overlap, moment):
+    """Hooks reduce during backward (stage 2, stage 1 with overlap_comm, stage 3); stage 1
+    without overlap_comm reduces after backward (`reduce_gradients`), its bucket still held
+    until the epilogue releases it (stage_1_and_2.py line 1061)."""
+    from shardplan.core.deepspeed import DeepSpeedPlan, deepspeed_memory
+    from shardplan.core.stages import rank_params
+    from shardplan.io.job import load_job
+
+    rp = rank_params(load_job(None, [("model.preset", "llama-3-8b")], env={}).shape, 1, 1, 0, 1, 0)
+    plan = DeepSpeedPlan(stage=stage, degree=DP, index=0, precision="bf16-mixed", optimizer="adamw",
+                         overlap_comm=overlap)
+    memory = deepspeed_memory(rp, plan)
+    copies = {m: [t.bytes for t in terms if "bucket being" in t.label] for m, terms in memory.buffers_at.items()}
+    assert {m: c for m, c in copies.items() if c} == {moment: [2 * (4_096 + 2 * LAYER + DOWN) if stage != 1 or overlap
+                                                                else 2 * 494_927_872]}
+    if moment == "backward end":
+        assert any(t.label.startswith("IPG bucket") for t in memory.buffers_at[moment])

@@ -189,6 +189,98 @@ def fullest_flat_index(rp: RankParams, degree: int) -> int:
     return best
 
 
+ENGINE_ALLREDUCE_SIZE = 500_000_000  # engine.py line 151, MEMORY_OPT_ALLREDUCE_SIZE: stage 0's chunk
+
+
+def _bucketed(sizes: list[int], limit: int) -> list[list[int]]:
+    """Indices of `sizes` as DeepSpeed fills an IPG bucket: a gradient that would take the
+    bucket past `limit` elements first reduces what it holds (stage_1_and_2.py line 1422,
+    stage3.py line 1583), so a tensor larger than the bucket is reduced alone."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    held = 0
+    for index, size in enumerate(sizes):
+        if held + size > limit and current:
+            buckets.append(current)
+            current, held = [], 0
+        current.append(index)
+        held += size
+    return buckets + ([current] if current else [])
+
+
+@lru_cache(maxsize=1024)
+def reduction_copy(rp: RankParams, stage: int, degree: int, limit: int, in_backward: bool) -> int:
+    """Elements of the largest copy that reducing one bucket of gradients makes (0: none).
+
+    - Stage 1/2: `average_tensor` cuts the bucket into one slice per destination rank, merging
+      neighbours bound for the same rank (stage_1_and_2.py lines 1635-1685), and with
+      `use_multi_rank_bucket_allreduce` (default true, zero/config.py line 119; line 1695)
+      hands every slice to one `allreduce_bucket`, whose `flatten` (line 2367) copies them into a new
+      tensor unless there is only one, which it views. A bucket whose gradients all belong to
+      one rank's partition costs nothing; one that crosses a partition boundary is copied
+      whole. Hooks reduce in backward order; stage 1 without overlap_comm reduces after
+      backward, group by group in module order (`reduce_gradients`, lines 958-978).
+    - Stage 3: `reduce_scatter_coalesced` concatenates every gradient of the bucket, each
+      padded to a multiple of dp (comm/coalesced_collectives.py lines 102-122), unless the
+      bucket is one tensor that needs no padding.
+    - Stage 0: the engine all-reduces the gradients in module order, `allreduce_no_retain`
+      taking them until they pass 5e8 elements and flattening each such list of two or more
+      (engine.py lines 3796, 3828-3838).
+    Backward order here is the reverse of module order, autograd's up to the order inside a
+    layer (a tied embedding's gradient is complete, and hooked, last); where that inner order
+    decides which bucket is copied (stage 1/2 in backward), the largest bucket of two or more
+    gradients is taken.
+    Measured on real DeepSpeed 0.19.8 by tests/test_deepspeed_real.py."""
+    params = ordered_params(rp)
+    sizes = [p.numel for p in params]
+    if stage == 0:
+        largest, held, count = 0, 0, 0
+        for size in sizes:
+            held, count = held + size, count + 1
+            if held > ENGINE_ALLREDUCE_SIZE:
+                largest = max(largest, held if count > 1 else 0)
+                held, count = 0, 0
+        return max(largest, held if count > 1 else 0)
+    if stage == 3:
+        order = sizes[::-1]
+        largest = 0
+        for bucket in _bucketed(order, limit):
+            if len(bucket) > 1 or order[bucket[0]] % degree:
+                largest = max(largest, sum(-(-order[i] // degree) * degree for i in bucket))
+        return largest
+    # Stage 1/2: the ranks each tensor's elements belong to, from its offset in its group.
+    matrix = [len(p.shape) >= 2 for p in params]
+    partitions = {flag: flat.partition for flag, flat in
+                  zip([f for f in (True, False) if f in matrix], flat_groups(rp, degree, 0))}
+    offsets = {True: 0, False: 0}
+    ranks = []
+    for size, flag in zip(sizes, matrix):
+        part, start = partitions[flag], offsets[flag]
+        ranks.append((start // part, (start + size - 1) // part) if size else None)
+        offsets[flag] += size
+    if in_backward:
+        order = list(range(len(params)))[::-1]
+    else:
+        order = [i for flag in (True, False) for i in range(len(params)) if matrix[i] == flag]
+    copied, largest = 0, 0
+    for bucket in _bucketed([sizes[i] for i in order], limit):
+        slices, last = 0, None
+        for position in bucket:
+            span = ranks[order[position]]
+            if span is None:
+                continue
+            slices += (span[1] - span[0]) + (span[0] != last)
+            last = span[1]
+        held = sum(sizes[order[position]] for position in bucket)
+        if len(bucket) > 1:
+            largest = max(largest, held)
+        if slices > 1:
+            copied = max(copied, held)
+    # In backward, which bucket of several gradients crosses a boundary depends on the order
+    # autograd finishes them inside a layer: the largest such bucket stands for it.
+    return max(copied, largest) if copied and in_backward else copied
+
+
 def _tied_embedding(rp: RankParams) -> int:
     """Elements of a token embedding that this rank also uses as its output head (0 if none)."""
     if not rp.has_head or any(p.info.part == "head" for p in rp.root):
@@ -254,6 +346,17 @@ def _stage12(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
                    model, f"{buckets} * {plan.reduce_bucket_size:,}")
     for moment in BACKWARD_MOMENTS:
         buffers_at[moment].append(bucket)
+    # Stage 2, and stage 1 with overlap_comm, reduce in backward's hooks; stage 1 without it
+    # after backward (`reduce_gradients`), with the bucket still allocated (released by the
+    # epilogue, line 1061).
+    in_backward = plan.stage == 2 or plan.overlap
+    copy = reduction_copy(rp, plan.stage, plan.degree, plan.reduce_bucket_size, in_backward)
+    if not in_backward:
+        buffers_at[BACKWARD_END].append(bucket)
+    if copy:
+        buffers_at[BACKWARD if in_backward else BACKWARD_END].append(_term(
+            "flattened bucket being all-reduced (allreduce_bucket)", copy, model,
+            "a bucket crossing a partition boundary, copied by flatten"))
     largest = max(g.largest for g in groups)
     tied = _tied_embedding(rp)
     if tied:
@@ -421,6 +524,9 @@ def _stage3(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
     if module := (layer_module or root_module):
         buffers_at[BACKWARD].append(_term("the gathered module's 16-bit gradients", module, model,
                                           "produced whole, then reduce-scattered"))
+    if copy := reduction_copy(rp, 3, plan.degree, plan.reduce_bucket_size, True):
+        buffers_at[BACKWARD].append(_term("padded bucket being reduce-scattered (reduce_scatter_coalesced)", copy, model,
+                                          "torch.cat of the largest bucket's gradients, each padded to dp"))
     return DeepSpeedMemory(gpu, cpu, grads_at, buffers_at, host)
 
 
@@ -457,6 +563,9 @@ def _stage0(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
         grads_at[moment].append(grads)
     if plan.accumulating:
         grads_at[FORWARD].append(grads)
+    if copy := reduction_copy(rp, 0, plan.degree, plan.reduce_bucket_size, False):
+        buffers_at[BACKWARD_END].append(_term("flattened gradients being all-reduced (allreduce_bucket)", copy, model,
+                                              "the engine's largest list of gradients, 5e8 elements or past"))
     if plan.master:
         buffers_at[STEP].append(_term("fp32 gradients (each cast, then concatenated)", numel, 2 * FP32,
                                       "p.grad.to(fp32) for every parameter, then _flatten_dense_tensors"))

@@ -103,6 +103,44 @@ class BackwardEnd:
 DeepSpeedZeroOptimizer._release_ipg_buffers = BackwardEnd.wrap(DeepSpeedZeroOptimizer._release_ipg_buffers)
 
 
+class Copies:
+    """The transient copies a gradient reduction makes, in elements, in call order: at ZeRO-1/2
+    `allreduce_bucket` flattens the slices it reduces (stage_1_and_2.py 2367; a list of one
+    tensor flattens to a view, two or more to a new tensor), at ZeRO-3 `reduce_scatter_coalesced`
+    concatenates the padded partitions of the bucket's gradients (comm/coalesced_collectives.py
+    122). Each entry: (elements copied or 0 for a view, elements of the tensors given)."""
+
+    calls: list = []
+
+    @classmethod
+    def flatten(cls, method):
+        def wrapped(tensors):
+            out = method(tensors)
+            given = sum(int(t.numel()) for t in tensors)
+            shared = len(tensors) == 1 and out.data_ptr() == tensors[0].data_ptr()
+            cls.calls.append((0 if shared else int(out.numel()), given))
+            return out
+        return wrapped
+
+    @classmethod
+    def concatenate(cls, instrument):
+        def wrapped(fn):
+            inner = instrument(fn)
+            if fn is not torch.cat:
+                return inner
+
+            def cat(tensors, *args, **kwargs):
+                out = inner(tensors, *args, **kwargs)
+                cls.calls.append((int(out.numel()), sum(int(t.numel()) for t in tensors)))
+                return out
+            return cat
+        return wrapped
+
+
+_coalesced = importlib.import_module("deepspeed.runtime.comm.coalesced_collectives")
+_coalesced.instrument_w_nvtx = Copies.concatenate(_coalesced.instrument_w_nvtx)
+
+
 def exported_config(job: str, stage: int) -> dict:
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
@@ -187,17 +225,20 @@ def stage3(resolved, config: dict, rank: int) -> dict:
     inputs, targets = batch(resolved, rank)
     whole_at, gathered = {}, {}
     Gathered.params = list(params.values())
+    copies = {}
     for step in (1, 2):  # step 1 records the trace; step 2 runs as every later step does
         Gathered.peak = 0
         logits = engine(inputs)
         whole_at[f"forward{step}"] = sorted(name for name, p in params.items() if whole(p))
         gathered[f"after_forward{step}"] = Gathered.now()
+        Copies.calls = []
         engine.backward(loss_fn(logits, targets))
+        copies[f"backward{step}"] = list(Copies.calls)
         engine.step()
         gathered[f"peak{step}"] = Gathered.peak
         whole_at[f"step{step}"] = sorted(name for name, p in params.items() if whole(p))
     return {"params": after_init, "buffers": buffers, "moments": moments(zero_opt.optimizer), "whole": whole_at,
-            "gathered": gathered}
+            "gathered": gathered, "copies": copies}
 
 
 def stage12(resolved, config: dict, rank: int) -> dict:
@@ -206,11 +247,16 @@ def stage12(resolved, config: dict, rank: int) -> dict:
     engine, zero_opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     inputs, targets = batch(resolved, rank)
     BackwardEnd.seen = {}
-    engine.backward(loss_fn(engine(inputs), targets))
+    zero_opt.flatten = Copies.flatten(zero_opt.flatten)
+    logits = engine(inputs)
+    Copies.calls = []
+    engine.backward(loss_fn(logits, targets))
     at_backward_end = BackwardEnd.seen
+    copies = list(Copies.calls)
     engine.step()
     return {
         "backward_end": at_backward_end,
+        "copies": copies,
         "group_numel": [sum(int(p.numel()) for p in g) for g in zero_opt.bit16_groups],
         "bit16_groups_flat": numels(zero_opt.bit16_groups_flat),
         "bit16_element_size": zero_opt.bit16_groups_flat[0].element_size(),
@@ -218,6 +264,22 @@ def stage12(resolved, config: dict, rank: int) -> dict:
         "fp32_element_size": zero_opt.single_partition_of_fp32_groups[0].element_size(),
         "moments": moments(zero_opt.optimizer),
     }
+
+
+def stage0(resolved, config: dict, rank: int) -> dict:
+    """No ZeRO: the engine all-reduces every gradient after backward (`allreduce_gradients`)."""
+    model = Transformer(resolved.shape, dropout=resolved.job.model.dropout, attention=resolved.job.train.attention)
+    optimizer = torch.optim.AdamW(weight_decay_groups(model), lr=resolved.job.train.lr)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    inputs, targets = batch(resolved, rank)
+    engine.flatten = Copies.flatten(engine.flatten)
+    logits = engine(inputs)
+    Copies.calls = []
+    engine.backward(loss_fn(logits, targets))
+    copies = list(Copies.calls)
+    engine.step()
+    return {"copies": copies, "numel": sum(int(p.numel()) for p in model.parameters()),
+            "optimizer": type(engine.optimizer).__name__}
 
 
 def main() -> None:
@@ -230,7 +292,8 @@ def main() -> None:
             torch.manual_seed(resolved.job.train.seed)
             config = exported_config(run["job"], stage)
             config["zero_optimization"].update(run.get("zero_optimization", {}))
-            report = stage3(resolved, config, rank) if stage == 3 else stage12(resolved, config, rank)
+            run_stage = stage3 if stage == 3 else stage12 if stage else stage0
+            report = run_stage(resolved, config, rank)
             report["world"], report["config"] = world, config
             path = os.path.join(out_dir, f"{run['tag']}_stage{stage}_rank{rank}.json")
             with open(path, "w", encoding="utf-8") as handle:
