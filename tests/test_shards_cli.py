@@ -131,7 +131,12 @@ def test_model_default_world_is_dp_and_tp_pieces(write):
 def test_model_pipeline_stages(write):
     job = write("job.toml", "[model]\npreset = \"tiny-llama\"\n[parallel]\ndp = 2\npp = 2\nnum_microbatches = 2\n")
     doc = run_cli("shards", job, "--style", "zero12", "--json").json
-    assert [b["name"] for b in doc["flat_buffers"]] == ["flat.stage0", "flat.stage1"]
+    # One flat buffer per optimizer group of each stage: matrices, then vectors (DeepSpeed
+    # flattens each param group on its own, deepspeed/runtime/zero/stage_1_and_2.py 423-446).
+    assert [(b["name"], b["stage"], b["group"]) for b in doc["flat_buffers"]] == [
+        ("flat.stage0.group0", 0, 0), ("flat.stage0.group1", 0, 1),
+        ("flat.stage1.group0", 1, 0), ("flat.stage1.group1", 1, 1),
+    ]
     assert {(r["stage"], r["rank"]) for r in doc["ranks"]} == {(0, 0), (0, 1), (1, 0), (1, 1)}
 
 

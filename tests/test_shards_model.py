@@ -112,9 +112,25 @@ def test_fsdp1_units_are_blocks_and_root():
     assert root.numel == 512 * 128 + 256 * 128 + 2 * 128
 
 
-def test_zero12_and_even_one_buffer_per_stage():
-    assert [b.name for b in check_plan(TINY_GPT2, 4, "zero12", pp=2).buffers] == ["flat.stage0", "flat.stage1"]
+def test_zero12_one_buffer_per_optimizer_group_even_one_per_stage():
+    """DeepSpeed ZeRO-1/2 flattens each optimizer parameter group of a stage on its own
+    (deepspeed/runtime/zero/stage_1_and_2.py line 423, `for i, param_group in
+    enumerate(self.optimizer.param_groups)`, lines 440-446 pad each to 2*dp): matrices, then
+    vectors, as core/deepspeed.py `weight_decay_groups`. `even` keeps one buffer per stage."""
+    plan = check_plan(TINY_GPT2, 4, "zero12", pp=2)
+    assert [(b.name, b.stage, b.group) for b in plan.buffers] == [
+        ("flat.stage0.group0", 0, 0), ("flat.stage0.group1", 0, 1),
+        ("flat.stage1.group0", 1, 0), ("flat.stage1.group1", 1, 1),
+    ]
+    for buffer in plan.buffers:
+        members = [p for p in plan.params if p.unit == buffer.name]
+        assert all(p.group == buffer.group and p.stage == buffer.stage for p in members)
+        assert all((len(p.local_shape) >= 2) == (buffer.group == 0) for p in members)
+        assert sum(p.numel for p in members) == buffer.numel and len(members) == buffer.num_params
+    assert [b.name for b in check_plan(TINY_GPT2, 4, "zero12").buffers] == ["flat.group0", "flat.group1"]
     assert [b.name for b in check_plan(TINY_GPT2, 4, "even").buffers] == ["flat"]
+    single = model_shards(placed_params(TINY_GPT2), 4, "zero12", optimizer_groups=False)
+    assert [(b.name, b.group) for b in single.buffers] == [("flat", None)]
 
 
 def test_placed_params_agree_with_the_estimate():

@@ -78,7 +78,7 @@ def stage_view(resolved: ResolvedJob) -> StageView | None:
         held = "fp32 master weights and optimizer states" if zero.stage == 1 else \
             "gradients, fp32 master weights and optimizer states"
         return StageView(f"zero.stage = {zero.stage} under deepspeed keeps the 16-bit parameters whole on every "
-                         f"rank; the flat partition shown is how the {held} are split "
+                         f"rank; the flat partitions shown (one per optimizer parameter group) are how the {held} are split "
                          "(deepspeed/runtime/zero/stage_1_and_2.py)")
     return None
 
@@ -209,7 +209,9 @@ def shards(
     persistent = job.zero.param_persistence_threshold if deepspeed and job.zero.stage == 3 and chosen == "zero3" else None
     plan = model_shards(placed, shard_world, chosen, element_bytes,
                         min_numel=0 if deepspeed else job.zero.min_num_params, storage=storage,
-                        persistent_at_most=persistent)
+                        persistent_at_most=persistent,
+                        # The ZeRO paper's formulas flatten every parameter into one buffer.
+                        optimizer_groups=job.zero.framework != "zero-paper")
     context = {"model": model, "tp": par.tp, "tp_rank": 0, "pp": par.pp, "precision": job.train.precision,
                "persistent_at_most": persistent}
     _show(model_document(context, plan), json_out, lambda _: model_text(context, plan, shape.num_layers),

@@ -10,8 +10,11 @@ The sharding unit differs by framework, and with it where the padding goes:
 - `fsdp1` (FullyShardedDataParallel with one unit per transformer block, the usual
   auto-wrap policy): one FlatParameter per block plus one for the root's remaining
   parameters (embedding, final norm, head), each padded to a multiple of the world.
-- `zero12` (DeepSpeed ZeRO-1/2): all parameters in one flat buffer padded to a multiple of
-  2 * world (`flatten_dense_tensors_aligned`).
+- `zero12` (DeepSpeed ZeRO-1/2): one flat buffer per optimizer parameter group, in the groups
+  and order core/deepspeed.py `weight_decay_groups` uses (matrices, then vectors without weight
+  decay), each padded on its own to a multiple of 2 * world and split evenly over the ranks
+  (deepspeed/runtime/zero/stage_1_and_2.py lines 440-446 `aligned_numel`, `bit16_groups_flat`;
+  line 586 `partition_size`): a rank stores padded / world of every group.
 - `even`: all parameters in one flat buffer split evenly, no padding (the ideal balance).
 
 Which parameters a pipeline rank holds and each one's tensor-parallel piece come from
@@ -36,12 +39,12 @@ every rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 
 from ..spec.errors import PlanError
 from ..spec.model import ModelShape
-from .deepspeed import persists
+from .deepspeed import persists, weight_decay_groups
 from .finetune import frozen_bytes
 from .lora import BASE_BYTES, LoraPlan, adapter_params, stores_nf4
 from .precision import FP32, element_bytes as precision_bytes
@@ -164,6 +167,7 @@ class ParamShards:
     trainable: bool = True
     stored_bytes: tuple[int, ...] = ()  # bytes each rank stores of it, padding included
     persistent_bytes: int = 0  # DeepSpeed stage 3: a whole copy kept on every rank besides the partition
+    group: int | None = None  # zero12: the optimizer parameter group (its flat buffer) of the stage
 
     @property
     def persistent(self) -> bool:
@@ -183,6 +187,8 @@ class FlatBuffer:
     numel: int
     num_params: int
     shards: tuple[Shard, ...]
+    group: int | None = None  # zero12: the optimizer parameter group's index in its stage (bit16_groups_flat[i])
+    matrices: bool | None = None  # zero12: the group of matrices (weight decay) or of vectors (none)
 
 
 @dataclass(frozen=True)
@@ -245,11 +251,22 @@ def _rows_shards(local_shape: tuple[int, ...], world: int) -> tuple[tuple[Shard,
     return tuple(shards), tuple(rows)
 
 
-def _unit_name(style: str, param: ParamInfo, stage: int, pp: int) -> str:
+def _unit_name(style: str, param: ParamInfo, stage: int, pp: int, group: int | None = None) -> str:
     suffix = f".stage{stage}" if pp > 1 else ""
     if style == "fsdp1":
         return f"layers.{param.layer}" if param.layer is not None else f"root{suffix}"
-    return f"flat{suffix}"
+    return f"flat{suffix}" + (f".group{group}" if group is not None else "")
+
+
+def optimizer_groups_of(members: list[PlacedParam]) -> list[list[PlacedParam]]:
+    """One pipeline stage's trainable parameters as DeepSpeed's optimizer parameter groups, in
+    the groups and order core/deepspeed.py `weight_decay_groups` gives `flat_groups` (matrices,
+    then vectors; empty groups dropped), each in module order. ZeRO-1/2 flattens each group into
+    a buffer of its own (stage_1_and_2.py line 423 `for i, param_group in
+    enumerate(self.optimizer.param_groups)`)."""
+    local = [LocalParam(p.info, p.local_shape) for p in members]
+    placed_of = {id(lp): p for lp, p in zip(local, members)}
+    return [[placed_of[id(lp)] for lp in group] for group in weight_decay_groups(local)]
 
 
 def model_shards(
@@ -260,6 +277,7 @@ def model_shards(
     min_numel: int = 0,
     storage: Storage | None = None,
     persistent_at_most: int | None = None,
+    optimizer_groups: bool = True,
 ) -> ModelShards:
     """Per-parameter shards, flat buffers and per-(stage, rank) totals of a model.
 
@@ -270,7 +288,11 @@ def model_shards(
     parameter is stored (default: `element_bytes` each, full training). `persistent_at_most`
     (the zero3 style, DeepSpeed stage 3's stage3_param_persistence_threshold): parameters of at
     most that many elements, frozen ones too, are partitioned and also kept whole on every
-    rank (core/deepspeed.py `persists`); their whole copies count in the totals."""
+    rank (core/deepspeed.py `persists`); their whole copies count in the totals.
+    `optimizer_groups` (the zero12 style): one flat buffer per optimizer parameter group of a
+    stage (`optimizer_groups_of`), each padded to a multiple of 2 * world on its own, as
+    DeepSpeed's stage_1_and_2.py flattens them (lines 440-446); False: one buffer of all the
+    stage's trainable parameters."""
     storage = storage or Storage(element_bytes, dtype_name("", element_bytes))
     if style not in PER_PARAM_STYLES + FLAT_STYLES:
         raise PlanError(f"unknown style {style!r} (styles: {', '.join(PER_PARAM_STYLES + FLAT_STYLES)})")
@@ -327,13 +349,22 @@ def model_shards(
     else:
         flattened = [p for p in placed if p.trainable]  # only trainable parameters are flattened
         units: dict[tuple[int, str], list[PlacedParam]] = {}
-        for param in flattened:
-            units.setdefault((param.stage, _unit_name(style, param.info, param.stage, num_stages)), []).append(param)
+        groups: dict[tuple[int, str], tuple[int, bool]] = {}  # zero12: (group index, matrices) of a unit
+        if style == "zero12" and optimizer_groups:
+            for stage in range(num_stages):
+                for index, group in enumerate(optimizer_groups_of([p for p in flattened if p.stage == stage])):
+                    name = _unit_name(style, group[0].info, stage, num_stages, index)
+                    units[stage, name] = group
+                    groups[stage, name] = (index, len(group[0].local_shape) >= 2)
+        else:
+            for param in flattened:
+                units.setdefault((param.stage, _unit_name(style, param.info, param.stage, num_stages)), []).append(param)
         members_of: dict[int, ParamShards] = {}
         for (stage, name), members in units.items():
             numels = [prod(p.local_shape) for p in members]
             unit_shards = shard_ranges(sum(numels), world, style)
-            buffers.append(FlatBuffer(name, stage, sum(numels), len(members), tuple(unit_shards)))
+            group, matrices = groups.get((stage, name), (None, None))
+            buffers.append(FlatBuffer(name, stage, sum(numels), len(members), tuple(unit_shards), group, matrices))
             for shard in unit_shards:
                 held[stage][shard.rank] += shard.numel
                 padded[stage][shard.rank] += shard.padding
@@ -348,7 +379,8 @@ def model_shards(
                         Shard(shard.rank, start - offset, stop - offset, 0) if start < stop
                         else Shard(shard.rank, numel, numel, 0)
                     )
-                members_of[id(param)] = add(param, name, False, tuple(shards), None, counted=False)
+                member = add(param, name, False, tuple(shards), None, counted=False)
+                members_of[id(param)] = replace(member, group=group) if group is not None else member
                 offset = end
         for param in placed:
             if not param.trainable:  # LoRA's frozen base: whole on every rank, in no flat buffer

@@ -9,7 +9,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from ..core.shards import RankShare, Shard
-from ..core.shards_model import ModelShards, ParamOwner, ParamShards
+from ..core.shards_model import FlatBuffer, ModelShards, ParamOwner, ParamShards
 from ..spec.units import counted, format_bytes
 
 # Ranks listed in full before a table shows the first and last few.
@@ -73,6 +73,7 @@ def model_document(context: dict, plan: ModelShards) -> dict:
             "name": p.name, "shape": list(p.shape), "local_shape": list(p.local_shape),
             "stage": p.stage, "unit": p.unit, "replicated": p.replicated, "shards": shards,
             "dtype": p.dtype, "trainable": p.trainable, "persistent_bytes": p.persistent_bytes,
+            "group": p.group,
         }
 
     return {
@@ -84,7 +85,7 @@ def model_document(context: dict, plan: ModelShards) -> dict:
         "params": [param_json(p) for p in plan.params],
         "flat_buffers": [
             {"name": b.name, "stage": b.stage, "numel": b.numel, "padded_numel": sum(s.stored for s in b.shards),
-             "num_params": b.num_params, "shards": [_shard_json(s) for s in b.shards]}
+             "num_params": b.num_params, "group": b.group, "shards": [_shard_json(s) for s in b.shards]}
             for b in plan.buffers
         ],
         "ranks": [
@@ -323,12 +324,23 @@ def _flat_parameters(plan: ModelShards, num_layers: int) -> Text:
     return out
 
 
+def _buffer_title(buffer: FlatBuffer) -> str:
+    """`flat buffer NAME: N elements of K parameters`; for an optimizer group (zero12) which one
+    and its padded size (a multiple of 2 * world)."""
+    title = f"flat buffer {buffer.name}: {buffer.numel:,} elements of {buffer.num_params} parameters"
+    if buffer.group is None:
+        return title
+    kind = "matrices" if buffer.matrices else "vectors, no weight decay"
+    padded = sum(s.stored for s in buffer.shards)
+    return f"{title} (optimizer group {buffer.group}: {kind}), padded to {padded:,}"
+
+
 def _buffer_ranks(plan: ModelShards) -> Text:
-    """zero12 / even: which parameters each rank's slice of the flat buffer covers."""
+    """zero12 / even: which parameters each rank's slice of each flat buffer covers."""
     out = Text()
     for buffer in plan.buffers:
         members = [p for p in plan.params if p.unit == buffer.name and p.stage == buffer.stage]
-        out.append(f"flat buffer {buffer.name}: {buffer.numel:,} elements of {buffer.num_params} parameters\n", style="dim")
+        out.append(_buffer_title(buffer) + "\n", style="dim")
         rows = []
         for shard in _elided(list(buffer.shards)):
             if shard is None:
