@@ -210,6 +210,7 @@ def sharding_problems(job: JobSpec, nodes: int) -> list[Problem]:
         problems.append(warning(
             "zero.hybrid", "on a single node hybrid sharding is the same as sharding over dp"
         ))
+    problems += framework_key_problems(job)
     offloading = off.params or off.grads or off.optimizer
     # ZeRO shards over the data-parallel and context-parallel ranks together (core/layout.py
     # `shard_group_size`): cp 8 at dp 1 shards over 8.
@@ -240,6 +241,26 @@ def sharding_problems(job: JobSpec, nodes: int) -> list[Problem]:
         ))
     problems += offload_problems(job)
     return problems
+
+
+# DeepSpeed's own knobs (spec/job.py ZeroSpec): only the `deepspeed` accounting reads them.
+DEEPSPEED_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters",
+                  "param_persistence_threshold", "overlap_comm")
+
+
+def framework_key_problems(job: JobSpec) -> list[Problem]:
+    """Keys the job writes that its framework's accounting does not read: a warning each,
+    so a knob set for one framework is not silently taken for a change under another."""
+    zero = job.zero
+    written = zero.model_fields_set
+    if zero.framework == "deepspeed":
+        if "min_num_params" in written and zero.min_num_params:
+            return [warning("zero.min_num_params", 'has no effect under zero.framework = "deepspeed", which shards '
+                            "every parameter (its stage 3 keeps small ones whole by zero.param_persistence_threshold)")]
+        return []
+    return [warning(f"zero.{key}", f'is read only under zero.framework = "deepspeed" and by `export --to deepspeed`; '
+                    f"the {zero.framework} estimate does not use it")
+            for key in DEEPSPEED_KEYS if key in written]
 
 
 def offload_problems(job: JobSpec) -> list[Problem]:
