@@ -172,3 +172,30 @@ def test_reduction_copy_lives_where_deepspeed_reduces(stage, overlap, moment):
                                                                 else 2 * 494_927_872]}
     if moment == "backward end":
         assert any(t.label.startswith("IPG bucket") for t in memory.buffers_at[moment])
+
+
+@pytest.mark.parametrize("preset, stage, overlap, expected", [
+    # llama-3-8b's untied head, 525,336,576 elements (128,256 x 4,096), whole in param.grad
+    # before the hook copies it to the bucket (stage_1_and_2.py lines 1455-1461) or, larger
+    # than the bucket, reduces it from there (line 1449): in `loss`.
+    ("llama-3-8b", 2, None, {"loss": 525_336_576}),
+    ("llama-3-8b", 3, None, {"loss": 525_336_576}),
+    ("llama-3-8b", 1, True, {"loss": 525_336_576}),
+    # Stage 1 without overlap_comm holds every gradient to the boundary: counted among them.
+    ("llama-3-8b", 1, None, {}),
+    # gpt2-xl ties its head to the embedding (50,257 x 1,600 = 80,411,200): autograd sums both
+    # uses' gradients before the embedding's hook runs, at the end of backward.
+    ("gpt2-xl", 3, None, {"loss": 80_411_200, "backward": 80_411_200}),
+    ("gpt2-xl", 2, None, {"loss": 80_411_200, "backward": 80_411_200}),
+])
+def test_the_head_gradient_before_its_hook(preset, stage, overlap, expected):
+    from shardplan.core.deepspeed import DeepSpeedPlan, deepspeed_memory
+    from shardplan.core.stages import rank_params
+    from shardplan.io.job import load_job
+
+    rp = rank_params(load_job(None, [("model.preset", preset)], env={}).shape, 1, 1, 0, 1, 0)
+    plan = DeepSpeedPlan(stage=stage, degree=DP, index=0, precision="bf16-mixed", optimizer="adamw",
+                         overlap_comm=overlap)
+    held = {m: sum(t.bytes for t in terms if "head's gradient" in t.label or t.label.startswith("tied embedding"))
+            for m, terms in deepspeed_memory(rp, plan).buffers_at.items()}
+    assert {m: b // 2 for m, b in held.items() if b} == expected

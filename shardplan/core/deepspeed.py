@@ -288,6 +288,29 @@ def _tied_embedding(rp: RankParams) -> int:
     return sum(p.numel for p in rp.root if p.info.part == "embedding")
 
 
+def _head(rp: RankParams) -> int:
+    """Elements of this rank's own output head (0 if none, or tied to the embedding)."""
+    return sum(p.numel for p in rp.root if p.info.part == "head") if rp.has_head else 0
+
+
+def _held_head_gradient(rp: RankParams, model: int) -> dict[str, Term]:
+    """The output head's gradient before DeepSpeed's hook takes it, by moment. Autograd
+    computes it whole into `param.grad`; the hook then copies it into the IPG bucket (stage 1/2,
+    stage_1_and_2.py lines 1455-1461) or reduces it from there (a tensor larger than the bucket,
+    line 1449; stage 3, `__add_grad_to_ipg_bucket`): it is alive in `loss`. A tied embedding's
+    hook runs only once autograd has summed both uses' gradients, at the embedding's backward
+    at the end: the head's share waits in autograd's input buffer through backward."""
+    tied = _tied_embedding(rp)
+    if tied:
+        held = _term("tied embedding gradient (held until the embedding's backward)", tied, model,
+                     "the head's share, in autograd's input buffer")
+        return {LOSS: held, BACKWARD: held}
+    if head := _head(rp):
+        return {LOSS: _term("output head's gradient (before its hook takes it)", head, model,
+                            "computed whole into param.grad")}
+    return {}
+
+
 def _module_of(name: str) -> str:
     """The module owning a parameter; a mixture-of-experts layer's experts are one module,
     as transformers' fused expert modules hold every expert's projections."""
@@ -358,20 +381,16 @@ def _stage12(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
             "flattened bucket being all-reduced (allreduce_bucket)", copy, model,
             "a bucket crossing a partition boundary, copied by flatten"))
     largest = max(g.largest for g in groups)
-    tied = _tied_embedding(rp)
-    if tied:
-        # One tensor used twice: autograd holds the head's gradient until the embedding's
-        # backward adds its own, and only then does DeepSpeed's hook copy it to a bucket.
-        held_grad = _term("tied embedding gradient (held until the embedding's backward)", tied, model,
-                          "the head's share, in autograd's input buffer")
-        for moment in BACKWARD_MOMENTS:
-            buffers_at[moment].append(held_grad)
     # Stage 1 reduces only at the accumulation boundary (`reduce_ready_partitions_and_remove_grads`,
     # line 2294: `partition_gradients or is_gradient_accumulation_boundary()`), and without
     # overlap_comm not during backward at all (`process_gradients`, line 2290): every gradient
     # is held whole until then.
     full_until_boundary = plan.stage == 1 and (not plan.overlap or plan.accumulating)
     full = _term("gradients of every parameter (stage 1: reduced at the boundary)", numel, model, "all local gradients")
+    for moment, term in _held_head_gradient(rp, model).items():
+        # Stage 1 holding every gradient until the boundary holds the head's with them.
+        if not full_until_boundary or term.label.startswith("tied"):
+            buffers_at[moment].append(term)
     if plan.offload_optimizer:
         cpu["optimizer"] = optimizer
         cpu["grads"].append(_term("fp32 gradient partition", partition, FP32, "single_partition_of_fp32_groups[i].grad"))
@@ -524,6 +543,8 @@ def _stage3(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
     if module := (layer_module or root_module):
         buffers_at[BACKWARD].append(_term("the gathered module's 16-bit gradients", module, model,
                                           "produced whole, then reduce-scattered"))
+    for moment, term in _held_head_gradient(rp, model).items():
+        buffers_at[moment].append(term)
     if copy := reduction_copy(rp, 3, plan.degree, plan.reduce_bucket_size, True):
         buffers_at[BACKWARD].append(_term("padded bucket being reduce-scattered (reduce_scatter_coalesced)", copy, model,
                                           "torch.cat of the largest bucket's gradients, each padded to dp"))
