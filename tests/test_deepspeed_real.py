@@ -1,7 +1,7 @@
 """shardplan's `deepspeed` accounting against what real DeepSpeed allocates.
 
 One torchrun launch (2 CPU ranks, gloo, DeepSpeed's CPU accelerator) runs
-tests/dist/deepspeed_zero.py on three small jobs: it builds each job's model as `shardplan run`
+tests/dist/deepspeed_zero.py on four small jobs: it builds each job's model as `shardplan run`
 does, initialises DeepSpeed with the config `shardplan export --to deepspeed` writes, trains,
 and reports per rank what DeepSpeed holds. Every expected number below is that report's, or
 the cited line of DeepSpeed 0.19.8 (deepspeed/runtime/zero/...); shardplan's side is `shards
@@ -16,6 +16,7 @@ The jobs:
   head), so most ZeRO-3 partitions are padded (ceil(numel/dp), partition_parameters.py
   1690-1696) and, at ZeRO-1/2, both optimizer groups (matrices 483,714 and vectors 5,346
   elements, each 2 mod 4) are padded to 2*dp (stage_1_and_2.py 441-446); ZeRO-3, 2 and 1;
+- ODDOFF: ODD at ZeRO-2 and 1 with offload_optimizer (ZeRO-Offload) to the CPU;
 - LIVE: LLAMA with stage3_prefetch_bucket_size 10,000 and stage3_max_live_parameters 100,000,
   run with stage3_max_reuse_distance 0 (a key shardplan has no setting for), so the coordinator
   releases what it can: what stays gathered is then bounded by the prefetch, not by reuse.
@@ -79,6 +80,9 @@ seq_len = 16
 precision = "bf16-mixed"
 """
 
+# ODD at ZeRO-2 with ZeRO-Offload (offload_optimizer to the CPU; also run at ZeRO-1).
+ODDOFF = ODD.replace("stage = 3", "stage = 2") + "[offload]\noptimizer = true\n"
+
 LIVE = LLAMA.replace("reduce_bucket_size = 65536", "reduce_bucket_size = 65536\nprefetch_bucket_size = 10000\n"
                      "max_live_parameters = 100000")
 
@@ -86,8 +90,9 @@ RUNS = [
     {"tag": "llama", "stages": [3]},
     {"tag": "odd", "stages": [3, 2, 1, 0]},
     {"tag": "live", "stages": [3], "zero_optimization": {"stage3_max_reuse_distance": 0}},
+    {"tag": "oddoff", "stages": [2, 1]},
 ]
-JOBS = {"llama": LLAMA, "odd": ODD, "live": LIVE}
+JOBS = {"llama": LLAMA, "odd": ODD, "live": LIVE, "oddoff": ODDOFF}
 
 
 def _platform_problem() -> str | None:
@@ -281,7 +286,8 @@ def _stage3_memory(job: str, stage: int = 3):
     plan = DeepSpeedPlan(stage=stage, degree=NPROC, index=0, precision=resolved.job.train.precision,
                          optimizer=resolved.job.train.optimizer, reduce_bucket_size=zero.reduce_bucket_size,
                          prefetch_bucket_size=zero.prefetch_bucket_size, max_live_parameters=zero.max_live_parameters,
-                         persistence_threshold=zero.param_persistence_threshold, overlap_comm=zero.overlap_comm)
+                         persistence_threshold=zero.param_persistence_threshold, overlap_comm=zero.overlap_comm,
+                         offload_optimizer=resolved.job.offload.optimizer, pin=False)  # pinned rounding is CUDA's
     return deepspeed_memory(rank_params(resolved.shape, 1, 1, 0, 1, 0), plan)
 
 
@@ -408,7 +414,8 @@ def _copy_term(job: str, stage: int, moment: str) -> int:
     return found[0] // BF16 if found else 0
 
 
-@pytest.mark.parametrize("tag, stage", [("llama", 3), ("odd", 3), ("odd", 2), ("odd", 1), ("odd", 0)])
+@pytest.mark.parametrize("tag, stage", [("llama", 3), ("odd", 3), ("odd", 2), ("odd", 1), ("odd", 0),
+                                        ("oddoff", 2), ("oddoff", 1)])
 def test_reduction_copies_measured(measured, jobs, tag, stage):
     """The transient copy reducing a bucket of gradients makes, recorded in backward on every
     rank: `flatten` in `allreduce_bucket` (stage_1_and_2.py 2367, engine.py 3796; a list of one
@@ -423,10 +430,11 @@ def test_reduction_copies_measured(measured, jobs, tag, stage):
       bucket (59,598), which DeepSpeed did form.
     - ZeRO-1 without overlap_comm: the buckets are filled after backward in group order, which
       shardplan follows exactly: the one copy, 58,806, at `backward end`.
-    - No ZeRO: the engine flattens every gradient in one list under 5e8 elements (489,060)."""
+    - No ZeRO: the engine flattens every gradient in one list under 5e8 elements (489,060).
+    - With ZeRO-Offload (ODDOFF) the reductions are the same."""
     from shardplan.core.timeline import BACKWARD, BACKWARD_END
 
-    after = stage in (0, 1)  # ODD leaves overlap_comm at DeepSpeed's default: off below stage 3
+    after = stage in (0, 1)  # ODD(OFF) leaves overlap_comm at DeepSpeed's default: off below stage 3
     term = _copy_term(jobs[tag], stage, BACKWARD_END if after else BACKWARD)
     assert _copy_term(jobs[tag], stage, BACKWARD if after else BACKWARD_END) == 0
     for rank in range(NPROC):
@@ -440,3 +448,36 @@ def test_reduction_copies_measured(measured, jobs, tag, stage):
             assert copied == term > 0
     if stage == 0:
         assert term == measured[tag, 0, 0]["numel"]
+
+
+@pytest.mark.parametrize("stage", [2, 1])
+def test_zero_offload_host_buffers_measured(measured, jobs, stage):
+    """ZeRO-Offload (ODDOFF) against what DeepSpeed allocated, per optimizer group: the fp32
+    master partition on the CPU (stage_1_and_2.py line 560), its 16-bit staging copy (lines
+    566-575), the fp32 gradient partition (`initialize_optimizer_states`, lines 934-942), the
+    moments (torch's AdamW here, DeepSpeedCPUAdam's two fp32 moments in shardplan), and one
+    buffer of the largest parameter's gradient on each side (lines 653-661), against
+    core/deepspeed.py's host and GPU terms (unpinned: the power-of-two rounding is CUDA's
+    caching host allocator, which a CPU run does not use)."""
+    from shardplan.core.timeline import BACKWARD
+
+    memory = _stage3_memory(jobs["oddoff"], stage)
+    host: dict[str, list[int]] = {}
+    for term in memory.host:
+        host.setdefault(term.label, []).append(term.bytes)
+    for rank in range(NPROC):
+        report = measured["oddoff", stage, rank]
+        offload = report["offload"]
+        assert offload["devices"] == ["cpu"]
+        master = report["single_partition_of_fp32_groups"]
+        assert host["fp32 master partition"] == [n * report["fp32_element_size"] for n in master]
+        assert host["16-bit staging copy of the partition"] == [
+            n * offload["bit16_staging_element_size"] for n in offload["bit16_staging"]]
+        assert host["fp32 gradient partition"] == [n * offload["fp32_grad_element_size"] for n in offload["fp32_grad"]]
+        moments = report["moments"]
+        assert host["Adam moments (DeepSpeedCPUAdam)"] == [
+            sum(sum(v) for v in moments["numel"].values()) * moments["element_size"]]
+        largest = offload["temp_grad_buffer_for_cpu_offload"] * offload["temp_element_size"]
+        assert host["gradient staging buffer (largest parameter)"] == [largest]
+        (gpu_staging,) = [t.bytes for t in memory.buffers_at[BACKWARD] if t.label.startswith("gradient staging")]
+        assert gpu_staging == offload["temp_grad_buffer_for_gpu_offload"] * offload["temp_element_size"] == largest

@@ -18,7 +18,9 @@ the first records the module trace and releases even persistent parameters):
 
 ZeRO-1/2 (the model built plainly; one step): each group's flat 16-bit buffer (padded), this
 rank's fp32 master partitions, AdamW's moments, and when backward ends `grads_in_partition`
-and the IPG bucket buffers.
+and the IPG bucket buffers; with offload_optimizer, ZeRO-Offload's host buffers.
+
+Every stage: the copies its gradient reductions make in backward (`Copies`).
 
 usage: torchrun --standalone --nproc_per_node 2 tests/dist/deepspeed_zero.py OUT_DIR RUNS_JSON
 RUNS_JSON: [{"tag": ..., "job": JOB_TOML, "stages": [3, 2, 1], "zero_optimization": {...}}, ...];
@@ -254,7 +256,21 @@ def stage12(resolved, config: dict, rank: int) -> dict:
     at_backward_end = BackwardEnd.seen
     copies = list(Copies.calls)
     engine.step()
+    offload = None
+    if zero_opt.cpu_offload:  # ZeRO-Offload's host buffers (stage_1_and_2.py 560-575, 653-661, 934-942)
+        fp32 = zero_opt.single_partition_of_fp32_groups
+        offload = {
+            "devices": sorted({str(t.device) for t in fp32}),
+            "fp32_grad": [int(t.grad.numel()) for t in fp32],
+            "fp32_grad_element_size": fp32[0].grad.element_size(),
+            "bit16_staging": numels(zero_opt.param_buffer_of_bit16_for_cpu_offload_groups),
+            "bit16_staging_element_size": zero_opt.param_buffer_of_bit16_for_cpu_offload_groups[0].element_size(),
+            "temp_grad_buffer_for_cpu_offload": int(zero_opt.temp_grad_buffer_for_cpu_offload.numel()),
+            "temp_grad_buffer_for_gpu_offload": int(zero_opt.temp_grad_buffer_for_gpu_offload.numel()),
+            "temp_element_size": zero_opt.temp_grad_buffer_for_gpu_offload.element_size(),
+        }
     return {
+        "offload": offload,
         "backward_end": at_backward_end,
         "copies": copies,
         "group_numel": [sum(int(p.numel()) for p in g) for g in zero_opt.bit16_groups],
