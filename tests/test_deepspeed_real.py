@@ -1,7 +1,7 @@
 """shardplan's `deepspeed` accounting against what real DeepSpeed allocates.
 
 One torchrun launch (2 CPU ranks, gloo, DeepSpeed's CPU accelerator) runs
-tests/dist/deepspeed_zero.py on four small jobs: it builds each job's model as `shardplan run`
+tests/dist/deepspeed_zero.py on five small jobs: it builds each job's model as `shardplan run`
 does, initialises DeepSpeed with the config `shardplan export --to deepspeed` writes, trains,
 and reports per rank what DeepSpeed holds. Every expected number below is that report's, or
 the cited line of DeepSpeed 0.19.8 (deepspeed/runtime/zero/...); shardplan's side is `shards
@@ -17,6 +17,7 @@ The jobs:
   1690-1696) and, at ZeRO-1/2, both optimizer groups (matrices 483,714 and vectors 5,346
   elements, each 2 mod 4) are padded to 2*dp (stage_1_and_2.py 441-446); ZeRO-3, 2 and 1;
 - ODDOFF: ODD at ZeRO-2 and 1 with offload_optimizer (ZeRO-Offload) to the CPU;
+- LLAMAOFF: LLAMA with offload_optimizer and offload_param to the CPU (ZeRO-Infinity);
 - LIVE: LLAMA with stage3_prefetch_bucket_size 10,000 and stage3_max_live_parameters 100,000,
   run with stage3_max_reuse_distance 0 (a key shardplan has no setting for), so the coordinator
   releases what it can: what stays gathered is then bounded by the prefetch, not by reuse.
@@ -80,6 +81,8 @@ seq_len = 16
 precision = "bf16-mixed"
 """
 
+# LLAMA with ZeRO-Infinity's CPU offload of the optimizer and the parameters.
+LLAMAOFF = LLAMA + "[offload]\noptimizer = true\nparams = true\n"
 # ODD at ZeRO-2 with ZeRO-Offload (offload_optimizer to the CPU; also run at ZeRO-1).
 ODDOFF = ODD.replace("stage = 3", "stage = 2") + "[offload]\noptimizer = true\n"
 
@@ -91,8 +94,9 @@ RUNS = [
     {"tag": "odd", "stages": [3, 2, 1, 0]},
     {"tag": "live", "stages": [3], "zero_optimization": {"stage3_max_reuse_distance": 0}},
     {"tag": "oddoff", "stages": [2, 1]},
+    {"tag": "llamaoff", "stages": [3]},
 ]
-JOBS = {"llama": LLAMA, "odd": ODD, "live": LIVE, "oddoff": ODDOFF}
+JOBS = {"llama": LLAMA, "odd": ODD, "live": LIVE, "oddoff": ODDOFF, "llamaoff": LLAMAOFF}
 
 
 def _platform_problem() -> str | None:
@@ -287,7 +291,8 @@ def _stage3_memory(job: str, stage: int = 3):
                          optimizer=resolved.job.train.optimizer, reduce_bucket_size=zero.reduce_bucket_size,
                          prefetch_bucket_size=zero.prefetch_bucket_size, max_live_parameters=zero.max_live_parameters,
                          persistence_threshold=zero.param_persistence_threshold, overlap_comm=zero.overlap_comm,
-                         offload_optimizer=resolved.job.offload.optimizer, pin=False)  # pinned rounding is CUDA's
+                         offload_optimizer=resolved.job.offload.optimizer, offload_params=resolved.job.offload.params,
+                         pin=False)  # pinned rounding is CUDA's
     return deepspeed_memory(rank_params(resolved.shape, 1, 1, 0, 1, 0), plan)
 
 
@@ -481,3 +486,33 @@ def test_zero_offload_host_buffers_measured(measured, jobs, stage):
         assert host["gradient staging buffer (largest parameter)"] == [largest]
         (gpu_staging,) = [t.bytes for t in memory.buffers_at[BACKWARD] if t.label.startswith("gradient staging")]
         assert gpu_staging == offload["temp_grad_buffer_for_gpu_offload"] * offload["temp_element_size"] == largest
+
+
+def test_zero3_offload_host_buffers_measured(measured, jobs):
+    """LLAMAOFF (ZeRO-3, optimizer and parameters offloaded to the CPU) against DeepSpeed: the
+    gradient partitions' flat buffer on the host (stage3.py 786-801), the fp32 master
+    partitions there (a plain clone, 1157-1160), one fp32 gradient buffer per sub-group
+    (1337-1343), the 16-bit partitions in one host buffer per parameter group
+    (`_create_param_groups_fp16_flat_cpu_memory`, 888-911) and the moments, against
+    core/deepspeed.py's host terms (unpinned, as on test_zero_offload_host_buffers_measured)."""
+    from shardplan.core.deepspeed import pinned_bytes
+
+    memory = _stage3_memory(jobs["llamaoff"], 3)
+    host: dict[str, list[int]] = {}
+    for term in memory.host:
+        host.setdefault(term.label, []).append(term.bytes)
+    for rank in range(NPROC):
+        report = measured["llamaoff", 3, rank]
+        buffers, offload = report["buffers"], report["buffers"]["offload"]
+        assert offload["fp32_device"] == ["cpu"] == offload["fp16_partitions_device"]
+        assert offload["grad_partitions_device"] == "cpu"
+        assert host["gradient partitions"] == [buffers["grad_partitions_flat_buffer"] * buffers["grad_element_size"]]
+        assert host["fp32 master partition"] == [sum(buffers["fp32_partitioned_groups_flat"]) * buffers["fp32_element_size"]]
+        assert host["fp32 gradient sub-group"] == [n * offload["fp32_grad_element_size"]
+                                                   for n in offload["fp32_grad_sub_groups"]]
+        # Pinned whatever pin_memory says (line 906): rounded up to a power of two by CUDA's
+        # pinned allocator (core/deepspeed.py `pinned_bytes`); DeepSpeed's CPU accelerator pins nothing.
+        assert host["16-bit parameter partitions (pinned)"] == [pinned_bytes(n * BF16) for n in offload["fp16_cpu_groups"]]
+        moments = report["moments"]
+        assert host["Adam moments (DeepSpeedCPUAdam)"] == [
+            sum(sum(v) for v in moments["numel"].values()) * moments["element_size"]]

@@ -516,7 +516,7 @@ def _stage3(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
                                       "flatten (16-bit) then cast (fp32), the largest sub-group"))
     if plan.offload_params:
         # One buffer per optimizer parameter group, pinned whatever pin_memory says
-        # (`_create_param_groups_fp16_flat_cpu_memory`, stage3.py lines 839-862).
+        # (`_create_param_groups_fp16_flat_cpu_memory`, stage3.py lines 888-911).
         for group in groups:
             host.append(_pinned("16-bit parameter partitions", sum(group) * model, True,
                                 f"param_groups_fp16_flat_cpu_memory, a group of {len(group):,} tensors"))

@@ -222,6 +222,15 @@ def stage3(resolved, config: dict, rank: int) -> dict:
         "ipg_buckets": {str(dtype): int(b.buffer.numel()) for dtype, b in zero_opt.ipg_buckets.items()
                         if b.buffer is not None},
     }
+    if zero_opt.offload_optimizer:  # stage3.py 786-801, 1110-1176, 1337-1343, 888-911
+        buffers["offload"] = {
+            "fp32_device": sorted({str(t.device) for t in zero_opt.fp32_partitioned_groups_flat}),
+            "grad_partitions_device": str(zero_opt.grad_partitions_flat_buffer.device),
+            "fp32_grad_sub_groups": [int(t.grad.numel()) for t in zero_opt.fp32_partitioned_groups_flat],
+            "fp32_grad_element_size": zero_opt.fp32_partitioned_groups_flat[0].grad.element_size(),
+            "fp16_cpu_groups": numels(zero_opt.param_groups_fp16_flat_cpu_memory) if zero_opt.offload_param else [],
+            "fp16_partitions_device": sorted({str(t.device) for t in zero_opt.fp16_partitioned_groups_flat}),
+        }
     for name, p in params.items():  # marked by deepspeed.initialize (parameter_offload.py 317-329)
         after_init[name]["persist_after_initialize"] = bool(p.ds_persist)
     inputs, targets = batch(resolved, rank)
