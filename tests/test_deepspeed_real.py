@@ -1,7 +1,7 @@
 """shardplan's `deepspeed` accounting against what real DeepSpeed allocates.
 
 One torchrun launch (2 CPU ranks, gloo, DeepSpeed's CPU accelerator) runs
-tests/dist/deepspeed_zero.py on five small jobs: it builds each job's model as `shardplan run`
+tests/dist/deepspeed_zero.py on seven small jobs: it builds each job's model as `shardplan run`
 does, initialises DeepSpeed with the config `shardplan export --to deepspeed` writes, trains,
 and reports per rank what DeepSpeed holds. Every expected number below is that report's, or
 the cited line of DeepSpeed 0.19.8 (deepspeed/runtime/zero/...); shardplan's side is `shards
@@ -18,6 +18,7 @@ The jobs:
   elements, each 2 mod 4) are padded to 2*dp (stage_1_and_2.py 441-446); ZeRO-3, 2 and 1;
 - ODDOFF: ODD at ZeRO-2 and 1 with offload_optimizer (ZeRO-Offload) to the CPU;
 - LLAMAOFF: LLAMA with offload_optimizer and offload_param to the CPU (ZeRO-Infinity);
+- ODDACC and ODDOFFACC: ODD and ODDOFF at ZeRO-2 and 1 accumulating two microbatches;
 - LIVE: LLAMA with stage3_prefetch_bucket_size 10,000 and stage3_max_live_parameters 100,000,
   run with stage3_max_reuse_distance 0 (a key shardplan has no setting for), so the coordinator
   releases what it can: what stays gathered is then bounded by the prefetch, not by reuse.
@@ -81,6 +82,9 @@ seq_len = 16
 precision = "bf16-mixed"
 """
 
+# ODD and ODDOFF at ZeRO-2 (and 1) accumulating two microbatches.
+ODDACC = ODD.replace("stage = 3", "stage = 2").replace("dp = 2\n", "dp = 2\nnum_microbatches = 2\n")
+ODDOFFACC = ODDACC + "[offload]\noptimizer = true\n"
 # LLAMA with ZeRO-Infinity's CPU offload of the optimizer and the parameters.
 LLAMAOFF = LLAMA + "[offload]\noptimizer = true\nparams = true\n"
 # ODD at ZeRO-2 with ZeRO-Offload (offload_optimizer to the CPU; also run at ZeRO-1).
@@ -95,8 +99,11 @@ RUNS = [
     {"tag": "live", "stages": [3], "zero_optimization": {"stage3_max_reuse_distance": 0}},
     {"tag": "oddoff", "stages": [2, 1]},
     {"tag": "llamaoff", "stages": [3]},
+    {"tag": "oddacc", "stages": [2, 1]},
+    {"tag": "oddoffacc", "stages": [2, 1]},
 ]
-JOBS = {"llama": LLAMA, "odd": ODD, "live": LIVE, "oddoff": ODDOFF, "llamaoff": LLAMAOFF}
+JOBS = {"llama": LLAMA, "odd": ODD, "live": LIVE, "oddoff": ODDOFF, "llamaoff": LLAMAOFF, "oddacc": ODDACC,
+        "oddoffacc": ODDOFFACC}
 
 
 def _platform_problem() -> str | None:
@@ -292,6 +299,7 @@ def _stage3_memory(job: str, stage: int = 3):
                          prefetch_bucket_size=zero.prefetch_bucket_size, max_live_parameters=zero.max_live_parameters,
                          persistence_threshold=zero.param_persistence_threshold, overlap_comm=zero.overlap_comm,
                          offload_optimizer=resolved.job.offload.optimizer, offload_params=resolved.job.offload.params,
+                         accumulating=resolved.job.parallel.num_microbatches > 1,
                          pin=False)  # pinned rounding is CUDA's
     return deepspeed_memory(rank_params(resolved.shape, 1, 1, 0, 1, 0), plan)
 
@@ -516,3 +524,30 @@ def test_zero3_offload_host_buffers_measured(measured, jobs):
         moments = report["moments"]
         assert host["Adam moments (DeepSpeedCPUAdam)"] == [
             sum(sum(v) for v in moments["numel"].values()) * moments["element_size"]]
+
+
+def test_zero2_accumulation_holds_two_gradient_buffers(measured, jobs):
+    """ODDACC at ZeRO-2, two microbatches: when the second one's backward ends (its epilogue
+    starts), DeepSpeed holds its own grads_in_partition and the first one's, which
+    `all_grad_tensors` still views (stage_1_and_2.py lines 1036-1045); the first microbatch
+    holds one. shardplan's `backward` moment has the two terms (core/deepspeed.py)."""
+    from shardplan.core.timeline import BACKWARD
+
+    terms = {t.label: t.bytes for t in _stage3_memory(jobs["oddacc"], 2).grads_at[BACKWARD]}
+    in_partition = terms["gradients overlapping the partition (grads_in_partition)"]
+    assert terms["this microbatch's grads_in_partition (accumulating)"] == in_partition
+    first, second = measured["oddacc", 2, 0]["backward_ends"]
+    assert first["gradient_storages"] == [in_partition]
+    assert second["gradient_storages"] == [in_partition, in_partition]
+
+
+@pytest.mark.parametrize("stage", [2, 1])
+def test_zero_offload_accumulation_buffers(measured, jobs, stage):
+    """ODDOFFACC: ZeRO-Offload accumulating at stage 2 keeps one 16-bit host buffer per
+    parameter overlapping the partition (`accumulated_grads_in_cpu`, lines 1846-1853), each the
+    parameter's full numel: 36 on rank 0 (251,262 elements). At stage 1 it keeps none, since
+    stage 1 reduces only at the boundary (line 2166). shardplan's host term, unpinned."""
+    held = sum(t.bytes for t in _stage3_memory(jobs["oddoffacc"], stage).host if t.label.startswith("accumulated"))
+    measured_numel = measured["oddoffacc", stage, 0]["backward_ends"][-1]["accumulated_grads_in_cpu"]
+    assert held == sum(measured_numel) * BF16
+    assert (len(measured_numel) > 0) is (stage == 2)

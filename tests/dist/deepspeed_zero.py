@@ -93,16 +93,38 @@ class BackwardEnd:
     def wrap(cls, method):
         def wrapped(self, *args, **kwargs):
             held = getattr(self, "grads_in_partition", None)
+            cpu = getattr(self, "accumulated_grads_in_cpu", {})
             cls.seen = {
+                **cls.seen,
                 "grads_in_partition": None if held is None else int(held.numel()),
                 "grads_element_size": None if held is None else held.element_size(),
                 "ipg_buffers": [int(t.numel()) for bucket in self.ipg_buckets.values() for t in bucket.buffer],
+                "accumulated_grads_in_cpu": sorted(int(t.numel()) for t in cpu.values()),
             }
+            return method(self, *args, **kwargs)
+        return wrapped
+
+    @classmethod
+    def storages(cls, method):
+        """At the epilogue's start (stage 2), the storages of gradient buffers held, in bytes:
+        this microbatch's grads_in_partition and, when accumulating, the earlier one that
+        `all_grad_tensors` still views (lines 1036-1045)."""
+        def wrapped(self, *args, **kwargs):
+            storages = {}
+            for tensors in getattr(self, "all_grad_tensors", {}).values():
+                for t in tensors or []:
+                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            held = getattr(self, "grads_in_partition", None)
+            if held is not None:
+                storages[held.untyped_storage().data_ptr()] = held.untyped_storage().nbytes()
+            cls.seen = {**cls.seen, "gradient_storages": sorted(storages.values())}
             return method(self, *args, **kwargs)
         return wrapped
 
 
 DeepSpeedZeroOptimizer._release_ipg_buffers = BackwardEnd.wrap(DeepSpeedZeroOptimizer._release_ipg_buffers)
+DeepSpeedZeroOptimizer.independent_gradient_partition_epilogue = BackwardEnd.storages(
+    DeepSpeedZeroOptimizer.independent_gradient_partition_epilogue)
 
 
 class Copies:
@@ -259,12 +281,15 @@ def stage12(resolved, config: dict, rank: int) -> dict:
     inputs, targets = batch(resolved, rank)
     BackwardEnd.seen = {}
     zero_opt.flatten = Copies.flatten(zero_opt.flatten)
-    logits = engine(inputs)
-    Copies.calls = []
-    engine.backward(loss_fn(logits, targets))
-    at_backward_end = BackwardEnd.seen
-    copies = list(Copies.calls)
-    engine.step()
+    backward_ends = []
+    for _ in range(config.get("gradient_accumulation_steps", 1)):  # engine.step() steps at the boundary
+        logits = engine(inputs)
+        Copies.calls, BackwardEnd.seen = [], {}
+        engine.backward(loss_fn(logits, targets))
+        backward_ends.append(BackwardEnd.seen)
+        copies = list(Copies.calls)
+        engine.step()
+    at_backward_end = backward_ends[0]
     offload = None
     if zero_opt.cpu_offload:  # ZeRO-Offload's host buffers (stage_1_and_2.py 560-575, 653-661, 934-942)
         fp32 = zero_opt.single_partition_of_fp32_groups
@@ -281,6 +306,7 @@ def stage12(resolved, config: dict, rank: int) -> dict:
     return {
         "offload": offload,
         "backward_end": at_backward_end,
+        "backward_ends": backward_ends,
         "copies": copies,
         "group_numel": [sum(int(p.numel()) for p in g) for g in zero_opt.bit16_groups],
         "bit16_groups_flat": numels(zero_opt.bit16_groups_flat),
