@@ -1,7 +1,7 @@
 """shardplan's `deepspeed` accounting against what real DeepSpeed allocates.
 
 One torchrun launch (2 CPU ranks, gloo, DeepSpeed's CPU accelerator) runs
-tests/dist/deepspeed_zero.py on seven small jobs: it builds each job's model as `shardplan run`
+tests/dist/deepspeed_zero.py on eight small jobs: it builds each job's model as `shardplan run`
 does, initialises DeepSpeed with the config `shardplan export --to deepspeed` writes, trains,
 and reports per rank what DeepSpeed holds. Every expected number below is that report's, or
 the cited line of DeepSpeed 0.19.8 (deepspeed/runtime/zero/...); shardplan's side is `shards
@@ -18,7 +18,8 @@ The jobs:
   elements, each 2 mod 4) are padded to 2*dp (stage_1_and_2.py 441-446); ZeRO-3, 2 and 1;
 - ODDOFF: ODD at ZeRO-2 and 1 with offload_optimizer (ZeRO-Offload) to the CPU;
 - LLAMAOFF: LLAMA with offload_optimizer and offload_param to the CPU (ZeRO-Infinity);
-- ODDACC and ODDOFFACC: ODD and ODDOFF at ZeRO-2 and 1 accumulating two microbatches;
+- ODDACC and ODDOFFACC: ODD and ODDOFF at ZeRO-2 and 1 accumulating two microbatches, and
+  ODDACCOV: ODDACC at ZeRO-1 with overlap_comm;
 - LIVE: LLAMA with stage3_prefetch_bucket_size 10,000 and stage3_max_live_parameters 100,000,
   run with stage3_max_reuse_distance 0 (a key shardplan has no setting for), so the coordinator
   releases what it can: what stays gathered is then bounded by the prefetch, not by reuse.
@@ -85,6 +86,7 @@ precision = "bf16-mixed"
 # ODD and ODDOFF at ZeRO-2 (and 1) accumulating two microbatches.
 ODDACC = ODD.replace("stage = 3", "stage = 2").replace("dp = 2\n", "dp = 2\nnum_microbatches = 2\n")
 ODDOFFACC = ODDACC + "[offload]\noptimizer = true\n"
+ODDACCOV = ODDACC.replace('framework = "deepspeed"\n', 'framework = "deepspeed"\noverlap_comm = true\n')
 # LLAMA with ZeRO-Infinity's CPU offload of the optimizer and the parameters.
 LLAMAOFF = LLAMA + "[offload]\noptimizer = true\nparams = true\n"
 # ODD at ZeRO-2 with ZeRO-Offload (offload_optimizer to the CPU; also run at ZeRO-1).
@@ -101,9 +103,10 @@ RUNS = [
     {"tag": "llamaoff", "stages": [3]},
     {"tag": "oddacc", "stages": [2, 1]},
     {"tag": "oddoffacc", "stages": [2, 1]},
+    {"tag": "oddaccov", "stages": [1]},
 ]
 JOBS = {"llama": LLAMA, "odd": ODD, "live": LIVE, "oddoff": ODDOFF, "llamaoff": LLAMAOFF, "oddacc": ODDACC,
-        "oddoffacc": ODDOFFACC}
+        "oddoffacc": ODDOFFACC, "oddaccov": ODDACCOV}
 
 
 def _platform_problem() -> str | None:
@@ -551,3 +554,20 @@ def test_zero_offload_accumulation_buffers(measured, jobs, stage):
     measured_numel = measured["oddoffacc", stage, 0]["backward_ends"][-1]["accumulated_grads_in_cpu"]
     assert held == sum(measured_numel) * BF16
     assert (len(measured_numel) > 0) is (stage == 2)
+
+
+@pytest.mark.parametrize("tag, stage", [("oddacc", 1), ("oddaccov", 1), ("oddoffacc", 1), ("oddacc", 2),
+                                        ("oddoffacc", 2)])
+def test_stage_1_holds_every_gradient_until_the_boundary(measured, jobs, tag, stage):
+    """After the first of two microbatches, ZeRO-1 leaves every parameter's full 16-bit
+    gradient in `.grad` (489,060 elements, 978,120 B): it reduces only at the accumulation
+    boundary (`reduce_ready_partitions_and_remove_grads`, stage_1_and_2.py line 2294), with
+    overlap_comm or ZeRO-Offload too. ZeRO-2 reduces them as they come and leaves none.
+    shardplan's term for the `forward` moment of an accumulating step."""
+    from shardplan.core.timeline import FORWARD
+
+    held = sum(t.bytes for t in _stage3_memory(jobs[tag], stage).grads_at[FORWARD]
+               if t.label.startswith("gradients of every parameter"))
+    for rank in range(NPROC):
+        first = measured[tag, stage, rank]["backward_ends"][0]
+        assert first["param_grad_bytes"] == held == (978_120 if stage == 1 else 0)

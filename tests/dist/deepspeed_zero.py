@@ -286,7 +286,12 @@ def stage12(resolved, config: dict, rank: int) -> dict:
         logits = engine(inputs)
         Copies.calls, BackwardEnd.seen = [], {}
         engine.backward(loss_fn(logits, targets))
-        backward_ends.append(BackwardEnd.seen)
+        # The gradients backward leaves in the parameters' .grad: bytes of their distinct
+        # storages (views into grads_in_partition count that buffer once).
+        storages = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+                    for p in model.parameters() if p.grad is not None}
+        backward_ends.append({**BackwardEnd.seen, "param_grad_bytes": sum(storages.values()),
+                              "param_grads": sum(1 for p in model.parameters() if p.grad is not None)})
         copies = list(Copies.calls)
         engine.step()
     at_backward_end = backward_ends[0]
