@@ -13,9 +13,9 @@ from shardplan.core.checks import DEEPSPEED_KEYS
 
 BASE = """
 [model]
-preset = "tiny-llama"
+preset = "tiny-gpt2"
 [parallel]
-dp = 2
+dp = 4
 [zero]
 stage = 3
 """
