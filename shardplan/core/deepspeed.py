@@ -129,9 +129,14 @@ def ordered_params(rp: RankParams) -> list[LocalParam]:
     return first + list(rp.layer) * rp.num_layers + last
 
 
+def decays(p: LocalParam) -> bool:
+    """A matrix, which takes weight decay; biases and norm weights (vectors) do not."""
+    return len(p.shape) >= 2
+
+
 def weight_decay_groups(params: list[LocalParam]) -> list[list[LocalParam]]:
     """Matrices (weight decay) and vectors (biases, norms: no decay), each in module order."""
-    groups = [[p for p in params if len(p.shape) >= 2], [p for p in params if len(p.shape) < 2]]
+    groups = [[p for p in params if decays(p)], [p for p in params if not decays(p)]]
     return [g for g in groups if g]
 
 
@@ -249,9 +254,9 @@ def reduction_copy(rp: RankParams, stage: int, degree: int, limit: int, in_backw
                 largest = max(largest, sum(-(-order[i] // degree) * degree for i in bucket))
         return largest
     # Stage 1/2: the ranks each tensor's elements belong to, from its offset in its group.
-    matrix = [len(p.shape) >= 2 for p in params]
-    partitions = {flag: flat.partition for flag, flat in
-                  zip([f for f in (True, False) if f in matrix], flat_groups(rp, degree, 0))}
+    matrix = [decays(p) for p in params]
+    partitions = {decays(group[0]): flat.partition
+                  for group, flat in zip(weight_decay_groups(params), flat_groups(rp, degree, 0))}
     offsets = {True: 0, False: 0}
     ranks = []
     for size, flag in zip(sizes, matrix):
@@ -293,19 +298,21 @@ def _head(rp: RankParams) -> int:
     return sum(p.numel for p in rp.root if p.info.part == "head") if rp.has_head else 0
 
 
-def _held_head_gradient(rp: RankParams, model: int) -> dict[str, Term]:
+def _held_head_gradient(rp: RankParams, model: int, every_gradient_held: bool = False) -> dict[str, Term]:
     """The output head's gradient before DeepSpeed's hook takes it, by moment. Autograd
     computes it whole into `param.grad`; the hook then copies it into the IPG bucket (stage 1/2,
     stage_1_and_2.py lines 1455-1461) or reduces it from there (a tensor larger than the bucket,
     line 1449; stage 3, `__add_grad_to_ipg_bucket`): it is alive in `loss`. A tied embedding's
     hook runs only once autograd has summed both uses' gradients, at the embedding's backward
-    at the end: the head's share waits in autograd's input buffer through backward."""
+    at the end: the head's share waits in autograd's input buffer through backward.
+    `every_gradient_held` (stage 1 until the boundary): an untied head's gradient is counted
+    among them; a tied one's share is still a tensor of its own."""
     tied = _tied_embedding(rp)
     if tied:
         held = _term("tied embedding gradient (held until the embedding's backward)", tied, model,
                      "the head's share, in autograd's input buffer")
         return {LOSS: held, BACKWARD: held}
-    if head := _head(rp):
+    if (head := _head(rp)) and not every_gradient_held:
         return {LOSS: _term("output head's gradient (before its hook takes it)", head, model,
                             "computed whole into param.grad")}
     return {}
@@ -387,10 +394,8 @@ def _stage12(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
     # is held whole until then.
     full_until_boundary = plan.stage == 1 and (not plan.overlap or plan.accumulating)
     full = _term("gradients of every parameter (stage 1: reduced at the boundary)", numel, model, "all local gradients")
-    for moment, term in _held_head_gradient(rp, model).items():
-        # Stage 1 holding every gradient until the boundary holds the head's with them.
-        if not full_until_boundary or term.label.startswith("tied"):
-            buffers_at[moment].append(term)
+    for moment, term in _held_head_gradient(rp, model, full_until_boundary).items():
+        buffers_at[moment].append(term)
     if plan.offload_optimizer:
         cpu["optimizer"] = optimizer
         cpu["grads"].append(_term("fp32 gradient partition", partition, FP32, "single_partition_of_fp32_groups[i].grad"))

@@ -39,12 +39,12 @@ every rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from math import prod
 
 from ..spec.errors import PlanError
 from ..spec.model import ModelShape
-from .deepspeed import persists, weight_decay_groups
+from .deepspeed import decays, persists, weight_decay_groups
 from .finetune import frozen_bytes
 from .lora import BASE_BYTES, LoraPlan, adapter_params, stores_nf4
 from .precision import FP32, element_bytes as precision_bytes
@@ -258,15 +258,15 @@ def _unit_name(style: str, param: ParamInfo, stage: int, pp: int, group: int | N
     return f"flat{suffix}" + (f".group{group}" if group is not None else "")
 
 
-def optimizer_groups_of(members: list[PlacedParam]) -> list[list[PlacedParam]]:
+def optimizer_groups_of(members: list[PlacedParam]) -> list[tuple[bool, list[PlacedParam]]]:
     """One pipeline stage's trainable parameters as DeepSpeed's optimizer parameter groups, in
     the groups and order core/deepspeed.py `weight_decay_groups` gives `flat_groups` (matrices,
-    then vectors; empty groups dropped), each in module order. ZeRO-1/2 flattens each group into
-    a buffer of its own (stage_1_and_2.py line 423 `for i, param_group in
-    enumerate(self.optimizer.param_groups)`)."""
+    then vectors; empty groups dropped), each in module order, with whether it is the matrices'.
+    ZeRO-1/2 flattens each group into a buffer of its own (stage_1_and_2.py line 423 `for i,
+    param_group in enumerate(self.optimizer.param_groups)`)."""
     local = [LocalParam(p.info, p.local_shape) for p in members]
     placed_of = {id(lp): p for lp, p in zip(local, members)}
-    return [[placed_of[id(lp)] for lp in group] for group in weight_decay_groups(local)]
+    return [(decays(group[0]), [placed_of[id(lp)] for lp in group]) for group in weight_decay_groups(local)]
 
 
 def model_shards(
@@ -314,9 +314,10 @@ def model_shards(
     frozen_how = "fsdp2" if style == "fsdp2" else "partition"
 
     def add(param: PlacedParam, unit: str, replicated: bool, shards: tuple[Shard, ...],
-            rows: tuple[int, ...] | None, counted: bool = True, persistent: bool = False) -> ParamShards:
+            rows: tuple[int, ...] | None, counted: bool = True, persistent: bool = False,
+            group: int | None = None) -> ParamShards:
         """`counted`: its shards add to the totals (a flat buffer's members are counted as the buffer);
-        `persistent`: a whole copy on every rank besides its shard."""
+        `persistent`: a whole copy on every rank besides its shard; `group`: its zero12 buffer's group."""
         how = "whole" if replicated else frozen_how
         numel = prod(param.local_shape)
         extra = storage.bytes(param, Shard(0, 0, numel, 0), 1, "whole") if persistent else 0
@@ -328,7 +329,7 @@ def model_shards(
                 padded[param.stage][shard.rank] += shard.padding
         return ParamShards(param.name, param.info.shape, param.local_shape, param.info.layer, param.stage, unit,
                            replicated, shards, rows, storage.param_dtype(param), param.trainable, sizes,
-                           extra)
+                           extra, group)
 
     def whole(numel: int) -> tuple[Shard, ...]:
         return tuple(Shard(rank, 0, numel, 0) for rank in range(world))
@@ -352,10 +353,10 @@ def model_shards(
         groups: dict[tuple[int, str], tuple[int, bool]] = {}  # zero12: (group index, matrices) of a unit
         if style == "zero12" and optimizer_groups:
             for stage in range(num_stages):
-                for index, group in enumerate(optimizer_groups_of([p for p in flattened if p.stage == stage])):
+                for index, (matrices, group) in enumerate(optimizer_groups_of([p for p in flattened if p.stage == stage])):
                     name = _unit_name(style, group[0].info, stage, num_stages, index)
                     units[stage, name] = group
-                    groups[stage, name] = (index, len(group[0].local_shape) >= 2)
+                    groups[stage, name] = (index, matrices)
         else:
             for param in flattened:
                 units.setdefault((param.stage, _unit_name(style, param.info, param.stage, num_stages)), []).append(param)
@@ -379,8 +380,7 @@ def model_shards(
                         Shard(shard.rank, start - offset, stop - offset, 0) if start < stop
                         else Shard(shard.rank, numel, numel, 0)
                     )
-                member = add(param, name, False, tuple(shards), None, counted=False)
-                members_of[id(param)] = replace(member, group=group) if group is not None else member
+                members_of[id(param)] = add(param, name, False, tuple(shards), None, counted=False, group=group)
                 offset = end
         for param in placed:
             if not param.trainable:  # LoRA's frozen base: whole on every rank, in no flat buffer
