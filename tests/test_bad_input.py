@@ -173,7 +173,7 @@ def test_unknown_command():
 OWN_ARGUMENT_CASES = [
     (["schedule", "--pp", "4", "--microbatches", "3", "--schedule", "1f1b"], "--microbatches: 1f1b needs at least pp (4) microbatches"),
     (["schedule", "--pp", "4", "--microbatches", "2", "--schedule", "zero-bubble"], "--microbatches: zero-bubble needs at least pp (4) microbatches"),
-    (["schedule", "--pp", "4", "--microbatches", "6", "--schedule", "interleaved-1f1b", "--virtual", "2"], "--microbatches: interleaved-1f1b needs microbatches divisible by pp (4) (got 6)"),
+    (["schedule", "--pp", "4", "--microbatches", "9", "--schedule", "interleaved-1f1b", "--virtual", "2"], "--microbatches: interleaved-1f1b needs microbatches divisible by pp (4) or by its max(1, m // pp) = 2 rounds (got 9)"),
     (["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "1f1b", "--virtual", "2"], "--virtual: 2 chunks per rank need interleaved-1f1b or round-robin"),
     (["schedule", "--pp", "0", "--microbatches", "8", "--schedule", "gpipe"], "--pp: must be >= 1 (got 0)"),
     (["schedule", "--pp", "-4", "--microbatches", "8", "--schedule", "gpipe"], "--pp: must be >= 1 (got -4)"),

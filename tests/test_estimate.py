@@ -212,10 +212,21 @@ def test_capped_walk_finds_the_same_peak(schedule, pp, virtual):
     from shardplan.core.estimate import held_peak, walked_microbatches
     from shardplan.core.schedule import rank_order
 
+    from shardplan.core.schedule import interleaved_problem
+
     if schedule != "interleaved-1f1b" and virtual > 1:
         pytest.skip("one stage per rank")
-    for microbatches in range(pp, 6 * pp * (virtual + 2) + 1, pp):
-        walked = walked_microbatches(pp, microbatches, virtual)
+    # interleaved-1f1b also every count torch's rounds take that is not a multiple of pp
+    # (torch 2.13 ScheduleInterleaved1F1B: max(1, m // pp) rounds that must divide m).
+    counts = range(pp, 6 * pp * (virtual + 2) + 1, pp)
+    if schedule == "interleaved-1f1b":
+        counts = [m for m in range(1, pp * pp + 6 * pp * (virtual + 2)) if not interleaved_problem(pp, m)]
+        flex = [m for m in counts if m % pp]
+        assert flex or pp == 2
+        # with more than virtual + 2 such rounds the walk is capped (the case it must get right)
+        assert pp < virtual + 4 or any(walked_microbatches(schedule, pp, m, virtual) < m for m in flex)
+    for microbatches in counts:
+        walked = walked_microbatches(schedule, pp, microbatches, virtual)
         for rank in range(pp):
             stages = range(rank, pp * virtual, pp)
             weights = {s: 1000 + 7 * s for s in stages}

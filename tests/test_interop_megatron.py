@@ -63,3 +63,16 @@ def test_the_rotary_base_is_said_not_exported():
     assert any(n["path"] == "model.position_embedding" and "--rotary-base" in n["message"] for n in notes)
     gpt2 = run_cli("export", "tiny-gpt2-cpu", "--to", "megatron", "--json").json["notes"]
     assert not any("--rotary-base" in n["message"] for n in gpt2)
+
+
+def test_interleaved_microbatches_megatron_does_not_take_are_said(write):
+    """Megatron-LM refuses an interleaved schedule whose microbatches pp does not divide
+    (megatron/core/pipeline_parallel/schedules.py, get_forward_backward_func: "number of
+    microbatches is not divisible by pipeline-parallel size when using interleaved
+    schedule"); torch runs 6 on pp 4 in one round, so the job is valid and the export says it."""
+    plan = PLANS["pp4_interleaved"].replace("num_microbatches = 16", "num_microbatches = 6")
+    assert plan != PLANS["pp4_interleaved"]
+    notes = run_cli("export", write("job.toml", plan), "--to", "megatron", "--json").json["notes"]
+    assert any(n["path"] == "parallel.num_microbatches" and "divisible by pp (4)" in n["message"] for n in notes)
+    whole = run_cli("export", write("whole.toml", PLANS["pp4_interleaved"]), "--to", "megatron", "--json").json["notes"]
+    assert not any(n["path"] == "parallel.num_microbatches" for n in whole)

@@ -73,6 +73,10 @@ PLANS = [
     ("pp2-1f1b", "tiny-llama", 2, 4, ["--pp", "2", "--set", "parallel.pipeline_schedule=1f1b"]),
     ("pp2-interleaved", "tiny-llama", 2, 4, ["--pp", "2", "--set", "parallel.pipeline_schedule=interleaved-1f1b",
                                              "--set", "parallel.virtual_stages=2"]),
+    # torch's interleaved 1F1B with fewer microbatches than pp: one round of 1 (torch 2.13
+    # ScheduleInterleaved1F1B's max(1, m // pp) rounds).
+    ("pp2-interleaved-m1", "tiny-llama", 8, 1, ["--pp", "2", "--set", "parallel.pipeline_schedule=interleaved-1f1b",
+                                                "--set", "parallel.virtual_stages=2"]),
     ("dp2-tp2", "tiny-llama", 4, 1, ["--dp", "2", "--tp", "2", "--zero", "3"]),
     # Hybrid sharding: 2 "nodes" of 2 ranks, sharded inside a node, replicated across.
     ("dp4-hybrid", "tiny-gpt2", 2, 1, ["--dp", "4", "--zero", "3", "--set", "zero.hybrid=true",

@@ -234,7 +234,7 @@ def test_inflight_matches_the_timeline(schedule, virtual):
 @pytest.mark.parametrize("args, field, needle", [
     (("1f1b", 4, 3, 1), "microbatches", "1f1b needs at least pp (4) microbatches to fill the pipeline (got 3)"),
     (("zero-bubble", 4, 2, 1), "microbatches", "zero-bubble needs at least pp (4)"),
-    (("interleaved-1f1b", 4, 6, 2), "microbatches", "needs microbatches divisible by pp (4) (got 6)"),
+    (("interleaved-1f1b", 4, 9, 2), "microbatches", "needs microbatches divisible by pp (4) or by its max(1, m // pp) = 2 rounds (got 9)"),
     (("gpipe", 4, 8, 2), "virtual", "2 chunks per rank need interleaved-1f1b or round-robin"),
     (("zero-bubble", 4, 8, 2), "virtual", "zero-bubble places one stage per rank"),
     (("1f1b", 0, 8, 1), "pp", "must be >= 1 (got 0)"),
@@ -319,8 +319,8 @@ def test_terminal_picture():
     (["--pp", "4", "--microbatches", "3", "--schedule", "1f1b"],
      "--microbatches: 1f1b needs at least pp (4) microbatches to fill the pipeline (got 3)"),
     (["--pp", "4", "--microbatches", "2", "--schedule", "zero-bubble"], "--microbatches: zero-bubble needs"),
-    (["--pp", "4", "--microbatches", "6", "--schedule", "interleaved-1f1b", "--virtual", "2"],
-     "--microbatches: interleaved-1f1b needs microbatches divisible by pp (4) (got 6)"),
+    (["--pp", "4", "--microbatches", "9", "--schedule", "interleaved-1f1b", "--virtual", "2"],
+     "--microbatches: interleaved-1f1b needs microbatches divisible by pp (4) or by its max(1, m // pp) = 2 rounds (got 9)"),
     (["--pp", "2", "--microbatches", "4", "--schedule", "1f1b", "--virtual", "2"], "--virtual: 2 chunks per rank"),
     (["--pp", "0", "--microbatches", "4", "--schedule", "gpipe"], "--pp: must be >= 1 (got 0)"),
     (["--pp", "-3", "--microbatches", "4", "--schedule", "gpipe"], "--pp: must be >= 1 (got -3)"),
@@ -357,8 +357,8 @@ def test_job_file_values_and_flag_overrides(write):
     doc = schedule_cli(path, "--microbatches", "12", "--schedule", "round-robin", "--json").json
     assert (doc["schedule"], doc["pp"], doc["microbatches"], doc["virtual"]) == ("round-robin", 4, 12, 2)
     # A flag that breaks the file's combination is the one blamed.
-    result = schedule_cli(path, "--microbatches", "6")
-    assert result.err_lines == ["--microbatches: interleaved-1f1b needs microbatches divisible by pp (4) (got 6)"]
+    result = schedule_cli(path, "--microbatches", "9")
+    assert result.err_lines == ["--microbatches: interleaved-1f1b needs microbatches divisible by pp (4) or by its max(1, m // pp) = 2 rounds (got 9)"]
     # A value the file holds, beyond what schedule plans, is blamed on the file's key.
     big = write("big.toml", "[parallel]\npp = 512\nnum_microbatches = 512\n")
     result = schedule_cli(big)

@@ -6,7 +6,9 @@ I = input-gradient backward, W), never torch's communication or REDUCE_GRAD acti
 torch's None padding (its own idea of time) is ignored. Findings, torch 2.13.0:
 
 - gpipe = ScheduleGPipe, round-robin = ScheduleLoopedBFS, interleaved-1f1b =
-  ScheduleInterleaved1F1B: identical on every rank.
+  ScheduleInterleaved1F1B: identical on every rank. interleaved-1f1b also for the
+  microbatch counts pp does not divide that torch runs (its max(1, m // pp) rounds must
+  divide m; fewer microbatches than pp make one round), and refused where torch refuses.
 - zero-bubble = ScheduleInterleavedZeroBubble with ONE stage per rank (torch's docstring:
   "implementing the ZB1P schedule"; with one local stage it is ZB-H1): identical wherever
   torch accepts the microbatch count. torch refuses m that is not a multiple of its
@@ -78,14 +80,39 @@ SHAPES = [(p, m) for p in range(1, 9) for m in range(p, 4 * p + 1)]
     ("interleaved-1f1b", [1, 2, 3, 4]),
 ])
 def test_identical_to_torch(schedule, virtuals):
+    from shardplan.core.schedule import interleaved_problem
+
     compared = 0
     for p, m in SHAPES:
-        if schedule == "interleaved-1f1b" and m % p:
-            continue
+        if schedule == "interleaved-1f1b" and interleaved_problem(p, m):
+            continue  # refused by both (the next test)
         for v in virtuals:
             assert ours(schedule, p, m, v) == torch_orders(schedule, p, m, v), (p, m, v)
             compared += 1
     assert compared > 100
+
+
+def test_interleaved_takes_the_microbatch_counts_torch_takes():
+    # Every count from 1 to past pp * pp (beyond it only multiples of pp divide into the
+    # rounds): ours equals torch's order where torch builds one and refuses where torch does.
+    from shardplan.core.schedule import ScheduleInputError
+
+    built = refused = flexible = 0
+    for p in range(2, 7):
+        for m in range(1, p * p + 2 * p):
+            for v in (1, 3):
+                try:
+                    theirs = torch_orders("interleaved-1f1b", p, m, v)
+                except ValueError as exc:
+                    assert "multiple of the number of rounds" in str(exc)
+                    with pytest.raises(ScheduleInputError, match=r"divisible by pp \(\d+\) or by its max\(1, m // pp\)"):
+                        ours("interleaved-1f1b", p, m, v)
+                    refused += 1
+                    continue
+                assert ours("interleaved-1f1b", p, m, v) == theirs, (p, m, v)
+                built += 1
+                flexible += m % p != 0
+    assert built > 120 and refused > 100 and flexible > 80
 
 
 def test_zero_bubble_is_torch_zb_with_one_stage_per_rank():

@@ -105,11 +105,16 @@ def test_uneven_pipeline_split_is_shown(write):
 
 def test_interleaved_rules(write):
     base = LLAMA3 + '[parallel]\npp = 4\npipeline_schedule = "interleaved-1f1b"\n'
-    result = run_cli("validate", write("a.toml", base + "virtual_stages = 3\nnum_microbatches = 6\n"))
-    assert "interleaved-1f1b needs microbatches divisible by pp (4) (got 6)" in result.err
+    result = run_cli("validate", write("a.toml", base + "virtual_stages = 3\nnum_microbatches = 9\n"))
+    assert "interleaved-1f1b needs microbatches divisible by pp (4) or by its max(1, m // pp) = 2 rounds (got 9)" in result.err
     assert "needs model.num_layers (32) divisible by pp * virtual_stages (4 * 3 = 12)" in result.err
     ok = run_cli("validate", write("b.toml", base + "virtual_stages = 2\nnum_microbatches = 8\n"))
     assert ok.code == 0, ok.err
+    # torch 2.13's ScheduleInterleaved1F1B also runs counts pp does not divide, in
+    # max(1, m // pp) rounds that divide them: 6 (one round of 6), 3 (one round, fewer than pp), 10 (2 of 5).
+    for m in (3, 6, 10):
+        ok = run_cli("validate", write(f"m{m}.toml", base + f"virtual_stages = 2\nnum_microbatches = {m}\n"))
+        assert ok.code == 0 and "error" not in ok.err, (m, ok.err)
     result = run_cli("validate", write("c.toml", LLAMA3 + "[parallel]\npp = 2\nvirtual_stages = 2\nnum_microbatches = 4\n"))
     assert "2 chunks per rank need pipeline_schedule interleaved-1f1b or round-robin (got 1f1b)" in result.err
 

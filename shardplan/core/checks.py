@@ -15,7 +15,7 @@ from ..spec.units import format_bytes
 from .degrees import Degrees, missing_axes
 from .layout import layout_problems
 from .pipeline import describe_split, split_problem
-from .schedule import CHUNKED_SCHEDULES, NEEDS_FULL_PIPELINE, chunks_per_rank
+from .schedule import CHUNKED_SCHEDULES, NEEDS_FULL_PIPELINE, chunks_per_rank, interleaved_problem
 
 
 def error(path: str, message: str) -> Problem:
@@ -85,11 +85,8 @@ def pipeline_problems(job: JobSpec, num_layers: int | None) -> list[Problem]:
             "parallel.num_microbatches",
             f"{schedule} needs at least pp ({pp}) microbatches to fill the pipeline (got {m})",
         ))
-    if pp > 1 and schedule == "interleaved-1f1b" and m % pp:
-        problems.append(error(
-            "parallel.num_microbatches",
-            f"interleaved-1f1b needs microbatches divisible by pp ({pp}) (got {m})",
-        ))
+    if pp > 1 and schedule == "interleaved-1f1b" and interleaved_problem(pp, m):
+        problems.append(error("parallel.num_microbatches", interleaved_problem(pp, m)))
     if pp > 1 and schedule == "gpipe" and m < pp:
         problems.append(warning(
             "parallel.num_microbatches",

@@ -61,7 +61,7 @@ from .host import checkpoint_staging, rank_host, startup_host
 from .offload import frees_device_grads
 from .params import ParamInfo, count_params
 from .precision import MIXED, ElementBytes, element_bytes, uses_autocast
-from .schedule import ALL_FORWARDS_FIRST, SPLIT_BACKWARD, chunks_per_rank, held_peak, rank_order
+from .schedule import ALL_FORWARDS_FIRST, SPLIT_BACKWARD, chunks_per_rank, held_peak, interleaved_rounds, rank_order
 from .schedule_sim import BACKWARD as BACKWARD_ACTION, WEIGHT, Action
 from .stages import LocalParam, RankParams, chunk_size, rank_params
 from .states import LAYERS, HostGroup, Offload, Sharding, States, fullest_zero1_index, rank_states
@@ -217,21 +217,24 @@ def torch_sequence_parallel_extra(inputs: EstimateInputs) -> int:
     return sum(t.bytes for t in stored_layer_terms(torch_sp)) - sum(t.bytes for t in stored_layer_terms(paper))
 
 
-def walked_microbatches(pp: int, microbatches: int, virtual: int) -> int:
+def walked_microbatches(schedule: str, pp: int, microbatches: int, virtual: int) -> int:
     """How many microbatches of a schedule's order must be walked to meet its peak.
 
     1F1B-like schedules (1f1b, zero-bubble, interleaved-1f1b) reach their peak during the
     warm-up, which spans fewer than pp * (virtual + 2) forwards; later steady-state steps only
-    repeat it (tested over many pp, virtual and microbatches: tests/test_estimate.py). The
-    count keeps interleaved-1f1b's multiple of pp.
+    repeat it (tested over many pp, virtual and microbatches: tests/test_estimate.py).
+    interleaved-1f1b walks virtual + 2 of its rounds (`interleaved_rounds`): with k > virtual + 2
+    rounds of q microbatches, (virtual + 2) * q microbatches make exactly virtual + 2 rounds of
+    the same q (q = pp + r / k with r < pp), so the walked order starts as the full one does.
     """
-    cap = pp * (virtual + 2)
+    per_round = interleaved_rounds(pp, microbatches)[1] if schedule == "interleaved-1f1b" else pp
+    cap = per_round * (virtual + 2)
     return microbatches if microbatches <= cap else cap
 
 
 @lru_cache(maxsize=512)
 def _rank_order(schedule: str, pp: int, microbatches: int, virtual: int, pp_rank: int) -> tuple[Action, ...]:
-    walked = walked_microbatches(pp, microbatches, virtual)
+    walked = walked_microbatches(schedule, pp, microbatches, virtual)
     return tuple(rank_order(schedule, pp, walked, virtual, pp_rank))
 
 

@@ -10,7 +10,7 @@ Costs become integer units (the simulator is exact on integers): a unit is 1/RES
 the largest action's cost, so nearby plans share a cached simulation. Long schedules are not
 walked to the end: once warm, a schedule repeats with a fixed period, so the makespan and
 every rank's finish grow linearly with the microbatches; two simulations past the warm-up
-fix that line (tests/test_time_pipeline.py checks it against full simulations).
+fix that line (tests/test_time_pieces.py checks it against full simulations).
 """
 
 from __future__ import annotations
@@ -66,7 +66,11 @@ def _makespan_units(schedule: str, pp: int, microbatches: int, chunks: int,
     """Makespan and per-rank finish; past the warm-up, extrapolated along the line that
     POINTS equally spaced simulations agree on (simulating further while they do not)."""
     low = _warm_up(pp, chunks)
-    while low + (POINTS - 1) * pp < microbatches:
+    # interleaved-1f1b with m not a multiple of pp runs rounds of m / max(1, m // pp)
+    # microbatches (core/schedule.py `interleaved_rounds`), not the rounds of pp that the
+    # sampled counts run: it is simulated whole (such m are below pp * pp).
+    flexible = schedule == "interleaved-1f1b" and microbatches % pp
+    while not flexible and low + (POINTS - 1) * pp < microbatches:
         points = [_simulate_units(schedule, pp, low + i * pp, chunks, costs) for i in range(POINTS)]
         if _on_a_line(points):
             steps = (microbatches - low) / pp

@@ -42,8 +42,10 @@ def chunks_per_rank(schedule: str, virtual: int) -> int:
 
 
 # Schedules whose warm-up holds up to pp microbatches before the first backward: fewer
-# microbatches than pp cannot fill them (Megatron-LM and torch both refuse).
-NEEDS_FULL_PIPELINE = ("1f1b", "zero-bubble", "interleaved-1f1b")
+# microbatches than pp cannot fill them (torch's Schedule1F1B refuses them, and its
+# zero-bubble schedule with one stage per rank is ZB-H1's warm-up). interleaved-1f1b takes
+# torch's own rule instead (`interleaved_rounds`).
+NEEDS_FULL_PIPELINE = ("1f1b", "zero-bubble")
 # Schedules that split the backward into B (input gradient) and W (weight gradient).
 SPLIT_BACKWARD = ("zero-bubble",)
 # Schedules that run every forward of a step before its first backward (GPipe; looped BFS).
@@ -89,6 +91,25 @@ def _check_int(field: str, value: object, limit: int | None) -> int:
     return value
 
 
+def interleaved_rounds(pp: int, microbatches: int) -> tuple[int, int]:
+    """(rounds, microbatches per round) of torch's ScheduleInterleaved1F1B (torch 2.13,
+    distributed/pipelining/schedules.py, `ScheduleInterleaved1F1B.__init__`): max(1, m // pp)
+    rounds, each walking its m / rounds microbatches through chunk 0, then chunk 1, ... With
+    m a multiple of pp that is Megatron-LM's schedule (rounds of pp; Narayanan et al. 2021,
+    section 2.2); torch also runs m that is not, as long as the rounds divide it."""
+    rounds = max(1, microbatches // pp)
+    return rounds, microbatches // rounds
+
+
+def interleaved_problem(pp: int, microbatches: int) -> str | None:
+    """Why torch's interleaved 1F1B cannot run these microbatches (None: it can)."""
+    rounds, _ = interleaved_rounds(pp, microbatches)
+    if microbatches % rounds:
+        return (f"interleaved-1f1b needs microbatches divisible by pp ({pp}) or by its max(1, m // pp) = "
+                f"{rounds} rounds (got {microbatches})")
+    return None
+
+
 def check_schedule(schedule: str, pp: int, microbatches: int, virtual: int = 1, limits: bool = True) -> None:
     """Raise `ScheduleInputError` when the schedule cannot run with these values; `limits`
     adds the bounds that keep a drawn schedule readable (the estimate does without them)."""
@@ -112,10 +133,8 @@ def check_schedule(schedule: str, pp: int, microbatches: int, virtual: int = 1, 
             "microbatches", f"{schedule} needs at least pp ({pp}) microbatches to fill the pipeline "
             f"(got {microbatches})",
         )
-    if schedule == "interleaved-1f1b" and microbatches % pp:
-        raise ScheduleInputError(
-            "microbatches", f"interleaved-1f1b needs microbatches divisible by pp ({pp}) (got {microbatches})",
-        )
+    if schedule == "interleaved-1f1b" and interleaved_problem(pp, microbatches):
+        raise ScheduleInputError("microbatches", interleaved_problem(pp, microbatches))
     items = pp * virtual * microbatches
     if limits and items > MAX_WORK_ITEMS:
         raise ScheduleInputError(
@@ -192,17 +211,19 @@ def _zero_bubble(pp: int, m: int, v: int, rank: int) -> list[Action]:
 
 
 def _interleaved(pp: int, m: int, v: int, rank: int) -> list[Action]:
-    # Megatron-LM / torch ScheduleInterleaved1F1B: forwards go through pp microbatches of
-    # chunk 0, then pp of chunk 1, ...; backwards through the chunks in reverse. The
-    # warm-up, (v - 1) * pp + 2 * (pp - 1 - rank) forwards, lets the first backward of the
-    # last chunk come back before the rank starts alternating.
-    warmup = min((v - 1) * pp + 2 * (pp - 1 - rank), v * m)
+    # Megatron-LM / torch ScheduleInterleaved1F1B: forwards go through a round of microbatches
+    # (pp of them when pp divides m; `interleaved_rounds`) of chunk 0, then the round of
+    # chunk 1, ...; backwards through the chunks in reverse. The warm-up,
+    # (v - 1) * round + 2 * (pp - 1 - rank) forwards (torch `_get_warmup_ops`), lets the first
+    # backward of the last chunk come back before the rank starts alternating.
+    _, per_round = interleaved_rounds(pp, m)
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), v * m)
 
     def fwd_stage(k: int) -> int:
-        return (k // pp) % v * pp + rank
+        return (k // per_round) % v * pp + rank
 
     def bwd_stage(j: int) -> int:
-        return (v - 1 - (j // pp) % v) * pp + rank
+        return (v - 1 - (j // per_round) % v) * pp + rank
 
     return _forward_backward(warmup, v * m, fwd_stage, bwd_stage)
 

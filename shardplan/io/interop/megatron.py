@@ -187,6 +187,12 @@ def _pipeline(plan: Plan, add, notes: list[Note]) -> None:
                                                         f"{par.pipeline_schedule!r} is not exported"))
     if chunked and par.virtual_stages > 1:
         add("--num-virtual-stages-per-pipeline-rank", par.virtual_stages)
+        if par.pp > 1 and par.num_microbatches % par.pp:
+            # Megatron-LM's get_forward_backward_func: "number of microbatches is not divisible
+            # by pipeline-parallel size when using interleaved schedule" (torch runs such counts).
+            notes.append(Note("parallel.num_microbatches",
+                              f"megatron's interleaved schedule needs microbatches divisible by pp ({par.pp}); "
+                              f"{par.num_microbatches} runs under torch's schedule, not megatron's"))
     elif par.virtual_stages > 1:
         notes.append(Note("parallel.virtual_stages", "megatron interleaves virtual stages under 1F1B only"))
     if par.first_stage_layers:
