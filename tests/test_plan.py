@@ -396,6 +396,24 @@ def test_each_layer_split_is_searched_once(layers, pp):
     assert len(splits) == len(set(splits)) and len(splits) > 1
 
 
+@pytest.mark.parametrize("layers, pp, lighter", [
+    # Llama 3 405B (Llama 3 paper, section 3.3.2: one layer fewer on the first and the last
+    # of 16 stages): 7/8 .. 8/7.
+    (126, 16, (7,) + (8,) * 14 + (7,)),
+    # 32 layers on 3 stages: the even split is 11/11/10; the last stage, which carries the head
+    # and the loss, can also take one layer fewer than that (11/12/9 or 12/11/9).
+    (32, 3, None),
+])
+def test_the_last_stage_can_be_lighter_than_the_even_split(layers, pp, lighter):
+    shape = dataclasses.replace(SHAPES["llama"], num_layers=layers)
+    options = schedule_options(shape, pp, Space(world=pp, global_batch=pp), Fixed(schedule="1f1b"))
+    splits = {tuple(split_layers(layers, pp, *split)) for _, _, split in options}
+    even = tuple(split_layers(layers, pp, 0, 0))
+    if lighter:
+        assert lighter in splits
+    assert any(split[-1] == even[-1] - 1 for split in splits), sorted(splits)
+
+
 # --- published plans -------------------------------------------------------------------------
 
 DGX_HOST = 2048 * GiB  # DGX A100 80GB: 2 TB of system memory (NVIDIA DGX A100 datasheet)

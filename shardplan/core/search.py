@@ -165,8 +165,10 @@ def degree_options(shape: ModelShape, space: Space, fixed: Fixed, seq_len: int,
 def schedule_options(shape: ModelShape, pp: int, space: Space, fixed: Fixed) -> list[tuple[str, int, tuple[int, int]]]:
     """(schedule, virtual stages, (first, last) stage layers) for pp stages. One stage runs
     gradient accumulation: no schedule to choose. 1F1B takes uneven end stages: the first
-    holds the most microbatches and the last the loss, so one or two layers fewer there
-    (Megatron-LM's first/last pipeline layers; Llama 3 405B: one fewer on each). Interleaved
+    holds the most microbatches and the last the head and the loss, so one or two layers
+    fewer there than ceil(layers / pp) (Megatron-LM's first/last pipeline layers; Llama 3 405B:
+    one fewer on each; where pp does not divide the layers, the even split already has one
+    fewer on the last, so two fewer is the lighter choice). Interleaved
     1F1B takes the virtual stages that divide the layers evenly (its validation rule)."""
     if pp == 1:
         if (fixed.virtual or 1) > 1 or fixed.first_stage_layers or fixed.last_stage_layers:
@@ -201,7 +203,7 @@ def schedule_options(shape: ModelShape, pp: int, space: Space, fixed: Fixed) -> 
             continue
         base = -(-layers // pp)
         firsts = [fixed.first_stage_layers] if fixed.first_stage_layers is not None else sorted({0, base - 1, base - 2} - {-1})
-        lasts = [fixed.last_stage_layers] if fixed.last_stage_layers is not None else sorted({0, base - 1} - {-1})
+        lasts = [fixed.last_stage_layers] if fixed.last_stage_layers is not None else sorted({0, base - 1, base - 2} - {-1})
         seen = set()  # a split reached twice (an even rest equal to a fixed last stage) is one plan
         for first, last in product(firsts, lasts):
             if (first or last) and split_problem(layers, pp, first, last):
