@@ -211,6 +211,28 @@ def test_a_batch_no_plan_splits_names_one_that_does(job, write):
     assert "more GPUs do not help: no plan of 128 to 4,096 GPUs splits a global batch of 8" in result.err
 
 
+def test_more_gpus_names_the_fewest_between_the_doublings(job):
+    """Llama-3 8B at seq 8192 on A100 40GB with ZeRO-2 and no offload: nothing fits 4 GPUs,
+    8 do, and 6 too (tp 2 x pp 3: the layers and the 8 key/value heads allow it); the note
+    names 6, and `plan --gpus 6` finds the plan it promised."""
+    keys = ("--set", "cluster.preset=a100-40gb", "--zero", "2", "--set", "offload.strategy=conservative",
+            "--global-batch", "64")
+    result = run_cli("plan", job, "--gpus", "4", *keys)
+    assert result.code == 1, result.err
+    assert "with 6 GPUs (--gpus 6) a plan fits at this global batch" in result.err
+    assert run_cli("plan", job, "--gpus", "6", *keys).code == 0
+    assert run_cli("plan", job, "--gpus", "5", *keys).code == 1  # 5 is tried too: it fits nothing
+
+
+def test_between_counts_whole_nodes_past_one_node():
+    from shardplan.io.plan_search import between
+
+    assert between(4, 8, 8) == [5, 6, 7]  # within a node: single GPUs
+    assert between(16, 32, 8) == [24]  # whole nodes of 8
+    assert between(256, 512, 8) == [320, 384, 448]  # at most three
+    assert between(8, 16, 8) == [] and between(1, 2, 8) == []
+
+
 @pytest.mark.parametrize("extra,text,message", [
     (("--gpus", "8", "--nodes", "1", "--global-batch", "8"), JOB, "not both"),
     (("--global-batch", "8"), JOB, "how many GPUs"),

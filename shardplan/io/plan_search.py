@@ -421,10 +421,23 @@ def _batch_that_splits(base: EstimateInputs, space: Space, fixed: Fixed, timer, 
     return [f"{head}, nor one up to {limit}: plan fewer GPUs (--gpus)"]
 
 
+# Counts `_what_it_would_take` tries between a world that fits nothing and twice it that fits.
+BETWEEN_TRIES = 3
+
+
+def between(low: int, high: int, gpus_per_node: int) -> list[int]:
+    """Up to BETWEEN_TRIES GPU counts strictly between `low` and `high`, evenly spaced and
+    increasing: whole nodes once past one node, single GPUs within one."""
+    unit = gpus_per_node if high > gpus_per_node else 1
+    counts = {-(-(low + (high - low) * i // (BETWEEN_TRIES + 1)) // unit) * unit for i in range(1, BETWEEN_TRIES + 1)}
+    return sorted(c for c in counts if low < c < high)
+
+
 def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer, ranking: dict) -> list[str]:
     """Nothing fits: what would, at this global batch. Offload first when the job's strategy
-    forbids it (the same GPUs), then the fewest GPUs, up to 64 times as many and never more than
-    the largest supported world."""
+    forbids it (the same GPUs), then more GPUs: doubling, up to 64 times as many and never more
+    than the largest supported world, and then the fewest of a few counts between the last
+    doubling that fit nothing and the first that fits (`between`)."""
     notes = []
 
     def searched(inputs: EstimateInputs, world: int, dp_fixed: bool) -> SearchResult:
@@ -450,11 +463,17 @@ def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer,
         return notes + [f"more GPUs cannot be planned ({space.world:,} GPUs is over half the largest supported world, "
                         f"{MAX_WORLD_SIZE:,}): lower the sequence length, or plan a smaller model"]
     unsplit = True  # no larger world splits the global batch either
+    below = space.world  # the largest world tried that fits nothing
     for world in worlds:
         result = searched(base, world, False)
         if result.plans:
-            return notes + [f"with {world:,} GPUs (--gpus {world}) a plan fits at this global batch"]
+            # Fitting is not monotonic in the GPUs (the degrees must divide them), so the
+            # counts between the last miss and this one are tried too, a few, in whole nodes.
+            fewest = next((w for w in between(below, world, base.gpus_per_node)
+                           if searched(base, w, False).plans), world)
+            return notes + [f"with {fewest:,} GPUs (--gpus {fewest}) a plan fits at this global batch"]
         unsplit = unsplit and result.batch_unsplit()
+        below = world
     if unsplit:
         return notes + [f"more GPUs do not help: no plan of {worlds[0]:,} to {worlds[-1]:,} GPUs splits a "
                         f"global batch of {space.global_batch:,} (raise --global-batch)"]
