@@ -542,3 +542,19 @@ def test_nodes_past_the_largest_world_name_the_nodes(job, args, where):
     assert result.code == 2
     (problem,) = result.json["error"]["problems"]
     assert problem["path"] == where and "1,600,000 GPUs" in problem["message"]
+
+
+def test_the_offload_column_counts_the_layers_of_the_parameters(write):
+    """LoRA of Llama-3 70B (bf16 base) on one H100 fits only with offload: the column names
+    the offloaded kinds and puts the count of layers where it belongs, on the parameters
+    (the layers whose parameters live on the host; JSON `resident_layers` holds the rest)."""
+    lora = write("lora.toml", JOB.replace("llama-3-8b", "llama-3-70b").replace(
+        "seq_len = 8192", "seq_len = 2048\nglobal_batch_size = 16\nprecision = \"bf16-mixed\"")
+        + '[lora]\nrank = 16\ntargets = ["q_proj", "k_proj", "v_proj", "o_proj"]\n')
+    result = run_cli("plan", lora, "--gpus", "1", "--top", "1", "--json")
+    assert result.code == 0, result.err
+    offload = result.json["plans"][0]["offload"]
+    assert offload["params"] and offload["resident_layers"]
+    offloaded = 80 - max(offload["resident_layers"])
+    table = run_cli("plan", lora, "--gpus", "1", "--top", "1")
+    assert f"params ({offloaded} of 80 layers)" in table.out

@@ -117,7 +117,7 @@ class PlanOutcome:
             import json
 
             return json.dumps(data, indent=2) + "\n"
-        header = (f"# shardplan plan: the fastest of the plans that fit {self.world} GPUs: dp {d.dp} x tp {d.tp} "
+        header = (f"# shardplan plan: the fastest of the plans that fit {counted(self.world, 'GPU')}: dp {d.dp} x tp {d.tp} "
                   f"x pp {d.pp} x cp {d.cp}, {best.timing.step_seconds:.3f} s per step\n")
         return header + tomli_w.dumps(data)
 

@@ -28,9 +28,11 @@ def _offload(entry) -> str:
     if not kinds:
         return ""
     resident = entry.estimate.assumptions.get("offload", {}).get("resident_layers")
-    layers = max(d.num_layers for d in entry.estimate.devices)
-    note = f" ({layers - max(resident)} of {layers} layers)" if inputs.offload_params and resident else ""
-    return "+".join(kinds) + note
+    if inputs.offload_params and resident:
+        # The count belongs to the parameters: the layers whose parameters live on the host.
+        layers = max(d.num_layers for d in entry.estimate.devices)
+        kinds[0] = f"params ({layers - max(resident)} of {layers} layers)"
+    return "+".join(kinds)
 
 
 def _offload_document(entry) -> dict:
