@@ -528,3 +528,42 @@ def test_the_fit_of_a_zero_1_export_is_the_stage_written(target):
     assert result.code == 0
     notes = [n["message"] for n in result.json["notes"] if n["path"] == "offload"]
     assert notes and f"peak {format_bytes(zero2)}" in notes[0] and "which fits" in notes[0], notes
+
+
+FSDP2_BEST = """
+[model]
+preset = "llama-3-8b"
+[train]
+seq_len = 8192
+activation_checkpointing = "none"
+global_batch_size = 64
+[cluster]
+preset = "h100-80gb"
+nodes = 1
+[parallel]
+dp = 8
+micro_batch_size = 1
+num_microbatches = 8
+[zero]
+stage = 3
+"""
+
+
+def test_a_plan_that_does_not_fit_deepspeed_says_so(write):
+    """`plan`'s best Llama-3 8B plan on 8 H100s (seq 8192, ZeRO-3, no recomputation) fits the
+    fsdp2 accounting it was planned under but not DeepSpeed's (its flat buffers and bucket
+    copies, docs/estimate.md): the export writes it as planned and says so, with the figures
+    `estimate --framework deepspeed` gives; a plan that fits DeepSpeed gets no such note."""
+    job = write("best.toml", FSDP2_BEST)
+    assert run_cli("estimate", job, "--json").json["fits"] is True
+    # as written (offload.strategy conservative: the export writes no offload the job does not ask for)
+    ds = run_cli("estimate", job, "--framework", "deepspeed", "--set", "offload.strategy=conservative", "--json").json
+    assert ds["fits"] is False
+    notes = run_cli("export", job, "--to", "deepspeed", "--json").json["notes"]
+    said = [n["message"] for n in notes if n["path"] == "zero.framework"]
+    assert len(said) == 1 and "which does not fit (deepspeed accounting: peak" in said[0], notes
+    assert format_bytes(ds["peak_gpu_bytes"]) in said[0]
+    fits = write("fits.toml", FSDP2_BEST.replace('activation_checkpointing = "none"', 'activation_checkpointing = "full"'))
+    assert run_cli("estimate", fits, "--framework", "deepspeed", "--set", "offload.strategy=conservative",
+                   "--json").json["fits"] is True
+    assert not any(n["path"] == "zero.framework" for n in run_cli("export", fits, "--to", "deepspeed", "--json").json["notes"])

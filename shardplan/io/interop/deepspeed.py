@@ -76,6 +76,8 @@ def to_deepspeed(plan: Plan) -> Exported:
         # ZeRO-Offload runs on ZeRO's optimizer: at stage 0 DeepSpeed ignores offload_optimizer.
         stage = 1
         notes.append(_stage_note(0, 1, par.dp))
+    if written is None:
+        _as_planned_fit(plan, stage, notes)
     zero_config: dict = {"stage": stage}
     for key, name in _BUCKETS.items():
         if not _applies(key, stage):
@@ -157,6 +159,22 @@ def _decided_offload(plan: Plan, notes: list[Note]) -> Offload:
     notes.append(Note("offload", f"the {decision.strategy} strategy offloads {decision.describe()}: "
                                  f"{decision.written_as(written)}{because}, {fit}"))
     return written
+
+
+def _as_planned_fit(plan: Plan, stage: int, notes: list[Note]) -> None:
+    """The plan written as the job states it (no offload strategy's decision to write): a note
+    when it does not fit as DeepSpeed allocates it (the `deepspeed` accounting: its flat
+    buffers, buckets and copies, docs/estimate.md), which a job planned under `fsdp2` can miss."""
+    decision, off = plan.offload, plan.job.offload
+    if decision.inputs is None:
+        return  # no model to estimate
+    moved = off.optimizer or off.grads  # offload_optimizer moves both
+    written = Offload(params=off.params, grads=moved, optimizer=moved,
+                      resident_layers=0 if off.params else None, zero_stage=stage)
+    fit = fit_of(decision, written, TARGET)
+    if fit.fits is False:
+        notes.append(Note("zero.framework", f"written as planned, {fit}: `shardplan plan --framework deepspeed` "
+                                            "finds the plans that fit as DeepSpeed allocates them"))
 
 
 def dumps(config: dict) -> str:
