@@ -558,3 +558,24 @@ def test_the_offload_column_counts_the_layers_of_the_parameters(write):
     offloaded = 80 - max(offload["resident_layers"])
     table = run_cli("plan", lora, "--gpus", "1", "--top", "1")
     assert f"params ({offloaded} of 80 layers)" in table.out
+
+
+def test_host_memory_that_stops_the_offload_is_named(write):
+    """Llama-3 70B fine-tuning on 2 nodes of 8 A100s fits only with the optimizer states on the
+    host (docs/plan.md); with 512 GiB of RAM per node the offload may use 460.80 GiB, and
+    nothing fits. The note names the host memory per node a plan needs, and with that budget
+    (rounded up to a whole GiB) `plan` finds one."""
+    job = write("ft.toml", JOB.replace("llama-3-8b", "llama-3-70b").replace("seq_len = 8192", "seq_len = 4096\n"
+                "global_batch_size = 64").replace('preset = "h100-80gb"', 'preset = "a100-80gb"\nnodes = 2'))
+    result = run_cli("plan", job, "--set", "cluster.cpu_memory_per_node=512GiB", "--json")
+    assert result.code == 1
+    notes = [n for n in result.json["notes"] if "of host memory per node for the offload" in n]
+    assert len(notes) == 1 and "(it may use 460.80 GiB" in notes[0], result.json["notes"]
+    need = float(notes[0].split("with ")[1].split(" GiB")[0])
+    budget = f"{int(need) + 1}GiB"
+    fits = run_cli("plan", job, "--set", "cluster.cpu_memory_per_node=1TiB", "--set", f"offload.cpu_memory_budget={budget}",
+                   "--top", "1")
+    assert fits.code == 0, fits.err
+    short = run_cli("plan", job, "--set", "cluster.cpu_memory_per_node=1TiB", "--set",
+                    f"offload.cpu_memory_budget={int(need) - 1}GiB", "--top", "1")
+    assert short.code == 1

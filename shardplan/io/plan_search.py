@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..core.degrees import Degrees
 from ..core.estimate_inputs import EstimateInputs, inputs_from_job
-from ..core.memory import Estimate, estimate_memory, resolve_offload
+from ..core.memory import Estimate, cpu_limit, estimate_memory, resolve_offload
 from ..core.pipeline import split_label
 from ..core.search import (Fixed, Group, Miss, SearchResult, Space, candidates, degree_options, next_split_batch,
                            schedule_options, search)
@@ -421,6 +421,11 @@ def _batch_that_splits(base: EstimateInputs, space: Space, fixed: Fixed, timer, 
     return [f"{head}, nor one up to {limit}: plan fewer GPUs (--gpus)"]
 
 
+# Host memory per node `_what_it_would_take` lends the offload to ask whether the host stopped it
+# (1 PiB: beyond any node), and the plans of that search whose host memory it compares.
+ROOMY_HOST = 2**50
+HOST_TRIES = 5
+
 # Counts `_what_it_would_take` tries between a world that fits nothing and twice it that fits.
 BETWEEN_TRIES = 3
 
@@ -448,6 +453,16 @@ def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer,
     if base.strategy == "conservative" and fixed.offload is None and space.offload:
         if searched(base.with_(strategy="balanced"), space.world, True).plans:
             notes.append(f'with offload (--set offload.strategy=balanced) a plan fits {space.world} GPUs')
+    elif space.offload and base.cpu_memory_budget is not None:
+        # The strategy may offload, but the host memory it may use can be what stops it: the
+        # same search with room on the host, and the least host memory of its fastest plans.
+        roomy = base.with_(degrees=Degrees(dp=space.world), cpu_memory_per_node=ROOMY_HOST, cpu_memory_budget=ROOMY_HOST)
+        found = search(roomy, space, fixed, timer, top_k=HOST_TRIES, **ranking).plans
+        if found:
+            need = min(plan.cpu_bytes_per_node for plan in found)
+            notes.append(f"with {format_bytes(need)} of host memory per node for the offload (it may use "
+                         f"{format_bytes(cpu_limit(base))}: offload.cpu_memory_budget, by default "
+                         f"cluster.cpu_memory_per_node less a reserve) a plan fits {counted(space.world, 'GPU')}")
     # A key the job fixes (other than the degrees, which more GPUs relax below): a plan of these
     # GPUs that fits once the search may choose it.
     for name, value in vars(fixed).items():

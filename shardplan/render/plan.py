@@ -130,4 +130,6 @@ def plan_document(outcome) -> dict:
                     "last_stage_layers": m.inputs.stage_split[1] or None,
                     "short_bytes": m.short_bytes, "at_least": bool(m.at_least), "reason": m.reason}
                    for m in outcome.closest()] if not plans else [],
+        # What would make a plan fit, when none does: the `plan:` lines after the misses.
+        "notes": list(outcome.notes),
     }
