@@ -579,3 +579,26 @@ def test_host_memory_that_stops_the_offload_is_named(write):
     short = run_cli("plan", job, "--set", "cluster.cpu_memory_per_node=1TiB", "--set",
                     f"offload.cpu_memory_budget={int(need) - 1}GiB", "--top", "1")
     assert short.code == 1
+
+
+def test_deepspeed_plans_are_what_deepspeed_runs(job):
+    """Under the `deepspeed` accounting the search keeps to what DeepSpeed's engine runs: no
+    context parallel (its Ulysses sequence parallel is another algorithm), no Megatron-style
+    sequence parallel, pipelines as its PipelineEngine runs them (TrainSchedule, a 1F1B;
+    evenly split layers; ZeRO 0 or 1: deepspeed/runtime/pipe/engine.py refuses ZeRO-2/3).
+    A key the job sets stays as set."""
+    args = ("--framework", "deepspeed", "--gpus", "8", "--global-batch", "64", "--top", "20", "--json")
+    plans = run_cli("plan", job, *args).json["plans"]
+    assert len(plans) == 20
+    for plan in plans:
+        par, zero = plan["job"]["parallel"], plan["job"]["zero"]
+        assert par["cp"] == 1 and par["sequence_parallel"] is False, par
+        if par["pp"] > 1:
+            assert par.get("pipeline_schedule", "1f1b") == "1f1b" and zero["stage"] <= 1, plan["job"]
+            assert "first_stage_layers" not in par and "last_stage_layers" not in par, par
+    fixed = run_cli("plan", job, *args[:-3], "--top", "3", "--set", "parallel.cp=2", "--json").json["plans"]
+    assert fixed and all(plan["job"]["parallel"]["cp"] == 2 for plan in fixed)
+    assert any(plan["job"]["parallel"]["pp"] > 1 for plan in plans)
+    # the fsdp2 space of the same job has sequence-parallel plans among its fastest
+    fsdp2 = run_cli("plan", job, "--gpus", "8", "--global-batch", "64", "--top", "20", "--json").json["plans"]
+    assert any(plan["job"]["parallel"]["sequence_parallel"] for plan in fsdp2)

@@ -81,6 +81,12 @@ class Space:
     tied_tp: bool = False
     offload: bool = True  # try the offload strategy when nothing fits without
     max_microbatch: int = 64
+    # Only what DeepSpeed's own engine runs (a job under the `deepspeed` accounting): no context
+    # parallel (its Ulysses sequence parallel is another algorithm than the ring the estimate
+    # counts), no Megatron-style sequence parallel, and pipelines as its PipelineEngine runs
+    # them: 1F1B (its TrainSchedule) over evenly split layers, at ZeRO 0 or 1
+    # (`sharding_options`). Keys the job sets stay as set.
+    deepspeed: bool = False
 
 
 @dataclass(frozen=True)
@@ -150,7 +156,7 @@ def degree_options(shape: ModelShape, space: Space, fixed: Fixed, seq_len: int,
             continue
         if space.runnable and not space.tied_tp and shape.tie_embeddings and tp > 1:  # runtime/capabilities.py
             continue
-        for cp in _options(fixed.cp, [1] if space.runnable else divisors(world // tp)):
+        for cp in _options(fixed.cp, [1] if space.runnable or space.deepspeed else divisors(world // tp)):
             if world % (tp * cp) or (cp > 1 and seq_len % (2 * cp)):
                 continue
             for pp in _options(fixed.pp, divisors(world // (tp * cp))):
@@ -176,8 +182,8 @@ def schedule_options(shape: ModelShape, pp: int, space: Space, fixed: Fixed) -> 
         return [(fixed.schedule or "1f1b", 1, (0, 0))]
     if space.runnable and fixed.schedule == "zero-bubble":
         return []  # `run` refuses torch's zero-bubble schedule (runtime/capabilities.py)
-    schedules = [fixed.schedule] if fixed.schedule else list(RUN_SCHEDULES if space.runnable else
-                                                              ("1f1b", "interleaved-1f1b", "zero-bubble"))
+    schedules = [fixed.schedule] if fixed.schedule else (["1f1b"] if space.deepspeed else list(
+        RUN_SCHEDULES if space.runnable else ("1f1b", "interleaved-1f1b", "zero-bubble")))
     out = []
     layers = shape.num_layers
     fixed_split = (fixed.first_stage_layers or 0, fixed.last_stage_layers or 0)
@@ -202,8 +208,9 @@ def schedule_options(shape: ModelShape, pp: int, space: Space, fixed: Fixed) -> 
         if fixed.virtual and fixed.virtual > 1:  # chunks per rank need a chunked schedule
             continue
         base = -(-layers // pp)
-        firsts = [fixed.first_stage_layers] if fixed.first_stage_layers is not None else sorted({0, base - 1, base - 2} - {-1})
-        lasts = [fixed.last_stage_layers] if fixed.last_stage_layers is not None else sorted({0, base - 1, base - 2} - {-1})
+        uneven = set() if space.deepspeed else {base - 1, base - 2}  # DeepSpeed: even stages
+        firsts = [fixed.first_stage_layers] if fixed.first_stage_layers is not None else sorted(({0} | uneven) - {-1})
+        lasts = [fixed.last_stage_layers] if fixed.last_stage_layers is not None else sorted(({0} | uneven) - {-1})
         seen = set()  # a split reached twice (an even rest equal to a fixed last stage) is one plan
         for first, last in product(firsts, lasts):
             if (first or last) and split_problem(layers, pp, first, last):
@@ -386,7 +393,8 @@ def candidates(base: EstimateInputs, space: Space, fixed: Fixed, rejected: Count
     recomputes = _options(fixed.recompute, list(RECOMPUTE))
     structure = 0
     for degrees in degree_options(shape, space, fixed, base.seq_len, base.lora):
-        sps = [fixed.sequence_parallel] if fixed.sequence_parallel is not None else ([False, True] if degrees.tp > 1 else [False])
+        sps = [fixed.sequence_parallel] if fixed.sequence_parallel is not None else (
+            [False, True] if degrees.tp > 1 and not space.deepspeed else [False])
         if space.runnable and base.lora is not None:  # `run` executes LoRA without sequence parallel
             sps = [sp for sp in sps if not sp]
         if degrees.tp > 1 and any(sp for sp in sps) and (base.seq_len // degrees.cp) % degrees.tp:

@@ -359,7 +359,8 @@ def _run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None,
     _check_fixed(fixed, world, batch)
     lora = lora_of(job.lora)
     base = inputs_from_job(job, shape, True).with_(degrees=Degrees(dp=world))
-    space = Space(world=world, global_batch=batch, runnable=job.zero.framework == "fsdp2")
+    space = Space(world=world, global_batch=batch, runnable=job.zero.framework == "fsdp2",
+                  deepspeed=job.zero.framework == "deepspeed")
 
     timer, ranking = search_ranking(hardware, lora)
     bar = _Progress(progress)
