@@ -93,3 +93,15 @@ def test_unknown_gpu_in_a_file_names_the_line(write):
     result = run_cli("estimate", job)
     assert result.code == 2
     assert result.err_lines == [f"{job}:5: cluster.gpu: no gpu preset named 'a100-80gb' (did you mean 'a100-sxm-80gb'?)"]
+
+
+@pytest.mark.parametrize("seconds, text", [
+    (53.98, "54.0 s"), (3.8, "3.80 s"), (1.424, "1.42 s"), (1234.5, "1234 s"), (9.996, "10.0 s"),
+    (0.0123, "12.3 ms"), (4.5e-5, "45.0 us"),
+])
+def test_seconds_keep_three_digits_without_an_exponent(seconds, text):
+    # Three significant digits as the breakdown's other figures: "54 s" beside "43.6 s" read
+    # as rounder than it is, and a step past 1000 s printed as "1.23e+03 s".
+    from shardplan.core.time_explain import seconds_text
+
+    assert seconds_text(seconds) == text

@@ -15,13 +15,22 @@ from .stage_time import CATEGORIES, EdgeCosts, StageCost
 from .time_plan import Tail, TimePlan, cpu_step_bytes
 
 
+def _three_digits(value: float) -> str:
+    """Three significant digits, trailing zeros kept and no exponent: `3.80`, `54.0`, `1234`."""
+    if value >= 99.95:
+        return f"{value:.0f}"
+    if value >= 9.995:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
 def seconds_text(seconds: float) -> str:
-    """`1.42 s`, `12.3 ms`, `45.0 us`."""
+    """`1.42 s`, `54.0 s`, `1234 s`, `12.3 ms`, `45.0 us`."""
     if seconds >= 1:
-        return f"{seconds:.3g} s"
+        return f"{_three_digits(seconds)} s"
     if seconds >= 1e-3:
-        return f"{seconds * 1e3:.3g} ms"
-    return f"{seconds * 1e6:.3g} us"
+        return f"{_three_digits(seconds * 1e3)} ms"
+    return f"{_three_digits(seconds * 1e6)} us"
 
 
 def _si(value: float, unit: str) -> str:
