@@ -441,7 +441,8 @@ def between(low: int, high: int, gpus_per_node: int) -> list[int]:
 
 def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer, ranking: dict) -> list[str]:
     """Nothing fits: what would, at this global batch. Offload first when the job's strategy
-    forbids it (the same GPUs), then more GPUs: doubling, up to 64 times as many and never more
+    forbids it (the same GPUs), or the host memory per node the offload needs when the host
+    stops it, then more GPUs: doubling, up to 64 times as many and never more
     than the largest supported world, and then the fewest of a few counts between the last
     doubling that fit nothing and the first that fits (`between`)."""
     notes = []
