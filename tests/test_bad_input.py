@@ -85,6 +85,10 @@ JSON_CASES = [
     ("json_huge_int", '{"parallel": {"dp": 100000000000000000000000000000}}', "parallel.dp: must be <="),
     ("json_deep", "[" * 100000 + "]" * 100000, "JSON"),
     ("json_null", '{"parallel": {"tp": null}}', "parallel.tp: expected an integer, got null"),
+    # JSON's \ud800 escape leaves half of a UTF-16 pair, which no output can print.
+    ("json_lone_surrogate", '{"model": {"preset": "gpt2", "name": "\\ud800x"}}',
+     'model.name: not valid Unicode: JSON\'s escape leaves an unpaired surrogate in "\\ud800x"'),
+    ("json_lone_surrogate_key", '{"model": {"preset": "gpt2", "\\udc00k": 1}}', "model: a key is not valid Unicode"),
 ]
 
 HF_CASES = [

@@ -729,3 +729,67 @@ def test_accelerate_export_leaves_the_device_to_the_machine(write):
         assert (args.use_fsdp, args.use_cpu, args.cpu) == (True, use_cpu, False)
         env = prepare_multi_gpu_env(args)
         assert env["ACCELERATE_USE_FSDP"] == "true" and "ACCELERATE_USE_CPU" not in env
+
+
+# -- mistyped and conflicting values an import refuses in one line ----------------------------
+
+@pytest.mark.parametrize("name, text, needle", [
+    # torchtitan's [model] name and flavor are strings (torchtitan/config/job_config.py, Model);
+    # a list or a table is named, not looked up as a preset.
+    ("flavor.toml", '[parallelism]\ndata_parallel_shard_degree = 8\n[model]\nname = "llama3"\nflavor = []\n',
+     "flavor.toml:5: model.flavor: expected a string, got []"),
+    ("name.toml", '[parallelism]\ndata_parallel_shard_degree = 8\n[model]\nname = {a = 1}\nflavor = "8B"\n',
+     "name.toml:4: model.name: expected a string"),
+    # YAML reads 2:, true: and null: as a number, a boolean and nothing: accelerate's keys are names.
+    ("number.yaml", "distributed_type: FSDP\n2: 3\nnum_processes: 8\n",
+     "number.yaml:2: 2: a key must be a name, and YAML reads '2' as a number (quote it)"),
+    ("bool.yaml", "distributed_type: FSDP\nfsdp_config:\n  true: 5\nnum_processes: 8\n",
+     "bool.yaml:3: fsdp_config.true: a key must be a name, and YAML reads 'true' as a boolean"),
+    ("surrogate.yaml", 'distributed_type: FSDP\nnum_processes: "\\ud800"\n',
+     "surrogate.yaml: num_processes: not valid Unicode: YAML's escape leaves an unpaired surrogate"),
+    # DeepSpeed's learning rate (deepspeed/runtime/config.py reads it as the optimizer's own
+    # param) must be positive; JSON's NaN and a negative rate are refused, not dropped.
+    ("nan.json", '{"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": NaN}}}',
+     "nan.json:1: optimizer.params.lr: must be a positive number (got nan)"),
+    ("negative.json", '{"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": -1}}}',
+     "negative.json:1: optimizer.params.lr: must be a positive number (got -1.0)"),
+])
+def test_import_refuses_in_one_line(write, name, text, needle):
+    result = run_cli("import", write(name, text), "--dp", "8")
+    assert result.code == 2, (result.code, result.err)
+    assert result.err_lines == [needle] or needle in result.err_lines[0], result.err
+    assert "Traceback" not in result.err and "internal error" not in result.err
+
+
+def test_deepspeed_zero_learning_rate_is_said_not_carried(write):
+    # lr 0 is a config whose scheduler sets the rate (WarmupLR's warmup_min_lr): not planned as 0.
+    result = run_cli("import", write("zero.json", '{"train_micro_batch_size_per_gpu": 1, "optimizer": '
+                                                  '{"type": "AdamW", "params": {"lr": 0}}}'), "--dp", "8")
+    assert result.code == 0, result.err
+    assert "optimizer.params.lr: 0 is not carried (train.lr must be > 0)" in result.err
+    assert "lr =" not in result.out
+
+
+TITAN_DP8 = """[model]
+name = "llama3"
+flavor = "8B"
+[training]
+local_batch_size = 1
+global_batch_size = 8
+[parallelism]
+data_parallel_shard_degree = 8
+"""
+
+
+def test_torchtitan_shard_degree_against_the_command_line(write):
+    """A shard degree the config gives decides dp, as in torchtitan's ParallelDims; a --dp or
+    --world that makes another dp is refused (as the DeepSpeed import refuses a --dp its
+    train_batch_size contradicts), not taken silently with another global batch."""
+    path = write("titan.toml", TITAN_DP8)
+    assert run_cli("import", path, "--dp", "8").code == 0
+    result = run_cli("import", path, "--dp", "4")
+    assert result.code == 2
+    assert result.err_lines == [f"{path}:8: parallelism.data_parallel_shard_degree: replicate 1 x shard 8 makes dp 8, "
+                                "but --dp 4"]
+    result = run_cli("import", path, "--world", "4")
+    assert result.code == 2 and "makes dp 8, but --world 4 / tp x pp x cp 1 makes dp 4" in result.err

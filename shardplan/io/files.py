@@ -202,7 +202,38 @@ def parse_json(text: str, shown: str, key_lines: bool = False) -> Document:
         raise _long_number(text, "JSON", shown) from None
     if not isinstance(data, dict):
         raise InputError(Problem("", "expected a JSON object at the top", file=shown))
+    refuse_surrogates(data, shown, "JSON")
     return Document(shown, data, json_key_lines(text, shown) if key_lines else {})
+
+
+def refuse_surrogates(data: dict, shown: str, syntax: str) -> None:
+    """JSON's and YAML's `\ud800` escapes can leave half of a UTF-16 pair in a string, which no
+    output can print (TOML refuses them itself): one line naming the first key that holds one."""
+    stack: list[tuple[str, object]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                dotted = f"{path}.{key}" if path else str(key)
+                if isinstance(key, str) and _has_surrogate(key):
+                    raise InputError(Problem(path, f"a key is not valid Unicode (an unpaired surrogate in "
+                                                   f'"{key.encode("utf-8", "backslashreplace").decode()}")',
+                                             file=shown))
+                stack.append((dotted, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+        elif isinstance(value, str) and _has_surrogate(value):
+            shown_value = value.encode("utf-8", "backslashreplace").decode()
+            raise InputError(Problem(path, f"not valid Unicode: {syntax}'s escape leaves an unpaired surrogate "
+                                           f'in "{shown_value}"', file=shown))
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def read_json(path: str | Path, shown: str | None = None) -> Document:

@@ -12,6 +12,7 @@ pin_memory), deepspeed/runtime/tensor_parallel/config.py (`tensor_parallel.autot
 from __future__ import annotations
 
 import json
+import math
 
 from .common import AUTO, Exported, Imported, Note, Plan, Reader, unexpressed
 from .offload import Offload, fit_of, same
@@ -457,8 +458,12 @@ def _optimizer(top: Reader, out: Imported) -> None:
     if params is not None:
         inner = Reader(params, "optimizer.params", out)
         lr = inner.number("lr") if inner.has("lr") else None
-        if lr is not None and lr > 0:
+        if lr is not None and math.isfinite(lr) and lr > 0:
             out.set("train.lr", lr, inner.key("lr"))
+        elif lr == 0:  # a scheduler (WarmupLR's warmup_min_lr, ...) sets the rate
+            out.note(inner.key("lr"), "0 is not carried (train.lr must be > 0): the job keeps its default")
+        elif lr is not None:
+            out.problem(inner.key("lr"), f"must be a positive number (got {lr})")
         inner.raw("adam_w_mode")
         inner.unread("not read: no effect on memory")
     reader.unread()

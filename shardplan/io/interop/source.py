@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...spec.errors import InputError, Problem
-from ..files import Document, _read_text, json_key_lines, parse_json, parse_toml
+from ..files import Document, _read_text, json_key_lines, parse_json, parse_toml, refuse_surrogates
 
 # Keys that only each format's configs have at the top (DeepSpeed's config-json docs,
 # torchtitan's JobConfig tables, accelerate's ClusterConfig).
@@ -59,6 +59,10 @@ def yaml_document(text: str, shown: str) -> Document:
         if isinstance(current, yaml.MappingNode):
             for key, value in current.value:
                 dotted = f"{prefix}.{key.value}" if prefix else str(key.value)
+                if key.tag != _YAML_STR:  # `2:`, `true:`, `null:` are numbers, booleans, nothing
+                    kind = _YAML_KINDS.get(key.tag.rsplit(":", 1)[-1], "something else")
+                    raise InputError(Problem(dotted, f"a key must be a name, and YAML reads {key.value!r} as "
+                                                     f"{kind} (quote it)", file=shown, line=key.start_mark.line + 1))
                 if dotted in lines:
                     raise InputError(Problem(dotted, f"given twice (lines {lines[dotted]} and "
                                                      f"{key.start_mark.line + 1})", file=shown,
@@ -77,7 +81,14 @@ def yaml_document(text: str, shown: str) -> Document:
                                  line=mark.line + 1 if mark else None)) from None
     except RecursionError:
         raise InputError(Problem("", "invalid YAML: nested too deeply", file=shown)) from None
-    return Document(shown, data if isinstance(data, dict) else {"": data}, lines)
+    document = Document(shown, data if isinstance(data, dict) else {"": data}, lines)
+    refuse_surrogates(document.data, shown, "YAML")
+    return document
+
+
+_YAML_STR = "tag:yaml.org,2002:str"
+_YAML_KINDS = {"int": "a number", "float": "a number", "bool": "a boolean", "null": "no value",
+               "timestamp": "a date"}
 
 
 def detect(doc: Document, kind: str) -> str | None:

@@ -20,7 +20,10 @@ from .torchtitan_common import CHUNKED, DEFAULTS, FLAVORS, NO_FSDP, SCHEDULES, f
 def model_preset(data: dict) -> str | None:
     """The shardplan preset of the config's [model], if one matches."""
     model = data.get("model") if isinstance(data.get("model"), dict) else {}
-    return FLAVORS.get((model.get("name", "llama3"), model.get("flavor", "debugmodel")))
+    key = (model.get("name", "llama3"), model.get("flavor", "debugmodel"))
+    if not all(isinstance(part, str) for part in key):
+        return None  # a mistyped name or flavor: the import's own checks say so
+    return FLAVORS.get(key)
 
 
 def _ordinal(text: str) -> str:
@@ -256,6 +259,9 @@ def _read_degrees(par: Reader, out: Imported, dp: int | None, dp_said: str) -> d
         else:
             shard = dp // replicate
     total = replicate * shard
+    if dp is not None and total != dp:  # a shard degree the config gives, against the command line
+        out.problem(par.key("data_parallel_shard_degree"), f"replicate {replicate} x shard {shard} makes dp {total}, "
+                                                           f"but {dp_said or f'--dp {dp}'}")
     out.set("parallel.dp", total, par.key("data_parallel_shard_degree"))
     for job_key, key in MODEL_PARALLEL_KEYS:
         out.set(job_key, values[key], par.key(key))
