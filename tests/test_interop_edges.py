@@ -793,3 +793,20 @@ def test_torchtitan_shard_degree_against_the_command_line(write):
                                 "but --dp 4"]
     result = run_cli("import", path, "--world", "4")
     assert result.code == 2 and "makes dp 8, but --world 4 / tp x pp x cp 1 makes dp 4" in result.err
+
+
+def test_yaml_aliases_are_walked_once(write, monkeypatch):
+    """YAML's aliases make one list many times over ("billion laughs": 343 bytes, 9^9 strings
+    once expanded); PyYAML builds each alias as the same object, and the check for unpaired
+    surrogates walks each object once: a string is looked at once, not once per reference."""
+    import shardplan.io.files as files
+
+    lines = ["distributed_type: FSDP", "num_processes: 8", 'a: &a ["x","x","x","x","x","x","x","x","x"]']
+    for previous, name in zip("abcde", "bcdef"):
+        lines.append(f"{name}: &{name} [" + ",".join([f"*{previous}"] * 9) + "]")
+    looked = []
+    real = files._has_surrogate
+    monkeypatch.setattr(files, "_has_surrogate", lambda text: looked.append(text) or real(text))
+    result = run_cli("import", write("bomb.yaml", "\n".join(lines) + "\n"), "--dp", "8")
+    assert result.code == 0, result.err
+    assert 0 < len(looked) < 100  # 9 strings and the keys; expanded, 9^6 = 531,441 strings

@@ -210,8 +210,13 @@ def refuse_surrogates(data: dict, shown: str, syntax: str) -> None:
     """JSON's and YAML's `\ud800` escapes can leave half of a UTF-16 pair in a string, which no
     output can print (TOML refuses them itself): one line naming the first key that holds one."""
     stack: list[tuple[str, object]] = [("", data)]
+    seen: set[int] = set()  # YAML's aliases are one object met many times: each is walked once
     while stack:
         path, value = stack.pop()
+        if isinstance(value, (dict, list)):
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
         if isinstance(value, dict):
             for key, item in value.items():
                 dotted = f"{path}.{key}" if path else str(key)
