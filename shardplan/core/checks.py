@@ -85,8 +85,8 @@ def pipeline_problems(job: JobSpec, num_layers: int | None) -> list[Problem]:
             "parallel.num_microbatches",
             f"{schedule} needs at least pp ({pp}) microbatches to fill the pipeline (got {m})",
         ))
-    if pp > 1 and schedule == "interleaved-1f1b" and interleaved_problem(pp, m):
-        problems.append(error("parallel.num_microbatches", interleaved_problem(pp, m)))
+    if pp > 1 and schedule == "interleaved-1f1b" and (problem := interleaved_problem(pp, m)):
+        problems.append(error("parallel.num_microbatches", problem))
     if pp > 1 and schedule == "gpipe" and m < pp:
         problems.append(warning(
             "parallel.num_microbatches",

@@ -133,8 +133,8 @@ def check_schedule(schedule: str, pp: int, microbatches: int, virtual: int = 1, 
             "microbatches", f"{schedule} needs at least pp ({pp}) microbatches to fill the pipeline "
             f"(got {microbatches})",
         )
-    if schedule == "interleaved-1f1b" and interleaved_problem(pp, microbatches):
-        raise ScheduleInputError("microbatches", interleaved_problem(pp, microbatches))
+    if schedule == "interleaved-1f1b" and (problem := interleaved_problem(pp, microbatches)):
+        raise ScheduleInputError("microbatches", problem)
     items = pp * virtual * microbatches
     if limits and items > MAX_WORK_ITEMS:
         raise ScheduleInputError(

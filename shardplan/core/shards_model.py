@@ -190,6 +190,11 @@ class FlatBuffer:
     group: int | None = None  # zero12: the optimizer parameter group's index in its stage (bit16_groups_flat[i])
     matrices: bool | None = None  # zero12: the group of matrices (weight decay) or of vectors (none)
 
+    @property
+    def padded_numel(self) -> int:
+        """Elements the ranks store of it together, padding included."""
+        return sum(s.stored for s in self.shards)
+
 
 @dataclass(frozen=True)
 class RankTotal:

@@ -447,9 +447,9 @@ def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer,
     doubling that fit nothing and the first that fits (`between`)."""
     notes = []
 
-    def searched(inputs: EstimateInputs, world: int, dp_fixed: bool) -> SearchResult:
+    def searched(inputs: EstimateInputs, world: int, dp_fixed: bool, top_k: int = 1) -> SearchResult:
         keep = fixed if dp_fixed else Fixed(**{**fixed.__dict__, "dp": None})
-        return search(inputs.with_(degrees=Degrees(dp=world)), replace(space, world=world), keep, timer, top_k=1,
+        return search(inputs.with_(degrees=Degrees(dp=world)), replace(space, world=world), keep, timer, top_k=top_k,
                       **ranking)
 
     if base.strategy == "conservative" and fixed.offload is None and space.offload:
@@ -458,8 +458,8 @@ def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer,
     elif space.offload and base.cpu_memory_budget is not None:
         # The strategy may offload, but the host memory it may use can be what stops it: the
         # same search with room on the host, and the least host memory of its fastest plans.
-        roomy = base.with_(degrees=Degrees(dp=space.world), cpu_memory_per_node=ROOMY_HOST, cpu_memory_budget=ROOMY_HOST)
-        found = search(roomy, space, fixed, timer, top_k=HOST_TRIES, **ranking).plans
+        roomy = base.with_(cpu_memory_per_node=ROOMY_HOST, cpu_memory_budget=ROOMY_HOST)
+        found = searched(roomy, space.world, True, top_k=HOST_TRIES).plans
         if found:
             need = min(plan.cpu_bytes_per_node for plan in found)
             notes.append(f"with {format_bytes(need)} of host memory per node for the offload (it may use "

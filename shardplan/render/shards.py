@@ -84,7 +84,7 @@ def model_document(context: dict, plan: ModelShards) -> dict:
         "numel": sum(p.numel for p in plan.params),
         "params": [param_json(p) for p in plan.params],
         "flat_buffers": [
-            {"name": b.name, "stage": b.stage, "numel": b.numel, "padded_numel": sum(s.stored for s in b.shards),
+            {"name": b.name, "stage": b.stage, "numel": b.numel, "padded_numel": b.padded_numel,
              "num_params": b.num_params, "group": b.group, "shards": [_shard_json(s) for s in b.shards]}
             for b in plan.buffers
         ],
@@ -331,8 +331,7 @@ def _buffer_title(buffer: FlatBuffer) -> str:
     if buffer.group is None:
         return title
     kind = "matrices" if buffer.matrices else "vectors, no weight decay"
-    padded = sum(s.stored for s in buffer.shards)
-    return f"{title} (optimizer group {buffer.group}: {kind}), padded to {padded:,}"
+    return f"{title} (optimizer group {buffer.group}: {kind}), padded to {buffer.padded_numel:,}"
 
 
 def _buffer_ranks(plan: ModelShards) -> Text:
