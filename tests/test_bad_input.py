@@ -225,6 +225,7 @@ OWN_ARGUMENT_CASES = [
     (["run", "tiny-gpt2-cpu", "--report", "/nonexistent-dir/x.json"],
      "--report: cannot write '/nonexistent-dir/x.json': No such file or directory"),
     (["run", "tiny-gpt2-cpu", "--report", "."], "--report: cannot write '.': Is a directory"),
+    (["run", "tiny-gpt2-cpu", "--report", "-"], "--report: '-' would write to stdout, which holds the run's output"),
     # A --resume path that is no checkpoint is refused before torchrun starts too, but with
     # docs/recovery.md's exit 3: tests/test_run_edges.py.
 ]

@@ -94,3 +94,30 @@ def test_unwritable_paths_are_bad_input(tmp_path):
     result = run_cli("export", "llama-3-8b-h100", "--to", "deepspeed", "-o", str(tmp_path / "no" / "x.json"))
     assert result.code == 2 and result.err_lines == [
         f"--output: cannot write {str(tmp_path / 'no' / 'x.json')!r}: No such file or directory"]
+
+
+def test_dash_is_stdout_where_stdout_is_free(tmp_path, monkeypatch):
+    """`-o -` is stdout, as the POSIX utility convention has it (`tar -f -`): the same output as
+    no -o, and no file named `-`. Where the command prints its own output on stdout (plan's
+    table, schedule's timeline) `-` is refused before any work, and an empty name is refused
+    everywhere: before, `-o ''` printed to stdout and `-o -` wrote a file named `-`."""
+    monkeypatch.chdir(tmp_path)
+    job = str(tmp_path / "job.toml")
+    (tmp_path / "job.toml").write_text(JOB)
+    config = tmp_path / "ds.json"
+    config.write_text('{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}')
+    for args in (("export", job, "--to", "deepspeed"),
+                 ("import", str(config), "--set", "model.preset=llama-3-8b")):
+        plain = run_cli(*args)
+        for extra in ((), ("--json",)):
+            assert run_cli(*args, "-o", "-", *extra).out == run_cli(*args, *extra).out
+        assert plain.code == 0 and plain.out
+        empty = run_cli(*args, "-o", "")
+        assert (empty.code, empty.out, empty.err_lines) == (2, "", ["--output: needs a file name (got an empty one)"])
+    for args, holds in ((("plan", job, "--top", "1", "--write", "-"), "the table of plans"),
+                        ((*SCHEDULE, "--svg", "-"), "the schedule")):
+        for extra, what in (((), holds), (("--json",), "the JSON document")):
+            result = run_cli(*args, *extra)
+            assert result.code == 2 and result.err_lines == [
+                f"{args[-2]}: '-' would write to stdout, which holds {what}: name a file (or /dev/stdout to have both there)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json", "job.toml"]

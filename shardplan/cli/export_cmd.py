@@ -18,7 +18,7 @@ from ..io.interop.common import Plan
 from ..io.interop.offload import decided_offload
 from ..io.job import ResolvedJob
 from ..io.problems import did_you_mean
-from ..io.writing import write_text
+from ..io.writing import output_target, write_text
 from ..render.output import emit_diagnostics, emit_json
 from ..spec.errors import InputError, PlanError, Problem
 from .estimate_cmd import limits_known
@@ -47,7 +47,7 @@ def plan_of(resolved: ResolvedJob) -> Plan:
 def export(
     file: Annotated[Optional[str], typer.Argument(help="job file (TOML/JSON) or job preset name")] = None,
     to: Annotated[str, typer.Option("--to", help=f"target format (required): {', '.join(TARGETS)}")] = "",
-    output: Annotated[Optional[str], typer.Option("-o", "--output", help="write the config here (default: stdout)")] = None,
+    output: Annotated[Optional[str], typer.Option("-o", "--output", help="write the config here (default, or -: stdout)")] = None,
     json_out: JsonFlag = False,
     *,
     flags: PlanFlags,
@@ -63,6 +63,7 @@ def export(
         raise InputError(Problem("--to", f"required: the target format, one of {', '.join(TARGETS)}"))
     if target not in TARGETS:
         raise InputError(Problem("--to", f"must be one of {', '.join(TARGETS)} (got {to!r}){did_you_mean(target, TARGETS)}"))
+    output = output_target(output, "--output")
     resolved = flags.load(file)
     emit_diagnostics(resolved.warnings)
     module = importlib.import_module(f"..io.interop.{target}", __package__)

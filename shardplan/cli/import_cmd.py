@@ -16,7 +16,7 @@ from ..io.interop.source import FORMATS, Referenced, read_referenced, read_sourc
 from ..io.job import resolve_document
 from ..io.overrides import apply_overrides
 from ..io.presets import find_preset
-from ..io.writing import job_folders, relocate_job_paths, write_text
+from ..io.writing import job_folders, output_target, relocate_job_paths, write_text
 from ..render.output import emit_diagnostics, emit_json
 from ..spec.errors import InputError, Problem
 from ..spec.model import SHAPE_KEYS, SOURCE_KEYS
@@ -88,7 +88,7 @@ def job_text(tables: dict, source: str, fmt: str) -> str:
 @plan_flags
 def import_config(
     file: Annotated[str, typer.Argument(help="a DeepSpeed config JSON, torchtitan job config TOML or accelerate config YAML")],
-    output: Annotated[Optional[str], typer.Option("-o", "--output", help="write the job file here (default: stdout)")] = None,
+    output: Annotated[Optional[str], typer.Option("-o", "--output", help="write the job file here (default, or -: stdout)")] = None,
     world: WorldOption = None,
     json_out: JsonFlag = False,
     *,
@@ -100,6 +100,7 @@ def import_config(
     (torchtitan), else from --set model.preset=NAME, --params or an inline shape. Keys that
     are not read are named on stderr, one line each.
     """
+    output = output_target(output, "--output")
     fmt, doc = read_source(file)
     overrides = flags.overrides()
     imported = convert(fmt, doc.data, overrides, world, read_referenced(fmt, doc))

@@ -39,14 +39,14 @@ def plan(
     """Search the plans that fit, fastest first: degrees, sharding, recomputation, micro
     batches, schedule and offload; keys the job gives stay fixed."""
     from ..io.plan_search import run_plan_search
-    from ..io.writing import check_writable
+    from ..io.writing import output_target
     from ..render.output import emit_diagnostics, emit_json, stdout_console
     from ..render.plan import plan_document, print_plans
 
     if gpus is not None and nodes is not None:
         raise InputError(Problem("--gpus", "give --gpus or --nodes, not both"))
-    if write is not None:  # a path that cannot be written fails now, not after the search
-        check_writable(write, "--write")
+    # A path that cannot be written fails now, not after the search.
+    write = output_target(write, "--write", "the table of plans" if not json_out else "the JSON document")
     try:
         resolved = flags.load(file, warn_only=_searched)
     except InputError as exc:  # the warnings about keys the search sets are not the user's

@@ -83,11 +83,12 @@ def _require_torch(job) -> None:
 
 def _check_report_path(report: str | None) -> None:
     """`--report` is written by rank 0 after the last step: a path it cannot write would
-    lose the whole run, so it is checked before anything starts (io/writing.py)."""
+    lose the whole run, so it is checked before anything starts (io/writing.py). `-` is
+    refused: stdout holds the run's own output."""
     if report is not None:
-        from ..io.writing import check_writable
+        from ..io.writing import output_target
 
-        check_writable(report, "--report")
+        output_target(report, "--report", "the run's output")
 
 
 def _check_resume_path(resume: str | None, folder: str) -> None:

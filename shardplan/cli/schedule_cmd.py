@@ -118,6 +118,9 @@ def schedule(
     from ..render.schedule import print_schedule, schedule_document, schedule_svg
     flags = {"pp": pp, "microbatches": microbatches, "schedule": schedule_name, "virtual": virtual,
              "cost_f": cost_f, "cost_b": cost_b, "cost_w": cost_w}
+    from ..io.writing import output_target, write_text
+
+    svg = output_target(svg, "--svg", "the schedule" if not json_out else "the JSON document")
     values, from_file, warnings = _resolve(job, flags, sets or [])
     emit_diagnostics(warnings)
     name = values["schedule"]
@@ -132,8 +135,6 @@ def schedule(
     except ScheduleInputError as exc:
         raise InputError(_problem(exc.field, exc.message, from_file)) from None
     if svg is not None:
-        from ..io.writing import write_text
-
         write_text(svg, schedule_svg(plan), "--svg")
     if json_out:
         emit_json(schedule_document(plan))

@@ -6,7 +6,8 @@ it: a failed write leaves the old file as it was and no temporary file behind. A
 is not a regular file (`/dev/stdout`, a pipe, `/dev/full`) is written directly. A path that
 cannot be written (no such folder, a folder, no permission) is bad input, exit 2; a write
 that fails on the way (a full disk, a quota, a file too large) is exit 3, as an output to
-stdout that cannot be written is (cli/app.py).
+stdout that cannot be written is (cli/app.py). `-` names stdout, as in most command-line
+tools, where the command has stdout free for the file (`output_target`).
 
 A job file written somewhere else than the file it comes from keeps naming the same files:
 `relocate_job_paths` rewrites its relative paths for the folder it is written to."""
@@ -81,6 +82,25 @@ def check_writable(path: str, flag: str) -> None:
         raise _unwritable(path, flag, os.strerror(errno.ENOENT if not os.path.exists(folder) else errno.ENOTDIR))
     if not os.access(folder, os.W_OK | os.X_OK):
         raise _unwritable(path, flag, os.strerror(errno.EACCES))
+
+
+# The name that means stdout for an output flag (POSIX utility convention, as `tar -f -`).
+STDOUT = "-"
+
+
+def output_target(path: str | None, flag: str, stdout_holds: str | None = None) -> str | None:
+    """The file an output flag names, checked before any work (`check_writable`), or None for
+    stdout: the flag left out, or `-`. A command that prints its own output on stdout names it
+    in `stdout_holds`, and there `-` is refused rather than mixed into it."""
+    if path is None:
+        return None
+    if path == STDOUT:
+        if stdout_holds:
+            raise InputError(Problem(flag, f"'-' would write to stdout, which holds {stdout_holds}: "
+                                           "name a file (or /dev/stdout to have both there)"))
+        return None
+    check_writable(path, flag)
+    return path
 
 
 def job_folders(source: str, overrides: Sequence[tuple[str, object]] = (),
