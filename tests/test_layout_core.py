@@ -292,6 +292,19 @@ def test_hybrid_shard_size_is_the_listed_groups(order, dp, tp, pp, cp, gpn):
     assert shard_group_size(grid, hybrid=True) == len(shard[0])
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(ORDERS), st.sampled_from([1, 2, 3, 4, 6, 8]), st.sampled_from([1, 2, 3, 4]),
+       st.sampled_from([1, 2, 3, 4]), st.sampled_from([1, 2, 3]), st.sampled_from([1, 2, 3, 4, 6, 8, 16]))
+def test_group_spans_nodes_is_the_listed_groups(order, dp, tp, pp, cp, gpn):
+    """`group_spans_nodes` reads whether a group crosses a node from the bases' residues
+    modulo the node size instead of listing every group (the time model asks it of a million
+    ranks): the same answer as the listed groups, for every group name."""
+    grid = Layout(Degrees(dp=dp, tp=tp, pp=pp, cp=cp), order, gpn)
+    for name in GROUP_NAMES:
+        listed = any(len({rank // gpn for rank in group}) > 1 for group in grid.groups(name))
+        assert grid.group_spans_nodes(name) is listed, name
+
+
 def test_hybrid_cases_cover_both_outcomes():
     outcomes = set()
     for order, gpn in HYBRID_CASES:

@@ -66,10 +66,7 @@ def spans_nodes(degrees: Degrees, order: str, gpus_per_node: int, group: str) ->
     """True when some group of that name (tp, cp, dp_cp, pp...) has ranks on two nodes."""
     from .layout import Layout
 
-    layout = Layout(degrees, order, gpus_per_node)
-    if all(layout.sizes[axis] == 1 for axis in layout.group_axes(group)):
-        return False
-    return any(g[0] // gpus_per_node != g[-1] // gpus_per_node for g in layout.groups(group))
+    return Layout(degrees, order, gpus_per_node).group_spans_nodes(group)
 
 
 def group_link(degrees: Degrees, order: str, gpus_per_node: int, group: str,

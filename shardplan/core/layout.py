@@ -16,6 +16,9 @@ Every function is O(world) with small constants: a 16,384-rank layout takes mill
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -105,6 +108,25 @@ def _mixed_radix(axes: tuple[str, ...], sizes: dict[str, int], strides: dict[str
         stride = strides[axis]
         offsets = [offset + k * stride for k in range(sizes[axis]) for offset in offsets]
     return offsets
+
+
+def _iter_mixed_radix(axes: tuple[str, ...], sizes: dict[str, int], strides: dict[str, int]):
+    """`_mixed_radix` one sum at a time, in its order (a search stops early)."""
+    ranges = [range(0, sizes[axis] * strides[axis], strides[axis]) for axis in reversed(axes)]
+    for parts in itertools.product(*ranges):
+        yield sum(parts)
+
+
+def _residues(axes: tuple[str, ...], sizes: dict[str, int], strides: dict[str, int], modulus: int) -> set[int]:
+    """{s % modulus for s in _mixed_radix(axes, ...)} without listing the sums: k * stride
+    modulo `modulus` repeats after modulus / gcd(stride, modulus) steps."""
+    found = {0}
+    for axis in axes:
+        step = strides[axis] % modulus
+        period = modulus // math.gcd(step, modulus)
+        steps = {k * step % modulus for k in range(min(sizes[axis], period))}
+        found = {(r + t) % modulus for r in found for t in steps}
+    return found
 
 
 @dataclass(frozen=True)
@@ -221,6 +243,18 @@ class Layout:
             offsets = [offsets[0], offsets[-1]]
         return [[base + offset for offset in offsets] for base in bases]
 
+    def group_spans_nodes(self, name: str) -> bool:
+        """True when some group of that name has ranks on two nodes, without listing the
+        groups: a group is a base plus offsets from 0 to `last` (`groups`), so its first and
+        last rank are on two nodes exactly when base % gpus_per_node + last >= gpus_per_node."""
+        spanned = self.group_axes(name)
+        last = sum((self.sizes[axis] - 1) * self.strides[axis] for axis in spanned)
+        if last == 0:
+            return False
+        others = tuple(axis for axis in self.axes if axis not in spanned)
+        gpn = self.gpus_per_node
+        return max(_residues(others, self.sizes, self.strides, gpn)) + last >= gpn
+
     def group_of(self, name: str, rank: int) -> list[int]:
         """The group of that name that holds `rank` (for the embedding group: the first and
         last stage of the rank's pipeline, whether or not the rank is one of them)."""
@@ -310,11 +344,23 @@ def _hybrid_shard_size(layout: Layout, group: str) -> int:
     spanned = layout.group_axes(group)
     offsets = _mixed_radix(spanned, layout.sizes, layout.strides)
     others = tuple(axis for axis in layout.axes if axis not in spanned)
+    residues = len(_residues(others, layout.sizes, layout.strides, gpn))
     size_at: dict[int, int] = {}  # base modulo gpus_per_node -> its groups' piece size
-    for base in _mixed_radix(others, layout.sizes, layout.strides):
+    for base in _iter_mixed_radix(others, layout.sizes, layout.strides):
         if base % gpn not in size_at:
-            size_at[base % gpn] = len(_node_pieces([base + offset for offset in offsets], group, gpn)[0])
+            size_at[base % gpn] = _piece_size([base + offset for offset in offsets], group, gpn)
+            if len(size_at) == residues:  # every residue met: the rest split alike
+                break
     return size_at[0]
+
+
+def _piece_size(ranks: list[int], group: str, gpn: int) -> int:
+    """`len(_node_pieces(ranks, group, gpn)[0])`, counted without building the pieces (a group
+    of half a million ranks); the same PlanError when they differ in size."""
+    counts = Counter(map(gpn.__rfloordiv__, ranks))  # node -> ranks of the group on it
+    if len(set(counts.values())) > 1:
+        _node_pieces(ranks, group, gpn)  # raises, naming the pieces
+    return counts[ranks[0] // gpn]
 
 
 def _node_pieces(ranks: list[int], group: str, gpn: int) -> list[list[int]]:
