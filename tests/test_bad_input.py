@@ -216,6 +216,17 @@ OWN_ARGUMENT_CASES = [
     (["estimate", "tiny-gpt2-cpu", "--set", "offload.grads=true"], "offload.grads: gradients on the CPU serve only"),
     (["run", "tiny-gpt2-cpu", "--set", "offload.optimizer=true", "--set", "train.optimizer=adamw8bit"],
      "offload.optimizer: the offload engine steps adamw and sgd"),
+    # torchao's NF4 (torchao/dtypes/nf4tensor.py: blocks of 64, scaler blocks of 256): tiny-llama's
+    # k_proj is 64 x 128 = 8,192 elements.
+    (["run", "tiny-gpt2-cpu", "--set", "model.preset=tiny-llama", "--set", "lora.base_dtype=nf4", "--dp", "1",
+      "--set", "cluster.gpus_per_node=1"],
+     "lora.base_dtype: torchao stores a layer linear as NF4 only in whole blocks of 64 * 256 = 16,384 elements: "
+     "attn.k_proj.weight has 8,192"),
+    # An offload the strategy decides is checked as one the job writes (it reached the engine: KeyError).
+    (["run", "tiny-gpt2-cpu", "--set", "train.optimizer=adamw8bit", "--set", "cluster.gpu_memory=4MiB",
+      "--set", "offload.gpu_param_budget=1MiB"],
+     "offload.strategy: the balanced offload strategy offloads the parameters to fit, but "
+     "the offload engine steps adamw and sgd on the CPU, not adamw8bit"),
     (["run", "tiny-gpt2-cpu", "--set", "offload.overlap=false"], "offload.overlap: FSDP2 always prefetches"),
     (["run", "tiny-gpt2-cpu", "--set", "model.preset=mixtral-8x7b"], "model: `run` builds GPT-2 and Llama-style "
                                                                     "models, not mixture-of-experts layers"),

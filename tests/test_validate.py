@@ -24,6 +24,20 @@ def test_valid_job_summary(write):
     assert "valid: llama-3-8b (8.03B params); world 16 = dp 2 x tp 4 x pp 2 x cp 1 on 2 nodes of 8 GPUs" in result.out
 
 
+def test_lora_summary_names_the_adapters_beside_the_base():
+    """The summary's params are the base model's (transformers' count of Llama-3 70B,
+    70,553,706,496: tests/test_params.py); a LoRA job adds its adapters, whose sum is
+    estimate's parameters (70,760,800,256 for the shipped QLoRA preset, rank 16 on every layer
+    linear, r x (in + out) each: 80 layers x 16 x (q 8192+8192, k 8192+1024, v 8192+1024,
+    o 8192+8192, gate, up and down 3 x (8192+28672)) = 207,093,760, peft's count for those
+    targets)."""
+    result = run_cli("validate", "llama-3-70b-qlora")
+    assert result.out.startswith("llama-3-70b-qlora: valid: llama-3-70b (70.6B params + 207.1M LoRA); ")
+    summary = json.loads(run_cli("validate", "llama-3-70b-qlora", "--json").out)["files"][0]
+    assert (summary["params"], summary["lora_params"]) == (70_553_706_496, 207_093_760)
+    assert summary["params"] + summary["lora_params"] == 70_760_800_256  # `estimate`'s parameters
+
+
 def test_every_problem_at_once_with_lines(write):
     text = LLAMA3 + (
         "[parallel]\n"          # line 3

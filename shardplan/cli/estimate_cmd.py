@@ -88,6 +88,12 @@ def estimate(
 
             print_changes(console, changes, gpu_memory)
     emit_diagnostics(f"warning: {w}" for w in result.warnings)
+    if resolved.shape is not None:
+        from ..runtime.capabilities import offload_refusals
+
+        decided = result.inputs or inputs
+        emit_diagnostics(f"warning: {path}: `shardplan run` would refuse this offload: {message}" for path, message
+                         in offload_refusals(resolved.job, decided.offload_optimizer, decided.offload_params))
     if result.fits is False:
         raise typer.Exit(EXIT_INFEASIBLE)
 

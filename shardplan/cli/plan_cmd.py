@@ -63,6 +63,7 @@ def plan(
     if not outcome.found:
         emit_diagnostics(outcome.miss_lines())
         raise typer.Exit(EXIT_INFEASIBLE)
+    emit_diagnostics(f"plan: {note}" for note in outcome.notes)
     if write is not None:
         emit_diagnostics([f"wrote the best plan to {write}"])
 

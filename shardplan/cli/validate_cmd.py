@@ -6,6 +6,8 @@ from typing import Annotated, List, Optional
 
 import typer
 
+from ..core.estimate_inputs import lora_plan
+from ..core.lora import lora_counts
 from ..core.params import count_params
 from ..io.job import ResolvedJob
 from ..render.output import emit_diagnostics, emit_json, emit_line, error_document
@@ -18,7 +20,7 @@ def _summary(resolved: ResolvedJob) -> dict:
     job = resolved.job
     degrees = resolved.degrees
     params = count_params(resolved.shape).total if resolved.shape else resolved.params_only
-    return {
+    summary = {
         "model": resolved.model_name or None,
         "params": params,
         "world_size": degrees.world,
@@ -26,6 +28,10 @@ def _summary(resolved: ResolvedJob) -> dict:
         "nodes": -(-degrees.world // job.cluster.gpus_per_node),
         "gpus_per_node": job.cluster.gpus_per_node,
     }
+    lora = lora_plan(job) if resolved.shape else None
+    if lora is not None:  # `params` is the base model's; estimate's parameters add the adapters
+        summary["lora_params"] = lora_counts(resolved.shape, lora).trainable
+    return summary
 
 
 @plan_flags

@@ -40,6 +40,7 @@ from .figures import rank_states_bytes
 from .estimate_inputs import EstimateInputs
 from .memory import PRESSURE, cpu_limit, plan_figures
 from .pipeline import split_layers, split_problem
+from .offload import ENGINE_OPTIMIZERS
 from .precision import element_bytes
 from .schedule import CHUNKED_SCHEDULES
 
@@ -449,6 +450,16 @@ STATES = "model states exceed the GPU memory"
 FORWARD = "GPU memory (states and stage 0's activations)"
 OFFLOAD_FLOOR = "GPU memory even with every offload (activations and what stays on the GPU)"
 NF4_OFFLOAD = "it would offload NF4 weights, which `run` does not"
+
+
+def unrunnable_offload(plan: EstimateInputs) -> str | None:
+    """Why `run` would refuse the offload the strategy decided for `plan`, or None
+    (runtime/capabilities.py refuses the same before any process starts)."""
+    if plan.lora is not None and plan.lora.nf4 and plan.offload_params:
+        return NF4_OFFLOAD
+    if (plan.offload_optimizer or plan.offload_params) and plan.optimizer not in ENGINE_OPTIMIZERS:
+        return f"it would offload {plan.optimizer} states, which the offload engine does not step"
+    return None
 TWIN = "the same plan and step at another ZeRO stage with less memory (one rank per shard group shards nothing)"
 
 
@@ -833,8 +844,9 @@ def search(base: EstimateInputs, space: Space, fixed: Fixed, timer: Callable[[Es
                 else:
                     asked = _with_offload(inputs, base.strategy)
                     plan = resolve(asked) if resolve is not None else asked
-                    if space.runnable and plan.lora is not None and plan.lora.nf4 and plan.offload_params:
-                        offloaded[key] = (False, 0, 0, NF4_OFFLOAD, plan, asked)
+                    refused = unrunnable_offload(plan) if space.runnable else None
+                    if refused:
+                        offloaded[key] = (False, 0, 0, refused, plan, asked)
                     else:
                         offloaded[key] = (*walk.memory(plan), plan, asked)
             return offloaded[key]

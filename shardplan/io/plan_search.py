@@ -83,12 +83,16 @@ class PlanOutcome:
         reasons = ", ".join(f"{n:,} {reason}" for reason, n in self.result.rejected.most_common())
         lines = [f"plan: no plan of {counted(self.world, 'GPU')} fits (evaluated {self.result.evaluated:,}"
                  + (f"; {reasons})" if reasons else ")")]
-        for miss in self.closest()[:3]:
+        shown = self.closest()[:3]
+        for miss in shown:
             d = miss.inputs.degrees
             what = "GPU" if miss.reason == "GPU memory" else "host"
             hybrid = " hybrid" if miss.inputs.hybrid else ""
             split = split_label(miss.inputs.shape.num_layers, d.pp * miss.inputs.virtual, *miss.inputs.stage_split)
-            head = (f"plan: closest: dp {d.dp} tp {d.tp} pp {d.pp} cp {d.cp}" + (f" ({split})" if split else "")
+            # A miss by its states alone after one timed whole is over by more than it says:
+            # not called closer than that one.
+            label = "another miss" if miss.at_least and not shown[0].at_least else "closest"
+            head = (f"plan: {label}: dp {d.dp} tp {d.tp} pp {d.pp} cp {d.cp}" + (f" ({split})" if split else "")
                     + f", ZeRO {miss.inputs.zero_stage}{hybrid}, ")
             short = format_bytes(miss.short_bytes)
             kept = ("the model states it keeps on the GPU with every offload" if miss.inputs.offload_params
@@ -378,12 +382,28 @@ def _run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None,
         _blame_fixed(base, space, fixed, timer, ranking, resolved.locate)
     outcome = PlanOutcome(resolved, document, world, batch, job.cluster.gpu_memory, entries, result, fixed, hardware,
                           folders=folders)
+    if entries and space.runnable:
+        outcome.notes += _refused_by_run(resolved, entries[0].tables)
     if not entries:
         if result.batch_unsplit():
             outcome.notes += _batch_that_splits(base, space, fixed, timer, ranking)
         else:
             outcome.notes += _what_it_would_take(base, space, fixed, timer, ranking)
     return outcome
+
+
+def _refused_by_run(resolved: ResolvedJob, tables: dict[str, dict[str, object]]) -> list[str]:
+    """What `run` refuses of the best plan (runtime/capabilities.py). The search's space under
+    fsdp2 holds only what `run` executes, so what is left comes from keys the job fixes
+    (fp16-mixed, NF4 weights or 8-bit AdamW states offloaded as written): the plans are
+    estimated all the same, and the user is told that `run` will not execute them."""
+    from ..runtime.capabilities import unsupported
+
+    job = resolved.job
+    update = {name: getattr(job, name).model_copy(update=keys) for name, keys in tables.items()
+              if getattr(job, name, None) is not None}
+    planned = replace(resolved, job=job.model_copy(update=update))
+    return [f"{p.path}: `shardplan run` would refuse these plans: {p.message}" for p in unsupported(planned)]
 
 
 # Batches `_batch_that_splits` tries with a search of the structures, at most: each costs no

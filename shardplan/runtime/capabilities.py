@@ -3,7 +3,9 @@ starts, with the key and the reason, never silently run differently. Torch-free.
 
 from __future__ import annotations
 
+from ..core.offload import ENGINE_OPTIMIZERS
 from ..io.job import ResolvedJob
+from ..spec.job import JobSpec
 from ..spec.errors import InputError, Problem
 from ..spec.model import ModelShape
 
@@ -54,12 +56,9 @@ def unsupported(resolved: ResolvedJob) -> list[Problem]:
         found.append(("zero.min_num_params", "FSDP2 shards every parameter; `run` cannot keep small ones whole"))
     if zero.framework != "fsdp2":
         found.append(("zero.framework", "`run` executes the fsdp2 accounting; set zero.framework = \"fsdp2\""))
-    missing = require_library(off.cpu_compression) if (off.optimizer or off.params) else None
-    if missing:
-        found.append(("offload.cpu_compression", missing))
-    if job.train.optimizer not in ("adamw", "sgd") and (off.optimizer or off.params):
-        found.append(("offload.optimizer", f"the offload engine steps adamw and sgd on the CPU, not "
-                                           f"{job.train.optimizer}"))
+    found += _offload_unsupported(job, off.optimizer, off.params, None)
+    if not (off.optimizer or off.params):  # what the job leaves to the offload strategy
+        found += _decided_unsupported(resolved)
     for key in ("async_prefetch", "overlap"):
         if not getattr(off, key):
             found.append((f"offload.{key}", "FSDP2 always prefetches on its own stream, overlapped with compute; "
@@ -100,17 +99,80 @@ def _lora_unsupported(resolved: ResolvedJob) -> list[tuple[str, str]]:
         found.append(("parallel.sequence_parallel", "LoRA with sequence parallel is estimated, not executed by `run`"))
     if job.zero.stage == 1:
         found.append(("zero.stage", "LoRA runs under FSDP2: use zero.stage 0, 2 or 3"))
-    if job.lora.base_dtype == "nf4" and job.offload.params:
-        found.append(("offload.params", "`run` does not offload NF4 weights to the CPU"))
     if job.lora.base_dtype == "nf4" and shape is not None and par.tp == 1:
         from ..core.lora import nf4_problems
 
         shards = par.dp * par.cp if job.zero.stage >= 2 else 1
         for name, rows, numel in nf4_problems(shape, par.tp, shards):
-            found.append(("lora.base_dtype", f"torchao's NF4 needs every layer linear's {numel:,} elements to split "
-                                             f"into {shards} whole multiples of 64 * 256 and its {rows} rows "
-                                             f"evenly: {name} does not"))
+            if shards == 1:
+                need = f"whole blocks of 64 * 256 = 16,384 elements: {name} has {numel:,}"
+            else:
+                need = (f"whole blocks of 64 * 256 elements in each of its {shards} FSDP shards, and rows that split "
+                        f"evenly over them: {name} has {numel:,} elements in {rows:,} rows")
+            found.append(("lora.base_dtype", f"torchao stores a layer linear as NF4 only in {need}"))
     return found
+
+
+
+def _offload_unsupported(job: JobSpec, optimizer: bool, params: bool, strategy: str | None,
+                         libraries: bool = True) -> list[tuple[str, str]]:
+    """What `run` cannot execute of an offload of the optimizer states and/or the parameters:
+    as the job writes it (`strategy` None), or as the offload strategy decides it to fit;
+    with `libraries`, also a library this machine lacks."""
+    if not (optimizer or params):
+        return []
+    what = " and ".join(name for name, moved in (("parameters", params), ("optimizer states", optimizer)) if moved)
+    by = f"the {strategy} offload strategy offloads the {what} to fit, but " if strategy else ""
+    after = (": use a plan that fits without offload (`shardplan plan` finds them) or set "
+             "offload.strategy = \"conservative\"" if strategy else "")
+    found = []
+    missing = require_library(job.offload.cpu_compression) if libraries else None
+    if missing:
+        found.append(("offload.cpu_compression", f"{by}{missing}"))
+    if job.train.optimizer not in ENGINE_OPTIMIZERS:
+        found.append(("offload.strategy" if strategy else "offload.optimizer",
+                      f"{by}the offload engine steps {' and '.join(ENGINE_OPTIMIZERS)} on the CPU, not "
+                      f"{job.train.optimizer}{after}"))
+    if params and job.lora is not None and job.lora.base_dtype == "nf4":
+        found.append(("offload.strategy" if strategy else "offload.params",
+                      f"{by}`run` does not offload NF4 weights to the CPU{after}"))
+    return found
+
+
+def _decided_unsupported(resolved: ResolvedJob) -> list[tuple[str, str]]:
+    """`_offload_unsupported` of the offload the job's strategy decides, computed only where
+    such an offload could be refused (the estimate it takes is the one `run`'s workers take,
+    runtime/worker.py)."""
+    job = resolved.job
+    risky = (job.train.optimizer not in ENGINE_OPTIMIZERS or require_library(job.offload.cpu_compression)
+             or (job.lora is not None and job.lora.base_dtype == "nf4"))
+    if not risky or resolved.shape is None or "gpu_memory" not in job.cluster.model_fields_set:
+        return []
+    from ..core.estimate_inputs import inputs_from_job
+    from ..core.memory import estimate_memory
+
+    decided = estimate_memory(inputs_from_job(job, resolved.shape, True)).inputs
+    return decided_offload_unsupported(job, decided.offload_optimizer, decided.offload_params)
+
+
+def decided_offload_unsupported(job: JobSpec, optimizer: bool, params: bool,
+                                libraries: bool = True) -> list[tuple[str, str]]:
+    """What `run` cannot execute of the offload the job's strategy decided (the worker asks
+    again with its own decision: runtime/worker.py)."""
+    if job.offload.optimizer or job.offload.params:
+        return []
+    return _offload_unsupported(job, optimizer, params, job.offload.strategy, libraries)
+
+
+def offload_refusals(job: JobSpec, decided_optimizer: bool, decided_params: bool) -> list[tuple[str, str]]:
+    """The offload of an fsdp2 estimate that `run` would refuse, as written or as the strategy
+    decided it (`estimate` warns: the figures are the offload engine's, which does not run
+    it). What this machine has installed is not the plan's business."""
+    if job.zero.framework != "fsdp2":
+        return []
+    off = job.offload
+    return (_offload_unsupported(job, off.optimizer, off.params, None, libraries=False)
+            + decided_offload_unsupported(job, decided_optimizer, decided_params, libraries=False))
 
 
 def require_supported(resolved: ResolvedJob) -> None:

@@ -22,8 +22,9 @@ from ..io.job import ResolvedJob
 from ..io.progress import PROGRESS_ENV, ProgressFile
 from ..render.output import emit_diagnostics, emit_line, stdout_console
 from ..render.run import progress_bar, run_table
-from ..spec.errors import RunFailure, ShardplanError
+from ..spec.errors import InputError, Problem, RunFailure, ShardplanError
 from . import checkpoint, faults, preflight, resume
+from .capabilities import decided_offload_unsupported
 from .dist import Runtime, start, stop
 from .measure import PROFILE_ENV, CudaMemory, ProcessMemory, SavedTensorTracker, profiler, write_profile
 from .lora import preload_libraries
@@ -125,6 +126,11 @@ def _train(resolved: ResolvedJob, runtime: Runtime, limits_known: bool, options:
     Phase.current = "preflight"
     decided = estimate_memory(replace(inputs_from_job(job, resolved.shape, limits_known), on_gpu=runtime.on_gpu))
     inputs = decided.inputs
+    # The launcher checked the decision the estimate makes (runtime/capabilities.py); this
+    # rank's own, on its device, is checked again.
+    refused = decided_offload_unsupported(job, inputs.offload_optimizer, inputs.offload_params)
+    if refused:
+        raise InputError([Problem(path, message) for path, message in refused])
     mine = rank_estimate(inputs, rank_coordinates(inputs, runtime.rank), [runtime.rank])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     preflight.check(mine, runtime.on_gpu, runtime.device.index, local_world, options.force)
