@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import run_cli
+from conftest import DATA, run_cli
 
 # The ZeRO-3 template of the Hugging Face Trainer's DeepSpeed integration (transformers docs,
 # "DeepSpeed", ZeRO-3 example config): every size left "auto" for the Trainer to fill in.
@@ -62,3 +62,141 @@ def test_deprecated_offload_booleans_read_as_deepspeed_reads_them(write, key, se
     exported = run_cli("export", "llama-3-8b-h100", "--zero", "3",
                        *[a for k in job_keys for a in ("--set", f"offload.{k}=true")], "--to", "deepspeed", "--json")
     assert exported.json["config"]["zero_optimization"][section]["device"] == "cpu"
+
+
+# -- published configs (copied verbatim into tests/data/interop/) ------------------------------
+# axolotl-ai-cloud/axolotl deepspeed_configs/zero3_bf16.json (067b021c8): ZeRO-3, bf16, no offload,
+# bucket sizes and batch "auto".
+AXOLOTL_ZERO3 = DATA / "interop" / "axolotl_zero3_bf16.json"
+# huggingface/transformers docs/source/en/trainer.md, "DeepSpeed with Accelerate plugin": ZeRO-2
+# with offload_optimizer_device cpu and offload_param_device cpu, 4 processes on 1 machine.
+HF_DOCS_PLUGIN = DATA / "interop" / "hf_trainer_docs_accelerate_deepspeed_plugin.yaml"
+
+
+def test_imported_config_offloads_only_what_it_asks_for(tmp_path):
+    """AXOLOTL_ZERO3 has no offload_* (DeepSpeed 0.19.8 zero/offload_config.py: device defaults to
+    "none"): Llama-3 70B over 16 H100s does not fit as DeepSpeed runs it, so `estimate` says so
+    (exit 1) instead of letting the default "balanced" strategy offload the optimizer states and
+    answer "fits"; and the export adds no offload_optimizer the source did not have."""
+    job = str(tmp_path / "job.toml")
+    result = run_cli("import", str(AXOLOTL_ZERO3), "--world", "16", "--set", "model.preset=llama-3-70b",
+                     "--set", "cluster.preset=h100-80gb", "-o", job)
+    assert result.code == 0, result.err
+    assert 'strategy = "conservative"' in open(job).read()
+    estimate = run_cli("estimate", job, "--json")
+    assert estimate.code == 1 and estimate.json["fits"] is False and not estimate.json["decisions"]
+    exported = run_cli("export", job, "--to", "deepspeed", "--json")
+    assert exported.code == 0
+    zero = exported.json["config"]["zero_optimization"]
+    assert "offload_optimizer" not in zero and "offload_param" not in zero
+    assert not [n for n in exported.json["notes"] if n["path"].startswith("offload")]
+
+
+def test_torchtitan_and_accelerate_imports_offload_only_what_they_ask_for(write):
+    """torchtitan 0.2.2 job_config.py `enable_cpu_offload: bool = False` and accelerate 1.15
+    `fsdp_offload_params` (default false): the imported jobs ask for no offload of their own."""
+    titan = write("tt.toml", "[model]\nname = \"llama3\"\nflavor = \"8B\"\n[parallelism]\n"
+                             "data_parallel_shard_degree = 8\n")
+    acc = write("acc.yaml", "distributed_type: FSDP\nnum_processes: 8\nfsdp_config:\n  fsdp_version: 2\n")
+    for path in (titan, acc):
+        result = run_cli("import", path, "--json")
+        assert result.code == 0, result.err
+        assert result.json["job"]["offload"] == {"strategy": "conservative"}, path
+
+
+def test_zero2_parameter_offload_is_read_as_deepspeed_ignores_it(write):
+    """ZeRO-2 with offload_param: DeepSpeed 0.19.8 parses it (zero/config.py accepts
+    offload_param at any stage) and builds the stage 1-2 optimizer with offload_optimizer only
+    (deepspeed/runtime/engine.py:2655-2688; offload_param is read on the stage-3 path, :2731,
+    :2773). It was refused (offload.params needs stage 3); it is ZeRO-2 + ZeRO-Offload."""
+    config = {"train_batch_size": 8, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu", "pin_memory": True}}}
+    zero_config = pytest.importorskip("deepspeed.runtime.zero.config")
+    assert zero_config.DeepSpeedZeroConfig(**config["zero_optimization"]).offload_param.device == "cpu"
+    path = write("ds.json", json.dumps(config, indent=2))
+    result = run_cli("import", path, "--dp", "8", "--set", "model.preset=llama-3-8b", "--json")
+    assert result.code == 0, result.err
+    assert result.json["job"]["offload"] == {"optimizer": True, "grads": True, "strategy": "conservative"}
+    notes = {(n["line"], n["path"]): n["message"] for n in result.json["notes"]}
+    assert notes[(9, "zero_optimization.offload_param.device")].startswith(
+        "not read: DeepSpeed ignores parameter offload below ZeRO stage 3 (deepspeed/runtime/engine.py:2655-2688")
+    assert notes[(10, "zero_optimization.offload_param.pin_memory")].startswith("not read: DeepSpeed ignores")
+
+
+def test_accelerate_plugin_with_parameter_offload_at_zero2(tmp_path):
+    """HF_DOCS_PLUGIN: accelerate's DeepSpeedPlugin writes zero_optimization.offload_param next to
+    stage 2 (accelerate 1.15.0 utils/dataclasses.py:1306-1317); it is read as ZeRO-2 with the
+    optimizer offloaded, exit 0 (was: refused, exit 2), and the export writes no offload_param."""
+    job = str(tmp_path / "job.toml")
+    result = run_cli("import", str(HF_DOCS_PLUGIN), "--set", "model.preset=llama-3-8b", "-o", job)
+    assert result.code == 0, result.err
+    assert f"import: {HF_DOCS_PLUGIN}:6: deepspeed_config.offload_param_device: not read: DeepSpeed ignores " \
+           "parameter offload below ZeRO stage 3" in result.err
+    exported = run_cli("export", job, "--to", "deepspeed", "--json")
+    zero = exported.json["config"]["zero_optimization"]
+    assert zero["stage"] == 2 and zero["offload_optimizer"]["device"] == "cpu" and "offload_param" not in zero
+
+
+def test_parameter_offload_at_stage_3_set_to_2_is_refused_at_the_source_key(write):
+    """The rule itself stands: a job that offloads parameters below stage 3 is bad input, named
+    by the source's key first (the import read offload_param at stage 3; --set makes it 2)."""
+    path = write("ds.json", '{\n  "zero_optimization": {\n    "stage": 3,\n    "offload_param": {"device": "cpu"}\n'
+                            '  }\n}')
+    result = run_cli("import", path, "--set", "zero.stage=2")
+    assert result.code == 2 and result.err_lines == [
+        f"{path}:4: zero_optimization.offload_param.device: offload.params: offloading parameters requires "
+        "zero.stage = 3 (got 2)"]
+
+
+def test_auto_bucket_sizes_are_the_trainers_for_a_known_hidden_size():
+    """AXOLOTL_ZERO3 leaves three bucket keys "auto": transformers 5.23.0
+    integrations/deepspeed.py:232-242 (`trainer_config_finalize`) and accelerate 1.15.0
+    accelerator.py:2323-2325 fill reduce_bucket_size = h * h, stage3_prefetch_bucket_size =
+    int(0.9 * h * h), stage3_param_persistence_threshold = 10 * h. Llama-3 8B: h = 4096
+    (meta-llama/Meta-Llama-3-8B config.json hidden_size)."""
+    from shardplan.io.interop.deepspeed import from_deepspeed
+
+    hidden = 4096
+    out = from_deepspeed(json.loads(AXOLOTL_ZERO3.read_text()), 8, hidden_size=hidden)
+    zero = out.tables["zero"]
+    assert (zero["reduce_bucket_size"], zero["prefetch_bucket_size"], zero["param_persistence_threshold"]) == (
+        16_777_216, 15_099_494, 40_960)
+    notes = {n.path: n.message for n in out.notes}
+    assert notes["zero_optimization.reduce_bucket_size"] == (
+        "'auto' is filled in by the Hugging Face Trainer and accelerate: read as hidden_size * hidden_size = "
+        "16,777,216 (hidden size 4,096)")
+    # Below stage 3 the Trainer fills reduce_bucket_size only; the stage-3 keys are unused there.
+    stage2 = from_deepspeed({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto",
+                                                   "stage3_prefetch_bucket_size": "auto"}}, 8, hidden_size=hidden)
+    assert stage2.tables["zero"] == {"framework": "deepspeed", "stage": 2, "reduce_bucket_size": 16_777_216}
+
+
+def test_auto_the_trainer_does_not_fill_is_deepspeeds_default():
+    """DeepSpeedExamples inference/sglang/ds_offload_nvme_aio.json (45b4b715) has
+    stage3_max_live_parameters "auto", which neither the Trainer nor accelerate fills in (the
+    note said the Trainer did); DeepSpeed's config model drops an "auto" value, leaving its
+    default (deepspeed/runtime/config_utils.py:55-56): checked with DeepSpeed's own class."""
+    from shardplan.io.interop.deepspeed import from_deepspeed
+
+    zero_config = pytest.importorskip("deepspeed.runtime.zero.config")
+    parsed = zero_config.DeepSpeedZeroConfig(stage=3, stage3_max_live_parameters="auto")
+    out = from_deepspeed({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": "auto"}}, 8)
+    assert "max_live_parameters" not in out.tables["zero"]  # the job keeps the default, DeepSpeed's
+    assert parsed.max_live_parameters == 1_000_000_000
+    message = {n.path: n.message for n in out.notes}["zero_optimization.stage3_max_live_parameters"]
+    assert message.startswith("'auto' is filled in by neither the Hugging Face Trainer nor accelerate") \
+        and "planned at DeepSpeed's default 1,000,000,000" in message
+
+
+def test_precision_advice_is_not_given_when_the_command_line_sets_it():
+    """m1: with bf16/fp16 "auto", the note asked for --set train.precision=bf16-mixed even when
+    the command line gave it; the importer is told which job keys the command line sets."""
+    from shardplan.io.interop.deepspeed import from_deepspeed
+
+    config = {"train_batch_size": 8, "bf16": {"enabled": "auto"}}
+    asked = {n.path: n.message for n in from_deepspeed(config, 8).notes}["bf16.enabled"]
+    assert "give --set train.precision=bf16-mixed" in asked
+    given = from_deepspeed(config, 8, given={"train.precision"})
+    assert "precision" not in given.tables.get("train", {})
+    assert {n.path: n.message for n in given.notes}["bf16.enabled"] == (
+        "the Trainer's --bf16 / --fp16 decide the precision: train.precision is the command line's")

@@ -191,12 +191,13 @@ def test_accelerate_deepspeed_file_without_zero_optimization_is_refused(tmp_path
 
 
 def test_accelerate_deepspeed_file_problems_point_into_it(tmp_path, monkeypatch):
-    """A rule broken by the DeepSpeed file's keys is reported at that file's line."""
-    bad = {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}
+    """A rule broken by the DeepSpeed file's keys is reported at that file's line: its
+    ZeRO-3 parameter offload, with the stage set to 2 on the command line."""
+    bad = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
     (tmp_path / "acc.yaml").write_text(ACC_WITH_FILE)
     (tmp_path / "ds.json").write_text(json.dumps(bad, indent=2))
     monkeypatch.chdir(tmp_path)
-    result = run_cli("import", "acc.yaml", "--set", "model.preset=llama-3-8b")
+    result = run_cli("import", "acc.yaml", "--set", "model.preset=llama-3-8b", "--set", "zero.stage=2")
     assert result.code == 2
     assert any(line.startswith("ds.json:5: zero_optimization.offload_param.device: offload.params:")
                for line in result.err_lines), result.err
@@ -810,3 +811,83 @@ def test_yaml_aliases_are_walked_once(write, monkeypatch):
     result = run_cli("import", write("bomb.yaml", "\n".join(lines) + "\n"), "--dp", "8")
     assert result.code == 0, result.err
     assert 0 < len(looked) < 100  # 9 strings and the keys; expanded, 9^6 = 531,441 strings
+
+
+# -- torchtitan before 0.2: the names its published train_configs use ----------------------------
+# Copied verbatim into tests/data/interop/ from pytorch/torchtitan: train_configs/llama3_70b.toml at
+# 2db26cf34 (2024-04) and train_configs/llama3_8b.toml at db6b39acd (2024-09). The renames are those of
+# torchtitan/config_manager.py's history: batch_size -> local_batch_size (8570415c3), [training] and
+# [experimental] degrees -> [parallelism] (785c34c99), data_parallel_degree -> data_parallel_shard_degree
+# (db6b39acd).
+OLD_DATA = os.path.join(os.path.dirname(__file__), "data", "interop")
+
+
+def test_torchtitan_2024_config_reads_its_degrees_and_batch():
+    """llama3_70b.toml of April 2024: `batch_size = 8` (line 29), `data_parallel_degree = -1` (34),
+    `tensor_parallel_degree = 8  # 8-way TP` (35), `pipeline_parallel_degree = 1` (36). They were
+    "not read: no effect on the plan" and the job was dp 64 x tp 1; over 64 GPUs it is tp 8 x dp 8."""
+    path = os.path.join(OLD_DATA, "torchtitan_llama3_70b_2024-04.toml")
+    result = run_cli("import", path, "--world", "64", "--json")
+    assert result.code == 0, result.err
+    par = result.json["job"]["parallel"]
+    assert (par["dp"], par["tp"], par["pp"], par["micro_batch_size"]) == (8, 8, 1, 8)
+    notes = {(n["line"], n["path"]): n["message"] for n in result.json["notes"]}
+    assert notes[(29, "training.batch_size")] == ("the name before torchtitan commit 8570415c3 (torchtitan 0.2 "
+                                                  "refuses it): read as training.local_batch_size")
+    assert notes[(35, "training.tensor_parallel_degree")].endswith("read as parallelism.tensor_parallel_degree")
+    assert notes[(34, "training.data_parallel_degree")].startswith("the name before torchtitan commit db6b39acd")
+
+
+def test_torchtitan_2024_config_round_trips_under_todays_names(write):
+    """The September 2024 llama3_8b.toml (`batch_size = 1` line 29, HSDP degrees in [training],
+    `[experimental] pipeline_parallel_degree = 1` line 41): micro batch 1 (was torchtitan 0.2's
+    default 8), and the export writes them as 0.2's [parallelism] and local_batch_size."""
+    path = os.path.join(OLD_DATA, "torchtitan_llama3_8b_2024-09.toml")
+    job = write("job.toml", "")
+    result = run_cli("import", path, "--world", "8", "-o", job)
+    assert result.code == 0, result.err
+    assert f"{path}:41: experimental.pipeline_parallel_degree: the name before torchtitan commit 785c34c99" in result.err
+    config = run_cli("export", job, "--to", "torchtitan", "--json").json["config"]
+    assert config["training"]["local_batch_size"] == 1
+    assert (config["parallelism"]["data_parallel_shard_degree"], config["parallelism"]["tensor_parallel_degree"],
+            config["parallelism"]["pipeline_parallel_degree"]) == (8, 1, 1)
+
+
+def test_torchtitan_old_and_new_name_together_reads_the_new(write):
+    """No torchtitan reads both names (each release defines one); 0.2 reads today's, so that one
+    wins and the old one is named as not read, whatever it says."""
+    path = write("tt.toml", "[training]\nbatch_size = 4\nlocal_batch_size = 2\ntensor_parallel_degree = 4\n"
+                            "[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = 4\n")
+    result = run_cli("import", path, "--json")
+    assert result.code == 0, result.err
+    par = result.json["job"]["parallel"]
+    assert (par["tp"], par["micro_batch_size"]) == (2, 2)
+    notes = {n["path"]: n["message"] for n in result.json["notes"]}
+    assert notes["training.batch_size"] == ("not read: torchtitan commit 8570415c3 renamed it training.local_batch_size, "
+                                            "and training.local_batch_size is given and read instead")
+    assert notes["training.tensor_parallel_degree"].startswith("not read: torchtitan commit 785c34c99 renamed it")
+
+
+def test_torchtitan_old_pipeline_keys(write):
+    """[experimental] pipeline keys of torchtitan before 785c34c99: `pipeline_parallel_split_points`
+    names the first layer of every stage but the first (its help text at 57387af0e:
+    "layers.0,layers.2" makes 3 stages) and `pipeline_parallel_microbatches` the number of
+    microbatches (local batch / microbatches each; 5e2033c75 replaced it with the size)."""
+    path = write("tt.toml", '[model]\nname = "llama3"\nflavor = "8B"\n[training]\nbatch_size = 8\n'
+                            "data_parallel_shard_degree = 1\n[experimental]\npipeline_parallel_degree = 2\n"
+                            'pipeline_parallel_schedule = "1F1B"\npipeline_parallel_split_points = ["layers.12"]\n'
+                            "pipeline_parallel_microbatches = 4\n")
+    result = run_cli("import", path, "--json")
+    assert result.code == 0, result.err
+    par = result.json["job"]["parallel"]
+    # Llama-3 8B has 32 layers (meta-llama/Meta-Llama-3-8B config.json num_hidden_layers): 12 + 20.
+    assert (par["pp"], par["micro_batch_size"], par["num_microbatches"]) == (2, 2, 4)
+    assert (par["first_stage_layers"], par["last_stage_layers"]) == (12, 20)
+
+
+def test_torchtitan_ddp_type_of_2024(write):
+    """`data_parallel_type = "ddp"` (torchtitan 2f989b9f3 to db6b39acd) replicated the model."""
+    path = write("tt.toml", '[training]\ndata_parallel_degree = 4\ndata_parallel_type = "ddp"\n')
+    result = run_cli("import", path, "--json")
+    assert result.code == 0, result.err
+    assert (result.json["job"]["parallel"]["dp"], result.json["job"]["zero"]["stage"]) == (4, 0)

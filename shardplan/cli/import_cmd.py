@@ -26,22 +26,23 @@ from .options import JsonFlag, PlanFlags, WorldOption, plan_flags
 _TABLE_ORDER = ("model", "parallel", "zero", "offload", "train", "lora", "data", "checkpoint", "cluster")
 
 
-def _model_layers(overrides: list[tuple[str, object]], preset: str | None) -> int | None:
-    """The model's layer count where it is known before validation (an inline shape or a
-    preset given on the command line, else the preset the source names)."""
+def _model_value(overrides: list[tuple[str, object]], preset: str | None, key: str) -> int | None:
+    """A shape key of the model (`num_layers`, `hidden_size`) where it is known before
+    validation (an inline shape or a preset given on the command line, else the preset the
+    source names)."""
     model = {path.split(".")[1]: value for path, value in overrides if path.startswith("model.")}
-    if isinstance(model.get("num_layers"), int):
-        return model["num_layers"]
+    if isinstance(model.get(key), int):
+        return model[key]
     name = model.get("preset") if isinstance(model.get("preset"), str) else preset
     if not name or any(k in model for k in ("hf_config", "params", "family")):
         return None
     try:
         from ..io.files import read_document
 
-        layers = read_document(find_preset(name, "models").path).data.get("model", {}).get("num_layers")
+        value = read_document(find_preset(name, "models").path).data.get("model", {}).get(key)
     except InputError:
         return None
-    return layers if isinstance(layers, int) else None
+    return value if isinstance(value, int) else None
 
 
 def convert(fmt: str, data: dict, overrides: list[tuple[str, object]], world: int | None = None,
@@ -63,18 +64,20 @@ def convert(fmt: str, data: dict, overrides: list[tuple[str, object]], world: in
         dp = world // model_parallel
         said = f"--world {world} / tp x pp x cp {model_parallel} makes dp {dp}"
     model_given = any(path.split(".")[1] in (*SOURCE_KEYS, *SHAPE_KEYS) for path in given if path.startswith("model."))
+    # The Hugging Face Trainer fills DeepSpeed's "auto" buckets from the hidden size.
+    hidden = _model_value(overrides, None, "hidden_size")
     if fmt == "deepspeed":
         from ..io.interop.deepspeed import from_deepspeed
 
-        return from_deepspeed(data, dp, said)
+        return from_deepspeed(data, dp, said, hidden_size=hidden, given=given.keys())
     if fmt == "torchtitan":
         from ..io.interop.torchtitan import from_torchtitan, model_preset
 
-        layers = _model_layers(overrides, None if model_given else model_preset(data))
+        layers = _model_value(overrides, None if model_given else model_preset(data), "num_layers")
         return from_torchtitan(data, dp, layers, model_given, said)
     from ..io.interop.accelerate import from_accelerate
 
-    return from_accelerate(data, referenced, world, dp)
+    return from_accelerate(data, referenced, world, dp, hidden_size=hidden, given=given.keys())
 
 
 def job_text(tables: dict, source: str, fmt: str) -> str:

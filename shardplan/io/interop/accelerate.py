@@ -17,9 +17,11 @@ takes `deepspeed_config_file`, a DeepSpeed config JSON that the DeepSpeed import
 from __future__ import annotations
 
 import math
+from typing import Collection
 
 from ...spec.job import FSDP_STAGE_NAMES
-from .common import Exported, Imported, Note, Plan, Reader, float8_not_modelled, integral, unexpressed
+from .common import (Exported, Imported, Note, Plan, Reader, float8_not_modelled, integral, offload_as_written,
+                     unexpressed)
 from .offload import whole_model_offload
 from .source import Referenced
 
@@ -147,12 +149,13 @@ def dumps(config: dict) -> str:
 
 # -- import ---------------------------------------------------------------------------------
 def from_accelerate(data: dict, referenced: dict[str, Referenced] | None = None, world: int | None = None,
-                    dp: int | None = None) -> Imported:
+                    dp: int | None = None, hidden_size: int | None = None, given: Collection[str] = ()) -> Imported:
     """Job tables from an accelerate config. `referenced`: the files it names, read by the
     caller (source.py `read_referenced`), by dotted key: the DeepSpeed config of
     `deepspeed_config.deepspeed_config_file`. `world` and `dp`: what the command line gives
     (--world, --dp), which stand for `accelerate launch --num_processes` where the config
-    leaves num_processes out."""
+    leaves num_processes out. `hidden_size` and `given`: the DeepSpeed importer's (the model's
+    hidden size, the job keys the command line sets), for that file."""
     out = Imported()
     top = Reader(data, "", out)
     kind = top.choice("distributed_type", ("NO", "MULTI_GPU", "FSDP", "DEEPSPEED", "MULTI_CPU", "MEGATRON_LM",
@@ -215,7 +218,8 @@ def from_accelerate(data: dict, referenced: dict[str, Referenced] | None = None,
         _fsdp(Reader(fsdp or {}, "fsdp_config", out), out, replicate, dp)
     elif kind == "DEEPSPEED":
         ds = top.table("deepspeed_config") if top.has("deepspeed_config") else {}
-        _deepspeed(Reader(ds or {}, "deepspeed_config", out), out, top, processes, referenced or {}, cp)
+        _deepspeed(Reader(ds or {}, "deepspeed_config", out), out, top, processes, referenced or {}, cp,
+                   hidden_size, given)
     elif kind in ("NO", "MULTI_GPU", "MULTI_CPU"):
         out.set("zero.stage", 0, "distributed_type")
     elif kind:
@@ -225,6 +229,7 @@ def from_accelerate(data: dict, referenced: dict[str, Referenced] | None = None,
             top.raw(key)
             out.note(key, _CPU if key == "use_cpu" and top.data[key] is True else _LAUNCHER)
     top.unread("not read: no effect on the plan")
+    offload_as_written(out)
     return out
 
 
@@ -377,7 +382,9 @@ _ZERO_STAGE_DEFAULT = 2
 
 
 def _deepspeed(ds: Reader, out: Imported, top: Reader, processes: int, referenced: dict[str, Referenced],
-               sequence: int = 1) -> None:
+               sequence: int = 1, hidden_size: int | None = None, given: Collection[str] = ()) -> None:
+    from .deepspeed import PARAM_OFFLOAD_IGNORED
+
     out.set("zero.framework", "deepspeed", "distributed_type")
     if ds.has("deepspeed_config_file"):
         name = ds.str("deepspeed_config_file")
@@ -385,7 +392,7 @@ def _deepspeed(ds: Reader, out: Imported, top: Reader, processes: int, reference
         if name is not None and file is None:
             out.problem(ds.key("deepspeed_config_file"), f"{name}: the DeepSpeed config was not read")
         elif file is not None:
-            _deepspeed_file(ds, out, top, processes, file, sequence)
+            _deepspeed_file(ds, out, top, processes, file, sequence, hidden_size, given)
         return
     stage = ds.int("zero_stage") if ds.has("zero_stage") else _ZERO_STAGE_DEFAULT
     if stage is not None:
@@ -396,7 +403,10 @@ def _deepspeed(ds: Reader, out: Imported, top: Reader, processes: int, reference
     for key, job_keys in (("offload_optimizer_device", ("offload.optimizer", "offload.grads")),
                           ("offload_param_device", ("offload.params",))):
         device = ds.choice(key, ("none", "cpu", "nvme")) if ds.has(key) else None
-        if device in ("cpu", "nvme"):
+        if device in ("cpu", "nvme") and key == "offload_param_device" and (stage or 0) < 3:
+            # DeepSpeedPlugin writes zero_optimization.offload_param at any stage; DeepSpeed reads it at 3 only.
+            out.note(ds.key(key), PARAM_OFFLOAD_IGNORED.format(stage=stage))
+        elif device in ("cpu", "nvme"):
             for job_key in job_keys:
                 out.set(job_key, True, ds.key(key))
             if key == "offload_param_device":
@@ -408,7 +418,7 @@ def _deepspeed(ds: Reader, out: Imported, top: Reader, processes: int, reference
 
 
 def _deepspeed_file(ds: Reader, out: Imported, top: Reader, processes: int, file: Referenced,
-                    sequence: int = 1) -> None:
+                    sequence: int = 1, hidden_size: int | None = None, given: Collection[str] = ()) -> None:
     """The DeepSpeed config JSON that deepspeed_config_file names, read by the DeepSpeed
     importer with the data-parallel size accelerate launches (num_processes over its
     tensor_parallel.autotp_size and over `sequence`, the sequence-parallel ranks of
@@ -440,7 +450,7 @@ def _deepspeed_file(ds: Reader, out: Imported, top: Reader, processes: int, file
     dp = processes // (tp * sequence)
     split = (f" / autotp_size {tp}" if tp > 1 else "") + (f" / sequence parallel {sequence}" if sequence > 1 else "")
     said = f"num_processes {processes}" + (f"{split} makes dp {dp}" if split else "")
-    out.merge(from_deepspeed(doc.data, dp, said), doc.path, doc.line_of)
+    out.merge(from_deepspeed(doc.data, dp, said, hidden_size, given), doc.path, doc.line_of)
     _deepspeed_extras(ds, out)
 
 

@@ -119,8 +119,10 @@ class Imported:
 
 # Tables and keys that never reach a framework's config, whatever the target:
 # `[cluster]` describes the machines (each launcher takes them from its own flags or
-# hostfile), `zero.framework` chooses shardplan's own memory accounting.
-_NOT_PLAN_KEYS = {"cluster", "zero.framework"}
+# hostfile), `zero.framework` chooses shardplan's own memory accounting, and
+# `offload.strategy` is exported as what it decided (the Plan's offload; no framework
+# offloads on its own, so a strategy that adds nothing is exported exactly).
+_NOT_PLAN_KEYS = {"cluster", "zero.framework", "offload.strategy"}
 
 
 def unexpressed(plan: Plan, covered: Iterable[str], target: str) -> list[Note]:
@@ -186,6 +188,21 @@ def integral(value: object) -> int | None:
 
 AUTO = "'auto' is filled in by the Hugging Face Trainer; not read"
 
+# DeepSpeed, torchtitan and accelerate offload only what their config asks for (DeepSpeed
+# 0.19.8 zero/offload_config.py: `device` defaults to "none"; torchtitan 0.2.2
+# job_config.py: `training.enable_cpu_offload` defaults to false; accelerate 1.15
+# utils/dataclasses.py: `fsdp_offload_params` defaults to false). shardplan's default
+# strategy ("balanced") offloads on its own when memory is short; an imported job asks for
+# none ("conservative" adds nothing to what the job asks, core/memory.py), so that `estimate`
+# answers whether the config fits as its framework runs it, and an export writes no offload
+# the source did not have.
+OFFLOAD_AS_WRITTEN = "conservative"
+
+
+def offload_as_written(out: Imported) -> None:
+    """Plan the offload of an imported config as its framework runs it: what it asks for, no more."""
+    out.set("offload.strategy", OFFLOAD_AS_WRITTEN, "")
+
 
 def float8_not_modelled(precision: str | None, what: str = "float8") -> str:
     """What shardplan does with float8 training (torchao's Float8Linear behind torchtitan's
@@ -202,13 +219,17 @@ class Reader:
     """Typed reads from one table of a foreign config; wrong types become problems, keys
     never read become notes (`unread`)."""
 
-    def __init__(self, data: dict, prefix: str, out: Imported):
+    def __init__(self, data: dict, prefix: str, out: Imported, written_as: dict[str, str] | None = None):
         self.data = data
         self.prefix = prefix
         self.out = out
         self.seen: set[str] = set()
+        # name -> the dotted key the source wrote it as, where that differs (an older name)
+        self.written_as = written_as or {}
 
     def key(self, name: str) -> str:
+        if name in self.written_as:
+            return self.written_as[name]
         return f"{self.prefix}.{name}" if self.prefix else name
 
     def has(self, name: str) -> bool:

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Collection
 
-from .common import AUTO, Exported, Imported, Note, Plan, Reader, unexpressed
+from ...spec.job import ZeroSpec
+from .common import AUTO, Exported, Imported, Note, Plan, Reader, offload_as_written, unexpressed
 from .offload import Offload, fit_of, same
 
 TARGET = "deepspeed"
@@ -199,6 +201,14 @@ _REMOVED_KEYS = {
     "progressive_layer_drop": "Progressive Layer Dropping",
 }
 _REMOVED_ZERO_KEYS = {"mics_hierarchical_params_gather": "MiCS", "zeropp_loco_param": "LoCo-Zero++"}
+# DeepSpeed 0.19.8 accepts offload_param at every stage but reads it only on the stage-3 path
+# (runtime/engine.py:2731 and :2773 hand `offload_param_config` to DeepSpeedZeRoOffload and
+# DeepSpeedZeroOptimizer_Stage3); the stage 1-2 optimizer is built with offload_optimizer alone
+# (engine.py:2655-2688). accelerate's DeepSpeedPlugin writes offload_param next to any stage
+# (accelerate/utils/dataclasses.py), so published ZeRO-2 configs carry it.
+PARAM_OFFLOAD_IGNORED = ("not read: DeepSpeed ignores parameter offload below ZeRO stage 3 (deepspeed/runtime/"
+                         "engine.py:2655-2688 builds the stage {stage} optimizer with offload_optimizer only; "
+                         "offload_param is read for stage 3, engine.py:2731, 2773)")
 
 
 def model_parallel_degrees(data: dict) -> dict[str, object]:
@@ -209,11 +219,15 @@ def model_parallel_degrees(data: dict) -> dict[str, object]:
     return {"parallel.tp": tensor["autotp_size"]} if "autotp_size" in tensor else {}
 
 
-def from_deepspeed(data: dict, dp: int | None = None, dp_said: str = "") -> Imported:
+def from_deepspeed(data: dict, dp: int | None = None, dp_said: str = "", hidden_size: int | None = None,
+                   given: Collection[str] = ()) -> Imported:
     """Job tables from a DeepSpeed config. `dp`: the data-parallel size the command line
     gives (--dp, or --world over the model-parallel degrees, as DeepSpeed derives it; a
     DeepSpeed config names no world size; with all three batch keys it follows), `dp_said`
-    how a message names it."""
+    how a message names it. `hidden_size`: the model's, where the command line names the
+    model, from which the bucket sizes a Hugging Face config leaves "auto" are read as the
+    Trainer fills them in; `given`: the job keys the command line sets (`train.precision`),
+    which the notes then no longer ask for."""
     out = Imported()
     out.set("zero.framework", "deepspeed", "")
     top = Reader(data, "", out)
@@ -228,8 +242,8 @@ def from_deepspeed(data: dict, dp: int | None = None, dp_said: str = "") -> Impo
                       if k in data), "")
         out.note(given, "the data-parallel degree is not in the config (DeepSpeed takes it from the launch): "
                         "planned as dp 1; give --dp N or --world N")
-    _zero(top, out)
-    _precision(top, out)
+    _zero(top, out, hidden_size)
+    _precision(top, out, given)
     _optimizer(top, out)
     tensor = top.table("tensor_parallel")
     if tensor is not None:
@@ -258,6 +272,7 @@ def from_deepspeed(data: dict, dp: int | None = None, dp_said: str = "") -> Impo
             top.raw(key)
             out.note(key, f"not read: {what} {_REMOVED}")
     top.unread()
+    offload_as_written(out)
     return out
 
 
@@ -316,7 +331,46 @@ def _batch(top: Reader, out: Imported, dp: int | None, dp_said: str) -> None:
     out.set("parallel.num_microbatches", steps, steps_key)
 
 
-def _zero(top: Reader, out: Imported) -> None:
+# The bucket keys the Hugging Face Trainer and accelerate fill in when a config leaves them
+# "auto", from the model's hidden size h: transformers 5.23.0 integrations/deepspeed.py:232-242
+# (`HfTrainerDeepSpeedConfig.trainer_config_finalize`; the two stage-3 keys at stage 3 only)
+# and accelerate 1.15.0 accelerator.py:2296-2327 (`Accelerator._prepare_deepspeed`, the same
+# three keys). By shardplan key: (the formula as they write it, its value for h).
+_HIDDEN_FILLED = {
+    "reduce_bucket_size": ("hidden_size * hidden_size", lambda h: h * h),
+    "prefetch_bucket_size": ("int(0.9 * hidden_size * hidden_size)", lambda h: int(0.9 * h * h)),
+    "param_persistence_threshold": ("10 * hidden_size", lambda h: 10 * h),
+}
+# DeepSpeed's config models drop every "auto" value before validating, so the field keeps
+# its default (deepspeed/runtime/config_utils.py:55-56, DeepSpeedConfigModel.__init__).
+_AUTO_DROPPED = "DeepSpeed drops an 'auto' value (deepspeed/runtime/config_utils.py:55-56)"
+
+
+def _auto_bucket(key: str, where: str, stage: int, hidden_size: int | None, out: Imported) -> int | None:
+    """The value of a bucket key written "auto", as whoever fills it in: the Hugging Face
+    Trainer and accelerate from the model's hidden size (`_HIDDEN_FILLED`), else DeepSpeed's
+    default (None: the job keeps it); a note says which."""
+    default = ZeroSpec.model_fields[key].default
+    if key not in _HIDDEN_FILLED:
+        filled = ", ".join(_BUCKETS[k] for k in _HIDDEN_FILLED)
+        out.note(where, f"'auto' is filled in by neither the Hugging Face Trainer nor accelerate (they fill {filled}); "
+                        f"{_AUTO_DROPPED}: planned at DeepSpeed's default {default:,}")
+        return None
+    formula, fill = _HIDDEN_FILLED[key]
+    if key != "reduce_bucket_size" and stage != 3:
+        out.note(where, f"'auto': not read, DeepSpeed does not use it at stage {stage}")
+        return None
+    if hidden_size is None:
+        out.note(where, f"'auto' is filled in by the Hugging Face Trainer and accelerate as {formula} of the "
+                        f"model, whose hidden size the import was not given: planned at DeepSpeed's default {default:,}")
+        return None
+    value = fill(hidden_size)
+    out.note(where, f"'auto' is filled in by the Hugging Face Trainer and accelerate: read as {formula} = "
+                    f"{value:,} (hidden size {hidden_size:,})")
+    return value
+
+
+def _zero(top: Reader, out: Imported, hidden_size: int | None = None) -> None:
     raw = top.raw("zero_optimization")
     if isinstance(raw, bool):  # the old form: true is stage 1 (zero/config.py, read_zero_config_deprecated)
         out.set("zero.stage", 1 if raw else 0, "zero_optimization")
@@ -334,6 +388,11 @@ def _zero(top: Reader, out: Imported) -> None:
             out.set("zero.stage", stage, zero.key("stage"))
     for key, name in _BUCKETS.items():
         for spelling in dict.fromkeys((name, key)):  # DeepSpeed accepts the field name and its alias
+            if zero.has(spelling) and zero.raw(spelling) == "auto":
+                value = _auto_bucket(key, zero.key(spelling), stage or 0, hidden_size, out)
+                if value is not None:
+                    out.set(f"zero.{key}", value, zero.key(spelling))
+                continue
             value = zero.int(spelling) if zero.has(spelling) else None
             if value is None:
                 continue
@@ -359,6 +418,10 @@ def _zero(top: Reader, out: Imported) -> None:
             continue
         reader = Reader(section, zero.key(key), out)
         device = reader.choice("device", _OFFLOAD_DEVICES)
+        if device in ("cpu", "nvme") and key == "offload_param" and (stage or 0) < 3:
+            out.note(reader.key("device"), PARAM_OFFLOAD_IGNORED.format(stage=stage or 0))
+            reader.unread(PARAM_OFFLOAD_IGNORED.format(stage=stage or 0))
+            continue
         if device in ("cpu", "nvme"):
             for job_key in job_keys:
                 out.set(job_key, True, reader.key("device"))
@@ -384,6 +447,8 @@ def _zero(top: Reader, out: Imported) -> None:
         value = zero.bool(key)
         if value and zero.has(section):
             out.note(zero.key(key), f"deprecated; {zero.key(section)} is given and is read instead")
+        elif value and key == "cpu_offload_param" and (stage or 0) < 3:
+            out.note(zero.key(key), PARAM_OFFLOAD_IGNORED.format(stage=stage or 0))
         elif value:
             for job_key in job_keys:
                 out.set(job_key, True, zero.key(key))
@@ -404,7 +469,7 @@ def _zero(top: Reader, out: Imported) -> None:
     zero.unread()
 
 
-def _precision(top: Reader, out: Imported) -> None:
+def _precision(top: Reader, out: Imported, given: Collection[str] = ()) -> None:
     enabled, auto = {}, []
     for key in ("bf16", "bfloat16", "fp16"):
         section = top.table(key) if top.has(key) else None
@@ -428,6 +493,8 @@ def _precision(top: Reader, out: Imported) -> None:
         out.set("train.precision", "fp16-mixed", fp16[1])
     elif enabled:
         out.set("train.precision", "fp32", next(iter(enabled.values()))[1])
+    elif auto and "train.precision" in given:
+        out.note(auto[0], "the Trainer's --bf16 / --fp16 decide the precision: train.precision is the command line's")
     elif auto:
         # The Trainer's --bf16 / --fp16 decide: planned as DeepSpeed's default, and said so.
         out.set("train.precision", "fp32", auto[0])

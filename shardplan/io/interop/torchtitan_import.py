@@ -13,7 +13,7 @@ import math
 import posixpath
 
 from ...core.pipeline import split_layers
-from .common import Imported, Reader, float8_not_modelled
+from .common import Imported, Reader, float8_not_modelled, offload_as_written
 from .torchtitan_common import CHUNKED, DEFAULTS, FLAVORS, NO_FSDP, SCHEDULES, fsdp_applied
 
 
@@ -57,6 +57,62 @@ def torchtitan_split(num_stages: int, num_layers: int, input_weight: int, output
     return counts
 
 
+# Names torchtitan's job config had before 0.2, as (table, key) -> (table, key) of today, with the
+# commit of pytorch/torchtitan that renamed or moved it (`git log -p -- torchtitan/config_manager.py`).
+# The published train_configs of 2024 to spring 2025 use them; torchtitan 0.2.2 refuses them
+# ("Invalid field names"), and the torchtitan they were written for read no other name: its
+# ConfigManager merged the TOML over its argparse defaults and ignored keys it did not define.
+_RENAMED = {
+    # 8570415c3 (2025-06-05, PR #1238, gradient accumulation): batch_size became local_batch_size.
+    ("training", "batch_size"): ("training", "local_batch_size", "8570415c3"),
+    # 785c34c99 (2025-03-18, PR #980) made [parallelism] of [training]'s degrees and [experimental]'s.
+    ("training", "data_parallel_replicate_degree"): ("parallelism", "data_parallel_replicate_degree", "785c34c99"),
+    ("training", "data_parallel_shard_degree"): ("parallelism", "data_parallel_shard_degree", "785c34c99"),
+    ("training", "tensor_parallel_degree"): ("parallelism", "tensor_parallel_degree", "785c34c99"),
+    ("training", "fsdp_reshard_after_forward"): ("parallelism", "fsdp_reshard_after_forward", "785c34c99"),
+    ("experimental", "pipeline_parallel_degree"): ("parallelism", "pipeline_parallel_degree", "785c34c99"),
+    ("experimental", "pipeline_parallel_schedule"): ("parallelism", "pipeline_parallel_schedule", "785c34c99"),
+    ("experimental", "pipeline_parallel_microbatches"): ("parallelism", "pipeline_parallel_microbatches",
+                                                         "785c34c99"),
+    ("experimental", "pipeline_parallel_split_points"): ("parallelism", "pipeline_parallel_split_points",
+                                                         "785c34c99"),
+    ("experimental", "context_parallel_degree"): ("parallelism", "context_parallel_degree", "785c34c99"),
+    # aafe0e870 (2024-05-21, pipeline parallel) moved training.pipeline_parallel_degree to [experimental].
+    ("training", "pipeline_parallel_degree"): ("parallelism", "pipeline_parallel_degree", "aafe0e870"),
+    # db6b39acd (2024-09-10, HSDP) split data_parallel_degree (-1: the ranks left over) into the
+    # shard degree (the same meaning) and a replicate degree (default 1).
+    ("training", "data_parallel_degree"): ("parallelism", "data_parallel_shard_degree", "db6b39acd"),
+}
+
+
+def renamed(data: dict) -> tuple[dict, dict[str, str], list[tuple[str, str]]]:
+    """A torchtitan config with its pre-0.2 names (`_RENAMED`) under today's: (the config as
+    today's names write it, {today's dotted key: the dotted key the file wrote}, notes as
+    (dotted key, message)). Where the file gives both names, today's is read and the old one
+    is named as not read: no torchtitan release reads both, and 0.2 reads today's."""
+    tables = {name: dict(value) if isinstance(value, dict) else value for name, value in data.items()}
+    written_as: dict[str, str] = {}
+    notes = []
+    for (old_table, old_key), (table, key, commit) in _RENAMED.items():
+        source = tables.get(old_table)
+        target = tables.setdefault(table, {})
+        if not isinstance(source, dict) or old_key not in source or not isinstance(target, dict):
+            continue  # a table that is no table: the import says so
+        old, new = f"{old_table}.{old_key}", f"{table}.{key}"
+        value = source.pop(old_key)
+        if not source and old_table == "experimental":
+            del tables[old_table]
+        if key in target:
+            given = written_as.get(new, new)
+            notes.append((old, f"not read: torchtitan commit {commit} renamed it {new}, and {given} is given and "
+                               "read instead"))
+            continue
+        target[key] = value
+        written_as[new] = old
+        notes.append((old, f"the name before torchtitan commit {commit} (torchtitan 0.2 refuses it): read as {new}"))
+    return {name: value for name, value in tables.items() if value != {} or name in data}, written_as, notes
+
+
 def from_torchtitan(data: dict, dp: int | None = None, num_layers: int | None = None,
                     model_given: bool = False, dp_said: str = "") -> Imported:
     """Job tables from a torchtitan job config; keys it leaves out take torchtitan's
@@ -67,6 +123,9 @@ def from_torchtitan(data: dict, dp: int | None = None, num_layers: int | None = 
     layers, for torchtitan's own stage split; `model_given`: the command line names the
     model, so the config's [model] is not read."""
     out = Imported()
+    data, written_as, renames = renamed(data)
+    for key, message in renames:
+        out.note(key, message)
     top = Reader(data, "", out)
     tables = {name: (top.table(name) if top.has(name) else None) or {} for name in
               ("model", "optimizer", "training", "parallelism", "activation_checkpoint", "checkpoint", "comm",
@@ -83,9 +142,9 @@ def from_torchtitan(data: dict, dp: int | None = None, num_layers: int | None = 
     if lr is not None and lr > 0:
         out.set("train.lr", lr, opt.key("lr"))
     opt.unread("not read: no effect on memory")
-    par = Reader(tables["parallelism"], "parallelism", out)
+    par = Reader(tables["parallelism"], "parallelism", out, _within(written_as, "parallelism"))
     degrees = _read_degrees(par, out, dp, dp_said)
-    _read_training(Reader(tables["training"], "training", out), out, degrees)
+    _read_training(Reader(tables["training"], "training", out, _within(written_as, "training")), out, degrees)
     _read_pipeline(par, out, degrees, num_layers)
     par.unread()
     ac = Reader(tables["activation_checkpoint"], "activation_checkpoint", out)
@@ -120,6 +179,7 @@ def from_torchtitan(data: dict, dp: int | None = None, num_layers: int | None = 
     debug.unread()
     _read_low_precision(Reader(tables["model"], "model", out), top, out)
     top.unread("not read: no effect on the plan")
+    offload_as_written(out)
     return out
 
 
@@ -230,8 +290,15 @@ MODEL_PARALLEL_KEYS = (("parallel.tp", "tensor_parallel_degree"), ("parallel.pp"
                        ("parallel.cp", "context_parallel_degree"))
 
 
+def _within(written_as: dict[str, str], table: str) -> dict[str, str]:
+    """`renamed`'s record for one table: {key: the dotted key the file wrote it as}."""
+    return {path.split(".", 1)[1]: old for path, old in written_as.items() if path.startswith(f"{table}.")}
+
+
 def model_parallel_degrees(data: dict) -> dict[str, object]:
-    """The model-parallel degrees a torchtitan config states, by job key (as written)."""
+    """The model-parallel degrees a torchtitan config states, by job key (as written, under
+    its pre-0.2 names too)."""
+    data = renamed(data)[0]
     par = data.get("parallelism") if isinstance(data.get("parallelism"), dict) else {}
     return {job_key: par[key] for job_key, key in MODEL_PARALLEL_KEYS if key in par}
 
@@ -326,6 +393,15 @@ def _read_training(training: Reader, out: Imported, degrees: dict) -> None:
         for key in ("params", "grads", "optimizer"):
             out.set(f"offload.{key}", True, training.key("enable_cpu_offload"))
         out.set("offload.gpu_param_budget", 0, training.key("enable_cpu_offload"))  # every layer
+    # torchtitan 2f989b9f3 (2024-07-18) to db6b39acd (2024-09-10, HSDP): data_parallel_type "ddp"
+    # replicated the model over data_parallel_degree's ranks, "fsdp" (the default) sharded it.
+    kind = training.choice("data_parallel_type", ("fsdp", "ddp")) if training.has("data_parallel_type") else None
+    if kind:
+        if kind == "ddp":
+            out.set("zero.stage", 0, training.key("data_parallel_type"))
+        read = "DDP, read as zero.stage = 0" if kind == "ddp" else "FSDP, as data_parallel_shard_degree shards"
+        out.note(training.key("data_parallel_type"), f"a key before torchtitan commit db6b39acd (torchtitan 0.2 "
+                                                     f"refuses it): {read}")
     training.raw("mixed_precision_reduce")
     training.unread("not read: no effect on the plan")
 
@@ -337,6 +413,11 @@ def _read_pipeline(par: Reader, out: Imported, degrees: dict, num_layers: int | 
     micro = par.int("pipeline_parallel_microbatch_size", 1) if par.has("pipeline_parallel_microbatch_size") \
         else DEFAULTS["microbatch_size"]
     fqns = par.raw("module_fqns_per_model_part")
+    # Before torchtitan 0.2 (5e2033c75, 2025-04-07, PR #1073) the number of microbatches was given,
+    # and the stages by the first layer of each but the first (6e06a49cd, 2025-10-13, PR #1868
+    # replaced split points with module_fqns_per_model_part).
+    count = par.int("pipeline_parallel_microbatches", 1) if par.has("pipeline_parallel_microbatches") else None
+    splits = par.raw("pipeline_parallel_split_points")
     layers_per_stage = par.int("pipeline_parallel_layers_per_stage", 1) \
         if par.has("pipeline_parallel_layers_per_stage") else None
     first_less = par.int("pipeline_parallel_first_stage_less_layers") \
@@ -359,6 +440,12 @@ def _read_pipeline(par: Reader, out: Imported, degrees: dict, num_layers: int | 
     # Pipeline microbatches come from the local batch: local_batch_size / microbatch size.
     local = degrees.get("local_batch_size", DEFAULTS["local_batch_size"])
     micro = micro or 1
+    if count and not par.has("pipeline_parallel_microbatch_size"):
+        if local % count:
+            out.problem(par.key("pipeline_parallel_microbatches"), f"{count} microbatches do not divide training."
+                                                                   f"local_batch_size ({local}); torchtitan refuses it")
+            return
+        micro = local // count
     if local % micro:
         out.problem(par.key("pipeline_parallel_microbatch_size"), f"{micro} does not divide training."
                                                                   f"local_batch_size ({local})")
@@ -377,6 +464,15 @@ def _read_pipeline(par: Reader, out: Imported, degrees: dict, num_layers: int | 
     if isinstance(fqns, list) and fqns and all(isinstance(p, list) for p in fqns):
         counts = [sum(1 for name in part if str(name).startswith("layers.")) for part in fqns]
         where = par.key("module_fqns_per_model_part")
+    elif splits and fqns is None:
+        where = par.key("pipeline_parallel_split_points")
+        counts = _split_point_counts(splits, num_layers)
+        if isinstance(counts, str):
+            out.problem(where, counts)
+            return
+        if not counts:
+            out.note(where, "without the model's layers the stages cannot be read; planned as the even split")
+            return
     else:
         if fqns is not None:
             out.problem(par.key("module_fqns_per_model_part"), "expected a list of lists of module names")
@@ -417,6 +513,23 @@ def _read_pipeline(par: Reader, out: Imported, degrees: dict, num_layers: int | 
             if mine != counts:
                 out.note(where, f"stages of {counts} layers: shardplan keeps the first ({first}) and last ({last}) "
                                 f"and splits the rest evenly: {mine}")
+
+
+def _split_point_counts(splits: object, num_layers: int | None) -> list[int] | str | None:
+    """Layers per stage from pipeline_parallel_split_points (torchtitan before 0.2: each names
+    the first layer of a stage but the first, "layers.4,layers.8" makes three stages; a string
+    is split at commas), or why they are refused; None without the model's layers."""
+    names = splits.split(",") if isinstance(splits, str) else splits
+    if not isinstance(names, list) or not all(isinstance(n, str) and n.strip().startswith("layers.") and
+                                              n.strip()[7:].isdigit() for n in names):
+        return f"expected layer names (\"layers.4\", ...), got {splits!r}"
+    if num_layers is None:
+        return None
+    bounds = [0, *(int(n.strip()[7:]) for n in names), num_layers]
+    counts = [b - a for a, b in zip(bounds, bounds[1:])]
+    if any(c <= 0 for c in counts):
+        return f"the split points must rise from layers.1 to layers.{num_layers - 1} (the model has {num_layers} layers)"
+    return counts
 
 
 # torch's schedule classes by the name torchtitan hands to `get_schedule_class`
