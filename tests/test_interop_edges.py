@@ -891,3 +891,16 @@ def test_torchtitan_ddp_type_of_2024(write):
     result = run_cli("import", path, "--json")
     assert result.code == 0, result.err
     assert (result.json["job"]["parallel"]["dp"], result.json["job"]["zero"]["stage"]) == (4, 0)
+
+
+@pytest.mark.parametrize("target", ("deepspeed", "torchtitan", "accelerate", "megatron"))
+def test_export_of_a_qlora_plan_says_what_the_config_trains(target):
+    """None of the four formats has a LoRA setting: the exported config describes the base
+    model's training, which without adapters (peft, in the training script) is a full fine-tune
+    of bf16 weights; the note says so instead of only that the adapters are dropped."""
+    result = run_cli("export", "llama-3-70b-qlora", "--to", target, "--json")
+    assert result.code == 0, result.err
+    lora = [note["message"] for note in result.json["notes"] if note["path"] == "lora"]
+    assert lora == [f"{target} has no LoRA setting: the adapters are not exported; unless the training script adds "
+                    "them (peft), a run of this config trains every parameter (a full fine-tune, its weights not in "
+                    "NF4), which needs far more memory than this plan's estimate"]

@@ -133,7 +133,10 @@ def unexpressed(plan: Plan, covered: Iterable[str], target: str) -> list[Note]:
     job = plan.job
     notes = []
     if job.lora is not None and "lora" not in covered:
-        notes.append(Note("lora", f"{target} has no LoRA setting; the adapters are not exported"))
+        nf4 = ", its weights not in NF4" if job.lora.base_dtype == "nf4" else ""
+        notes.append(Note("lora", f"{target} has no LoRA setting: the adapters are not exported; unless the "
+                                  "training script adds them (peft), a run of this config trains every parameter "
+                                  f"(a full fine-tune{nf4}), which needs far more memory than this plan's estimate"))
     for table, spec in TABLES.items():
         if table in covered or table in ("model", "lora"):
             continue
