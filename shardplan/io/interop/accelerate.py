@@ -74,8 +74,13 @@ def to_accelerate(plan: Plan) -> Exported:
             "fsdp_reshard_after_forward": zero.stage == 3,
             "fsdp_offload_params": offload_params,
             "fsdp_activation_checkpointing": train.activation_checkpointing != "none",
+            # What `accelerate config` answers by default for FSDP2 (accelerate 1.15
+            # commands/config/cluster.py:464-492: the first of FSDP2_STATE_DICT_TYPE,
+            # SHARDED_STATE_DICT, and CPU-RAM-efficient loading "[YES/no]"): only the first
+            # process reads the pretrained weights. The job plans neither (the start-up host
+            # memory is `run`'s), and an imported config's values are noted as not read.
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-            "fsdp_cpu_ram_efficient_loading": False,
+            "fsdp_cpu_ram_efficient_loading": True,
         }
         if zero.min_num_params:
             fsdp_config.update(fsdp_auto_wrap_policy="SIZE_BASED_WRAP", fsdp_min_num_params=zero.min_num_params)
