@@ -119,3 +119,20 @@ def test_accelerate_config_loader_reads_every_key(write):
     config = load_config_from_file(out)
     assert config.distributed_type == "FSDP" and config.num_machines == 2 and config.num_processes == 16
     assert config.fsdp_config["fsdp_version"] == 2
+
+
+def test_a_deepspeed_job_exported_to_accelerate_says_it_becomes_fsdp2():
+    """accelerate runs DeepSpeed from a config file (`distributed_type: DEEPSPEED` with
+    `deepspeed_config_file`, accelerate/utils/dataclasses.py DeepSpeedPlugin); this export writes
+    the FSDP2 plugin, so a job planned for DeepSpeed's engine (as an imported accelerate
+    DeepSpeed config is) says so instead of changing engine without a word."""
+    from conftest import run_cli
+
+    result = run_cli("export", "llama-3-8b-h100", "--zero", "2", "--framework", "deepspeed", "--to", "accelerate",
+                     "--json")
+    assert result.code == 0, result.err
+    assert result.json["config"]["distributed_type"] == "FSDP"
+    notes = {note["path"]: note["message"] for note in result.json["notes"]}
+    assert notes["zero.framework"].startswith("the job plans DeepSpeed's engine; written for FSDP2")
+    fsdp = run_cli("export", "llama-3-8b-h100", "--zero", "2", "--to", "accelerate", "--json")
+    assert "zero.framework" not in {note["path"] for note in fsdp.json["notes"]}

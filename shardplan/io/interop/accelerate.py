@@ -48,6 +48,13 @@ def to_accelerate(plan: Plan) -> Exported:
     else:
         config["distributed_type"] = "MULTI_GPU" if plan.world > 1 else "NO"
     config["mixed_precision"] = _MIXED[train.precision]
+    if zero.framework == "deepspeed":
+        # A DeepSpeed job (one imported from `distributed_type: DEEPSPEED`) is written as FSDP2,
+        # the engine this export writes; accelerate runs DeepSpeed from a config file.
+        notes.append(Note("zero.framework", "the job plans DeepSpeed's engine; written for FSDP2, whose memory "
+                                            "differs: to keep DeepSpeed, write its config with `shardplan export "
+                                            "--to deepspeed` and name it as deepspeed_config_file under "
+                                            "distributed_type: DEEPSPEED"))
     if train.precision == "bf16":
         notes.append(Note("train.precision", "accelerate keeps fp32 parameters under bf16 autocast; pure bf16 "
                                              "training is written as mixed_precision bf16"))
