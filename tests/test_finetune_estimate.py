@@ -138,7 +138,7 @@ RUN_REFUSALS = [
      "parallel.sequence_parallel: LoRA with sequence parallel"),
     (["--set", "lora.rank=8", "--zero", "1"], "zero.stage: LoRA runs under FSDP2"),
     # tiny-llama's k_proj is 64 x 128 = 8,192 elements: less than one scaler block of 64 * 256.
-    (["--set", "lora.base_dtype=nf4", "--zero", "3"], "attn.k_proj.weight does not"),
+    (["--set", "lora.base_dtype=nf4", "--zero", "3"], "attn.k_proj.weight has 8,192 elements in 64 rows"),
 ]
 
 

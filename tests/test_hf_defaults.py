@@ -15,8 +15,9 @@ import json
 
 import pytest
 
-from conftest import run_cli
-from shardplan.io.hf_config import DERIVED, HF_DEFAULTS, SUPPORTED
+from conftest import DATA, run_cli
+from shardplan.io.hf_config import DERIVED, HF_DEFAULTS, SUPPORTED, config_notes
+from shardplan.spec.model import FAMILIES
 
 # Each model_type with only the keys shardplan requires (layers, width, heads); the head
 # counts are ones the class's default key/value heads divide (Mistral/Mixtral 8, Qwen2 32,
@@ -30,6 +31,7 @@ MINIMAL = {
     "gemma": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=16),
     "falcon": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4),
     "phi3": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4),
+    "gemma2": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4),
 }
 
 # Keys whose missing value depends on other keys, and other spellings the classes accept.
@@ -100,7 +102,9 @@ def transformers_total(tmp_path) -> int:
 
 
 def test_every_supported_type_is_covered():
-    assert set(MINIMAL) == set(SUPPORTED) == set(HF_DEFAULTS)
+    assert set(MINIMAL) == set(HF_DEFAULTS)
+    # A model_type is read only once the job file's [model] has its family (spec/model.py).
+    assert set(SUPPORTED) == set(HF_DEFAULTS) & set(FAMILIES)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -165,3 +169,52 @@ def test_gpt2_cross_attention_is_refused(write):
     result = run_cli("estimate", config, "--json")
     assert result.code == 2
     assert "add_cross_attention: cross-attention layers are not supported" in result.err
+
+
+def test_gemma2_is_estimated_with_its_post_norms_and_refused_by_run(write):
+    """Gemma-2 (modeling_gemma2.py Gemma2DecoderLayer) normalizes each branch's output before
+    the residual add: RMSNorm keeps its input for backward, one sbh tensor per branch, so its
+    layer keeps 2 sbh more than Gemma's at the residual precision. `run` does not build those
+    norms and refuses the model (runtime/capabilities.py)."""
+    gemma2 = dict(model_type="gemma2", **MINIMAL["gemma2"], num_key_value_heads=2, head_dim=16,
+                  intermediate_size=128, vocab_size=1000)
+    gemma = dict(gemma2, model_type="gemma")  # the same shape, without the post-norms
+    figures = {}
+    for name, config in (("gemma2", gemma2), ("gemma", gemma)):
+        result = run_cli("estimate", write(f"{name}.json", json.dumps(config)), "--json", "--explain")
+        assert result.code == 0, result.err
+        figures[name] = result.json["devices"][0]["saved_activations"]
+    hidden, seq = gemma2["hidden_size"], 2048  # train.seq_len's default
+    # bf16-mixed (the default) under FSDP2's MixedPrecisionPolicy: a bf16 residual stream, 2 bytes
+    # (core/activations.py `residual_bytes`, measured by tests/test_run.py).
+    assert figures["gemma2"] - figures["gemma"] == gemma2["num_hidden_layers"] * 2 * seq * hidden * 2
+    refused = run_cli("run", write("g2.json", json.dumps(gemma2)))
+    assert refused.code == 2 and "Gemma-2's post-norms and soft-capping" in refused.err
+
+
+def test_quantization_config_is_named_in_a_note(write):
+    """A "-bnb-4bit" checkpoint's config.json (its quantization_config as bitsandbytes writes
+    it: load_in_4bit, bnb_4bit_quant_type nf4, quant_method bitsandbytes) is planned from its
+    shape, and a note says so and how to ask for QLoRA."""
+    config = dict(model_type="llama", **MINIMAL["llama"], quantization_config=dict(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", quant_method="bitsandbytes"))
+    path = write("config.json", json.dumps(config))
+    result = run_cli("estimate", path, "--json")
+    assert result.code == 0, result.err
+    notes = [line for line in result.err.splitlines() if "note: quantization_config" in line]
+    assert notes == [f"{path}: note: quantization_config: the checkpoint's bitsandbytes 4-bit quantization is "
+                     'ignored: the model is planned from its shape at the job\'s precision; for QLoRA write '
+                     '[lora] base_dtype = "nf4"']
+    plain = run_cli("estimate", write("plain.json", json.dumps(dict(model_type="llama", **MINIMAL["llama"]))),
+                    "--json")
+    assert result.json["params"] == plain.json["params"]  # the shape alone decides the count
+    assert "note: quantization_config" not in plain.err
+
+
+def test_gemma2_notes_name_what_is_not_modelled():
+    config = json.loads((DATA / "gemma2" / "gemma-2-9b.json").read_text(encoding="utf-8"))
+    (note,) = config_notes(config)
+    assert note.severity == "note"
+    assert note.message.startswith("attn_logit_softcapping, final_logit_softcapping, sliding_window: not modelled")
+    assert config_notes({**config, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+                         "sliding_window": None}) == []

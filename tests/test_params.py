@@ -97,3 +97,60 @@ def test_count_is_sum_of_layers(layers, heads, group, head_dim, ffn, vocab, tied
     counts = count_params(shape)
     assert counts.total == sum(p.numel for p in params)
     assert counts.per_layer * layers == sum(p.numel for p in params if p.layer is not None)
+
+
+# Gemma-2 (Gemma Team 2024, "Gemma 2", Table 1; the sizes of google/gemma-2-2b / -9b / -27b's
+# config.json, tests/data/gemma2/gemma-2-9b.json for the 9B) against the published totals:
+# KerasNLP keras_nlp/src/models/gemma/gemma_presets.py `params` of gemma2_2b_en, gemma2_9b_en,
+# gemma2_27b_en (tests/data/gemma2/SOURCES.md). Built as a ModelShape directly: the job file's
+# [model] takes the gemma2 family once spec/model.py's Family lists it.
+GEMMA2 = {  # layers, hidden, heads, kv heads, head_dim, intermediate, published total
+    "gemma-2-2b": (26, 2304, 8, 4, 256, 9216, 2_614_341_888),
+    "gemma-2-9b": (42, 3584, 16, 8, 256, 14336, 9_241_705_984),
+    "gemma-2-27b": (46, 4608, 32, 16, 128, 36864, 27_227_128_320),
+}
+
+
+def gemma2_shape(layers, hidden, heads, kv_heads, head_dim, ffn):
+    from shardplan.spec.model import ModelShape
+
+    return ModelShape(family="gemma2", num_layers=layers, hidden_size=hidden, num_heads=heads,
+                      num_kv_heads=kv_heads, head_dim=head_dim, ffn_hidden_size=ffn, vocab_size=256000,
+                      max_seq_len=8192, tie_embeddings=True, norm="rmsnorm", activation="geglu",
+                      position_embedding="rope", qkv_bias=False, out_bias=False, mlp_bias=False,
+                      shared_layer_norm=False, num_experts=1, experts_per_token=1)
+
+
+@pytest.mark.parametrize("name", sorted(GEMMA2))
+def test_gemma2_counts_equal_the_published_totals(name):
+    *sizes, total = GEMMA2[name]
+    shape = gemma2_shape(*sizes)
+    counts = count_params(shape)
+    assert counts.total == total
+    # Two RMSNorms per layer more than Gemma's layout (modeling_gemma2.py Gemma2DecoderLayer:
+    # post_attention_layernorm, post_feedforward_layernorm): 9B 42 * 2 * 3584 = 301,056, what
+    # the review's config edited to model_type "gemma" missed (9,241,404,928).
+    from dataclasses import replace
+
+    assert total - count_params(replace(shape, family="gemma")).total == 2 * shape.num_layers * shape.hidden_size
+    names = [p.name for p in model_params(shape) if p.layer == 0]
+    assert names[:1] + names[5:7] + names[-1:] == [
+        "layers.0.attn_norm.weight", "layers.0.attn_post_norm.weight", "layers.0.mlp_norm.weight",
+        "layers.0.mlp_post_norm.weight"]
+
+
+def test_gemma2_config_reads_into_the_published_shape():
+    """The 9B's config.json read by io/hf_config.py is the shape counted above (head_dim from
+    the config, tied embeddings by Gemma2Config's default)."""
+    import json
+
+    from shardplan.io.hf_config import SUPPORTED, shape_from_hf_config
+
+    assert "gemma2" in SUPPORTED
+    config = json.loads((DATA / "gemma2" / "gemma-2-9b.json").read_text(encoding="utf-8"))
+    table = shape_from_hf_config(config, "gemma-2-9b.json")
+    layers, hidden, heads, kv_heads, head_dim, ffn, _ = GEMMA2["gemma-2-9b"]
+    assert {k: table[k] for k in ("family", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                                  "ffn_hidden_size", "vocab_size", "tie_embeddings")} == dict(
+        family="gemma2", num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, ffn_hidden_size=ffn, vocab_size=256000, tie_embeddings=True)

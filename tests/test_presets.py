@@ -36,7 +36,7 @@ def test_the_promised_presets_ship():
     for cluster in ("h100-80gb", "a100-80gb", "a100-40gb"):
         assert ("clusters", cluster) in names
     for gpu in ("h100-sxm", "h100-pcie", "h200", "b200", "a100-sxm-80gb", "a100-sxm-40gb", "v100-sxm2-32gb",
-                "l40s", "mi300x"):
+                "l40s", "mi300x", "rtx-4090", "rtx-3090", "rtx-a6000", "rtx-6000-ada", "a10g", "l4"):
         assert ("gpus", gpu) in names
     assert sum(1 for p in PRESETS if p.kind == "jobs") >= 3
 
@@ -102,7 +102,15 @@ def test_bare_command_prints_help_once():
 GPU_PRESETS = [p for p in PRESETS if p.kind == "gpus"]
 # Datasheet figures (presets/gpus/*.toml name the sheet of each): dense 16-bit TFLOP/s and HBM.
 DATASHEET = {"h100-sxm": (989.4, 3.35e12), "a100-sxm-80gb": (312.0, 2.039e12), "a100-sxm-40gb": (312.0, 1.555e12),
-             "h200": (989.4, 4.8e12), "v100-sxm2-32gb": (125.0, 0.9e12), "mi300x": (1307.4, 5.3e12)}
+             "h200": (989.4, 4.8e12), "v100-sxm2-32gb": (125.0, 0.9e12), "mi300x": (1307.4, 5.3e12),
+             # The cards fine-tuners use. Dense bf16 with fp32 accumulation, never the sparsity figure:
+             # RTX 4090 165.2 (NVIDIA Ada whitepaper, Appendix A; 330.3 is fp16-accumulate), 1008 GB/s;
+             # RTX 3090 71 (GA102 whitepaper, Appendix A; 142 is fp16-accumulate), 936 GB/s;
+             # RTX A6000 154.8 (datasheet: 309.7 with sparsity), 768 GB/s; RTX 6000 Ada 364.2 (Ada
+             # whitepaper, Appendix A), 960 GB/s (datasheet); L4 121 (datasheet: 242 with sparsity),
+             # 300 GB/s; A10G 70.0 (no NVIDIA datasheet: presets/gpus/a10g.toml derives it), 600 GB/s.
+             "rtx-4090": (165.2, 1.008e12), "rtx-3090": (71.0, 0.936e12), "rtx-a6000": (154.8, 0.768e12),
+             "rtx-6000-ada": (364.2, 0.96e12), "l4": (121.0, 0.3e12), "a10g": (70.0, 0.6e12)}
 
 
 @pytest.mark.parametrize("preset", GPU_PRESETS, ids=lambda p: p.name)
@@ -148,3 +156,19 @@ def test_a_gpu_named_over_a_cluster_preset_brings_its_own_memory(write):
     written = write("w.toml", '[model]\npreset = "tiny-gpt2"\n[cluster]\npreset = "h100-80gb"\ngpu = "l40s"\n'
                               'gpu_memory = "40GB"\n')
     assert run_cli("estimate", written, "--json").json["gpu_memory"] == 40 * 10**9
+
+
+@pytest.mark.parametrize("name,memory_bytes", [("rtx-4090", 24 * 10**9), ("rtx-3090", 24 * 10**9),
+                                               ("rtx-a6000", 48 * 10**9), ("rtx-6000-ada", 48 * 10**9),
+                                               ("a10g", 24 * 10**9), ("l4", 24 * 10**9)])
+def test_fine_tuning_cards_are_listed_and_set_their_memory(name, memory_bytes):
+    """`shardplan presets` lists the 24 / 48 GB cards, and naming one sets the GPU memory its
+    datasheet gives (read as 10^9 bytes, as l40s.toml) and a PCIe Gen4 x16 host link (32 GB/s
+    each way: every one of these cards is PCIe 4.0 x16 by its datasheet / whitepaper)."""
+    from shardplan.io.hardware import hardware_of
+
+    rows = {row["name"]: row for row in run_cli("presets", "--json").json["presets"]}
+    assert rows[name]["kind"] == "gpu"
+    cluster = load_job(None, [("cluster.gpu", name)], env={}).job.cluster
+    assert cluster.gpu_memory == memory_bytes
+    assert hardware_of(cluster).host_bandwidth == 32e9

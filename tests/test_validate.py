@@ -38,6 +38,20 @@ def test_lora_summary_names_the_adapters_beside_the_base():
     assert summary["params"] + summary["lora_params"] == 70_760_800_256  # `estimate`'s parameters
 
 
+def test_a_rank_above_a_targets_smaller_side_warns(write):
+    """A rank r adapter of a d_in x d_out weight holds r(d_in + d_out) parameters and its update
+    B @ A has rank at most min(d_in, d_out) (Hu et al. 2021, LoRA, section 4.1): above that it is
+    a larger full-rank update, most likely a typo. Llama-3 8B's k_proj and v_proj are 4096 x 1024
+    (config.json num_key_value_heads 8 x head_dim 128): rank 2,000 is over them, 1,000 is not."""
+    path = write("job.toml", LLAMA3 + '[lora]\nrank = 2000\ntargets = "all-linear"\n')
+    result = run_cli("validate", path)
+    assert result.code == 0, result.err
+    assert result.err_lines == [
+        f"{path}:4: warning: lora.rank: 2,000 exceeds min(in, out) of k_proj (1,024), v_proj (1,024): such an adapter "
+        "expresses no more than a full-rank update and holds more parameters than the weight it adapts (a typo?)"]
+    assert run_cli("validate", path, "--set", "lora.rank=1000").err == ""
+
+
 def test_every_problem_at_once_with_lines(write):
     text = LLAMA3 + (
         "[parallel]\n"          # line 3
@@ -181,7 +195,7 @@ def test_problems_of_set_values_name_the_flag(write):
     cases = [
         ("paralel.dp=2", "--set: paralel: unknown table (did you mean 'parallel'?)"),
         ('lora.targets=["q_proj", "bogus"]', "--set: lora.targets.1: must be one of 'q_proj', 'k_proj', 'v_proj', "
-                                             "'o_proj', 'gate_proj', 'up_proj' or 'down_proj' (got 'bogus')"),
+                                             "'o_proj', 'gate_proj', 'up_proj', 'down_proj' or 'all-linear' (got 'bogus')"),
         ("lora.targets=5", "--set: lora.targets: expected a list, got an integer 5"),
         ("lora.targets=[]", "--set: lora.targets: must hold at least 1 item (got [])"),
     ]

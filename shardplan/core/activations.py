@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 from ..spec.model import ModelShape, cached_hash
 from .lora import LoraPlan
+from .params import POST_NORM_FAMILIES
 from .terms import Term
 
 MASK_BYTES = 1  # dropout masks are bool tensors (Korthikanti et al. count 1 byte)
@@ -121,6 +122,8 @@ def layer_terms(act: ActivationShape, grad_in: bool = True) -> list[Term]:
     sp = f"/{rep}" if rep > 1 else ""
     add("norm inputs", (1 if parallel_block else 2) * sb * h // rep, act.residual_bytes,
         f"{1 if parallel_block else 2} * sbh{sp}")
+    if shape.family in POST_NORM_FAMILIES:  # Gemma-2's norms of the attention and MLP outputs
+        add("post-norm inputs (attention and MLP outputs)", 2 * sb * h // rep, act.residual_bytes, f"2 * sbh{sp}")
     # Under autocast q, k and v each keep their own cast of the norm output.
     qkv_copies = 3 if act.autocast else 1
     gdiv = act.gathered_div

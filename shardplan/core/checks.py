@@ -179,16 +179,22 @@ def lora_problems(job: JobSpec, shape: ModelShape | None) -> list[Problem]:
     if not shape.gated and "gate_proj" in lora.targets:
         return [error("lora.targets", f"'gate_proj': the {shape.family} MLP has no gate projection "
                                       "(targets: q_proj k_proj v_proj o_proj up_proj down_proj)")]
+    from .lora import rank_warning
+
+    problems = []
+    above = rank_warning(shape, lora.rank, tuple(lora.targets))
+    if above:
+        problems.append(warning("lora.rank", above))
     if lora.base_dtype == "nf4":
         from .lora import nf4_problems
 
         bad = nf4_problems(shape, job.parallel.tp, 1)
         if bad:
             name, _, numel = bad[0]
-            return [warning("lora.base_dtype", f"torchao stores NF4 weights in whole blocks of 64 * 256 elements; "
-                                               f"{name} has {numel:,}: the estimate counts the formula, `run` "
-                                               "refuses the model")]
-    return []
+            problems.append(warning("lora.base_dtype", f"torchao stores NF4 weights in whole blocks of 64 * 256 "
+                                                       f"elements; {name} has {numel:,}: the estimate counts the "
+                                                       "formula, `run` refuses the model"))
+    return problems
 
 
 def sharding_problems(job: JobSpec, nodes: int) -> list[Problem]:

@@ -91,6 +91,29 @@ def lora_counts(shape: ModelShape, lora: LoraPlan) -> LoraCounts:
     return LoraCounts(trainable, base.total + trainable, base.active + trainable - shape.num_layers * inactive)
 
 
+def ranks_above_full(shape: ModelShape, rank: int, targets: tuple[str, ...]) -> dict[str, int]:
+    """Targeted linears whose min(in, out) is below `rank`, with that min: a rank-r update of a
+    W of out x in has rank at most min(in, out) (Hu et al. 2021, section 4.1), so such an adapter
+    expresses nothing a full-rank one would not, and its r * (in + out) parameters exceed W's
+    in * out. A warning, not a refusal: it is legal, and peft accepts it."""
+    above = {}
+    for param in layer_params(shape, 0):
+        name = target_of(param)
+        if name in targets and rank > min(param.shape):
+            above[name] = min(above.get(name, min(param.shape)), min(param.shape))
+    return above
+
+
+def rank_warning(shape: ModelShape, rank: int, targets: tuple[str, ...]) -> str | None:
+    """One line for `lora.rank` when it exceeds a target's min(in, out) (ranks_above_full)."""
+    above = ranks_above_full(shape, rank, targets)
+    if not above:
+        return None
+    listed = ", ".join(f"{name} ({size:,})" for name, size in above.items())
+    return (f"{rank:,} exceeds min(in, out) of {listed}: such an adapter expresses no more than a full-rank "
+            "update and holds more parameters than the weight it adapts (a typo?)")
+
+
 def stores_nf4(param: ParamInfo, lora: LoraPlan | None) -> bool:
     """Whether this base parameter is an NF4 weight under the plan."""
     return lora is not None and lora.nf4 and is_layer_linear(param)

@@ -26,6 +26,7 @@ hidden state, row-parallel ones (o_proj, down_proj) their 1/t slice.
 from __future__ import annotations
 
 from .activations import LSE_BYTES, MASK_BYTES, ActivationShape, _kv_width
+from .params import POST_NORM_FAMILIES
 from .terms import Term
 
 
@@ -85,6 +86,9 @@ def lora_layer_terms(act: ActivationShape, grad_in: bool = True) -> list[Term]:
     if "o_proj" in targets and lora.dropout:
         adapter_inputs(["o_proj"], q_width, "", "h_q/t", attention)
     attention_grad = attention or "o_proj" in targets
+    post_norm = shape.family in POST_NORM_FAMILIES  # Gemma-2: a norm on each branch's output
+    if post_norm and attention_grad:
+        add("attention post-norm input", sb * h // rep, act.residual_bytes, "sbh" + (f"/{rep}" if rep > 1 else ""))
     if act.dropout and attention_grad:
         add("attention dropout mask (residual)", sb * h // rep, MASK_BYTES, "sbh")
     # MLP.
@@ -107,6 +111,8 @@ def lora_layer_terms(act: ActivationShape, grad_in: bool = True) -> list[Term]:
             add("MLP activation input", sb * ffn, e, "sb*f/t")
         hidden_grad = up_grad
     adapter_inputs(["down_proj"], ffn, "MLP down input", "f/t", hidden_grad)
+    if post_norm and (hidden_grad or "down_proj" in targets):
+        add("MLP post-norm input", sb * h // rep, act.residual_bytes, "sbh" + (f"/{rep}" if rep > 1 else ""))
     if act.dropout and (hidden_grad or "down_proj" in targets):
         add("MLP dropout mask (residual)", sb * h // rep, MASK_BYTES, "sbh")
     # B's inputs: the rank-r intermediates.

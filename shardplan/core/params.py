@@ -23,6 +23,11 @@ from ..spec.model import ModelShape
 
 COLWISE, ROWWISE = 0, 1
 
+# Families whose layers also normalise the attention and MLP outputs before the residual add
+# ("sandwich" norms: modeling_gemma2.py Gemma2DecoderLayer's post_attention_layernorm and
+# post_feedforward_layernorm, beside input_layernorm and pre_feedforward_layernorm).
+POST_NORM_FAMILIES = ("gemma2",)
+
 
 @dataclass(frozen=True)
 class ParamInfo:
@@ -80,6 +85,9 @@ def layer_params(shape: ModelShape, layer: int) -> list[ParamInfo]:
     params += _linear(f"{p}.attn.k_proj", kv_out, h, shape.qkv_bias, COLWISE, layer)
     params += _linear(f"{p}.attn.v_proj", kv_out, h, shape.qkv_bias, COLWISE, layer)
     params += _linear(f"{p}.attn.o_proj", h, q_out, shape.out_bias, ROWWISE, layer)
+    post_norms = shape.family in POST_NORM_FAMILIES
+    if post_norms:
+        params += _norm(f"{p}.attn_post_norm", shape, "layer", layer)
     if not shape.shared_layer_norm:
         params += _norm(f"{p}.mlp_norm", shape, "layer", layer)
     if shape.moe:
@@ -88,6 +96,8 @@ def layer_params(shape: ModelShape, layer: int) -> list[ParamInfo]:
             params += _mlp(f"{p}.mlp.experts.{e}", shape, layer, expert=True)
     else:
         params += _mlp(f"{p}.mlp", shape, layer, expert=False)
+    if post_norms:
+        params += _norm(f"{p}.mlp_post_norm", shape, "layer", layer)
     return params
 
 

@@ -3,8 +3,10 @@
 Key names and the defaults of keys a config.json leaves out follow the configuration classes
 of `transformers` (configuration_gpt2.py, configuration_llama.py, configuration_mistral.py,
 configuration_mixtral.py, configuration_qwen2.py, configuration_gemma.py,
-configuration_falcon.py, configuration_phi3.py), copied into `HF_DEFAULTS`: planning never
-imports transformers.
+configuration_gemma2.py, configuration_falcon.py, configuration_phi3.py), copied into
+`HF_DEFAULTS`: planning never imports transformers. Keys that change how a model is run but
+not its shape (a checkpoint's `quantization_config`, Gemma-2's logit soft-capping) are named
+in notes (`HFShape.notes`), not silently dropped.
 """
 
 from __future__ import annotations
@@ -13,10 +15,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..spec.errors import InputError, Problem
+from ..spec.model import FAMILIES
 from .files import read_json
 from .problems import shown_value
-
-SUPPORTED = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "gemma", "falcon", "phi3")
 
 # Where config.json leaves a key out, the value transformers' configuration class of that
 # model_type gives it (transformers 5.23.0; each is the class attribute of the same name in
@@ -72,6 +73,14 @@ HF_DEFAULTS: dict[str, ConfigDefaults] = {
         vocab_size=256000, intermediate_size=24576, num_key_value_heads=16, head_dim=256,
         max_position_embeddings=8192, tie_word_embeddings=True, attention_bias=False,
     )),
+    # models/gemma2/configuration_gemma2.py (head_dim 256 whatever the sizes); its layers hold
+    # two more RMSNorms than Gemma's (modeling_gemma2.py Gemma2DecoderLayer:
+    # post_attention_layernorm on the attention output, pre_/post_feedforward_layernorm around
+    # the MLP), which core/params.py counts for the gemma2 family
+    "gemma2": ConfigDefaults("Gemma2Config", dict(
+        vocab_size=256000, intermediate_size=9216, num_key_value_heads=4, head_dim=256,
+        max_position_embeddings=8192, tie_word_embeddings=True, attention_bias=False,
+    )),
     # models/falcon/configuration_falcon.py; num_ln_in_parallel_attn: modeling_falcon.py
     # FalconDecoderLayer makes it 2 under new_decoder_architecture
     "falcon": ConfigDefaults("FalconConfig", dict(
@@ -85,6 +94,10 @@ HF_DEFAULTS: dict[str, ConfigDefaults] = {
         max_position_embeddings=4096, tie_word_embeddings=False,
     )),
 }
+
+# The model_types read: those whose family the job file's `[model]` knows (spec/model.py
+# Family), so that a config is never read into a shape the spec then refuses.
+SUPPORTED = tuple(model_type for model_type in HF_DEFAULTS if model_type in FAMILIES)
 
 # An explicit null differs from a missing key where the class types the key `int | None` with
 # a default that is not None: Qwen2Config's __post_init__ turns None into num_attention_heads.
@@ -214,8 +227,9 @@ def shape_from_hf_config(config: dict, file: str) -> dict:
             max_seq_len=r.get("max_position_embeddings"),
             tie_embeddings=r.flag("tie_word_embeddings"),
         )
-        if model_type in ("llama", "gemma"):
-            # attention_bias puts biases on q, k, v and o (LlamaAttention, GemmaAttention).
+        if model_type in ("llama", "gemma", "gemma2"):
+            # attention_bias puts biases on q, k, v and o (LlamaAttention, GemmaAttention,
+            # Gemma2Attention).
             bias = r.flag("attention_bias")
             shape.update(qkv_bias=bias, out_bias=bias)
         if model_type == "llama":
@@ -303,6 +317,44 @@ def _falcon(r: _Reader) -> dict:
     )
 
 
-def read_hf_config(path: Path, shown: str) -> dict:
+class HFShape(dict):
+    """The inline `[model]` table of a config.json, with `notes` on the keys it holds that the
+    plan does not follow (severity "note", at the config's own key names)."""
+
+    notes: list[Problem]
+
+
+def read_hf_config(path: Path, shown: str) -> HFShape:
     """Read a config.json file and convert it; every failure names the file."""
-    return shape_from_hf_config(read_json(path, shown).data, shown)
+    config = read_json(path, shown).data
+    table = HFShape(shape_from_hf_config(config, shown))
+    table.notes = config_notes(config)
+    return table
+
+
+# Gemma-2's keys that change activations or time but not parameters (modeling_gemma2.py:
+# eager_attention_forward's `softcap`, Gemma2ForCausalLM's final_logit_softcapping,
+# Gemma2Config.layer_types / sliding_window); docs/job-file.md says what each would add.
+UNMODELLED_GEMMA2 = ("attn_logit_softcapping", "final_logit_softcapping", "sliding_window")
+
+
+def config_notes(config: dict) -> list[Problem]:
+    """Notes on keys of a (supported) config.json that the plan reads past: a checkpoint's
+    quantization (the plan is that of the model's shape; QLoRA is `[lora] base_dtype = "nf4"`),
+    Gemma-2's soft-capping and sliding window."""
+    notes = []
+    quantization = config.get("quantization_config")
+    if isinstance(quantization, dict) and quantization:
+        method = quantization.get("quant_method")
+        words = [method] if isinstance(method, str) and method else []
+        words += ["4-bit"] if quantization.get("load_in_4bit") else ["8-bit"] if quantization.get("load_in_8bit") else []
+        notes.append(Problem(
+            "quantization_config", f"the checkpoint's {' '.join(words + ['quantization'])} is ignored: the model "
+            "is planned from its shape at the job's precision; for QLoRA write [lora] base_dtype = \"nf4\"",
+            severity="note"))
+    given = [key for key in UNMODELLED_GEMMA2 if config.get(key) is not None]
+    if config.get("model_type") == "gemma2" and given:
+        notes.append(Problem(
+            "", f"{', '.join(given)}: not modelled (soft-capping's tanh outputs kept for backward, the "
+            "window's shorter attention; docs/job-file.md)", severity="note"))
+    return notes

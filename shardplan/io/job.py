@@ -191,6 +191,7 @@ def _resolve_model(spec: ModelSpec, base_dir: Path) -> tuple[ModelShape | None, 
         except ValidationError as exc:
             return None, "", [named(p) for p in problems_from_validation(ModelSpec, exc)]
         shape, problems = resolve_shape(table, where="")
+        problems += table.notes  # keys the plan reads past (quantization_config, Gemma-2's soft-capping)
         return shape, table.get("name", config_path.name), [named(p) for p in problems]
     if spec.source == "shape":
         shape, problems = resolve_shape(spec.shape_table())
@@ -328,6 +329,7 @@ def resolve_document(
         shape, name, model_problems = _resolve_model(job.model, Path(folders["model", "hf_config"]))
     except InputError as exc:
         shape, name, model_problems = None, "", exc.problems
+    job = job.model_copy(update={"lora": job.lora.for_model(shape)}) if job.lora else job  # peft's all-linear
     # A model that cannot be resolved hides nothing else: the rules that need no model still
     # run. The cross-field rules need the cluster a preset names, so an unknown one stops them.
     problems, worlds = [], []

@@ -19,6 +19,8 @@ def unbuildable(shape: ModelShape) -> str | None:
         missing.append("Falcon's parallel attention/MLP block")
     if shape.position_embedding == "alibi":
         missing.append("ALiBi positions")
+    if shape.family == "gemma2":
+        missing.append("Gemma-2's post-norms and soft-capping")
     return ", ".join(missing) or None
 
 

@@ -12,8 +12,9 @@ from typing import Annotated, Literal, Optional
 from pydantic import BeforeValidator, Field, WithJsonSchema, field_validator, model_validator
 
 from .common import Bandwidth, Count, Degree, Dim, Size, Table
-from .model import MAX_LAYERS, ModelSpec
+from .model import MAX_LAYERS, ModelShape, ModelSpec
 from .names import AXES, DEFAULT_ORDER, SCHEDULES, parse_order  # noqa: F401 (re-exported)
+from .names import ALL_LINEAR, LAYER_LINEARS, target_hint
 from .units import quoted
 
 Schedule = Literal[SCHEDULES]  # type: ignore[valid-type]
@@ -211,9 +212,38 @@ class TrainSpec(Table):
 
 
 # Linear layers LoRA can adapt, by the names the job's model gives them (core/params.py, as
-# in Hugging Face's Llama: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj).
+# in Hugging Face's Llama: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), and
+# peft's "all-linear": every layer linear the model has (LoraSpec.for_model).
 LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_TARGETS: tuple[str, ...] = LoraTarget.__args__  # type: ignore[attr-defined]
+assert LORA_TARGETS == LAYER_LINEARS
+
+
+def _renamed_target(value: object) -> object:
+    """A name peft users write for a fused or renamed linear (Phi-3's qkv_proj, GPT-2's
+    c_attn, ...) gets the unfused names to give, not a close spelling."""
+    hint = target_hint(value) if isinstance(value, str) else None
+    if hint:
+        raise ValueError(hint)
+    return value
+
+
+def _all_linear_string(value: object) -> object:
+    """peft's `target_modules="all-linear"` is a string; it is the list ["all-linear"] here."""
+    if value == ALL_LINEAR:
+        return [ALL_LINEAR]
+    if isinstance(value, str):
+        raise ValueError(f"expected a list of linear names or {ALL_LINEAR!r}, got a string {quoted(value)}")
+    return value
+
+
+def _targets_schema(schema: dict) -> None:
+    """For the published schema: `targets` is an array of names, or the string "all-linear"."""
+    array = {k: schema.pop(k) for k in ("type", "items", "minItems") if k in schema}
+    schema["anyOf"] = [array, {"const": ALL_LINEAR, "type": "string"}]
+
+
+TargetName = Annotated[Literal[LORA_TARGETS + (ALL_LINEAR,)], BeforeValidator(_renamed_target)]  # type: ignore[valid-type]
 
 
 class LoraSpec(Table):
@@ -222,9 +252,10 @@ class LoraSpec(Table):
     rank: Dim = Field(16, le=65536, description="adapter rank r: A is r x in, B is out x r")
     alpha: float = Field(32.0, gt=0, le=1e6, description="scaling numerator: the update is (alpha / r) * B A")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapters' input (keeps a mask for backward)")
-    targets: list[LoraTarget] = Field(
+    targets: Annotated[list[TargetName], BeforeValidator(_all_linear_string)] = Field(
         ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1,
-        description="linear layers that get adapters (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj)",
+        description="linear layers that get adapters (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj), "
+        "or 'all-linear': every one the model has (peft's shorthand)", json_schema_extra=_targets_schema,
     )
     base_dtype: Literal["bf16", "nf4"] = Field(
         "bf16", description="frozen base weights: bf16, or nf4 (QLoRA: 4-bit NormalFloat, block-wise scales)"
@@ -241,6 +272,14 @@ class LoraSpec(Table):
         if repeated:
             raise ValueError(f"{min(repeated)!r} is listed twice")
         return value
+
+    def for_model(self, shape: ModelShape | None) -> LoraSpec:
+        """`all-linear` as the layer linears `shape` has (gate_proj only in a gated MLP; an MoE
+        model's experts are matched by name, as peft matches them); other lists unchanged."""
+        if shape is None or ALL_LINEAR not in self.targets:
+            return self
+        names = [n for n in LAYER_LINEARS if shape.gated or n != "gate_proj"]
+        return self.model_copy(update={"targets": names})
 
 
 class DataSpec(Table):

@@ -16,7 +16,7 @@ from .common import Count, Dim, Table
 from .errors import Problem
 from .names import SHAPE_KEYS, SOURCE_KEYS  # noqa: F401 (re-exported)
 
-Family = Literal["gpt2", "llama", "mistral", "mixtral", "qwen2", "gemma", "falcon", "phi3"]
+Family = Literal["gpt2", "llama", "mistral", "mixtral", "qwen2", "gemma", "gemma2", "falcon", "phi3"]
 Norm = Literal["layernorm", "rmsnorm"]
 Activation = Literal["gelu", "swiglu", "geglu"]
 PositionEmbedding = Literal["learned", "rope", "alibi"]
@@ -24,7 +24,7 @@ PositionEmbedding = Literal["learned", "rope", "alibi"]
 FAMILIES: tuple[str, ...] = Family.__args__  # type: ignore[attr-defined]
 
 # Structural defaults of each family, from the reference implementations in Hugging Face
-# transformers (modeling_gpt2.py, modeling_llama.py, modeling_qwen2.py, modeling_gemma.py,
+# transformers (modeling_gpt2.py, modeling_llama.py, modeling_qwen2.py, modeling_gemma.py, modeling_gemma2.py,
 # modeling_falcon.py, modeling_phi3.py, modeling_mixtral.py).
 FAMILY_DEFAULTS: dict[str, dict[str, object]] = {
     "gpt2": dict(norm="layernorm", activation="gelu", position_embedding="learned",
@@ -40,6 +40,10 @@ FAMILY_DEFAULTS: dict[str, dict[str, object]] = {
                   qkv_bias=True, out_bias=False, mlp_bias=False, tie_embeddings=False),
     "gemma": dict(norm="rmsnorm", activation="geglu", position_embedding="rope",
                   qkv_bias=False, out_bias=False, mlp_bias=False, tie_embeddings=True),
+    # Gemma's structure, with two more RMSNorms per layer (modeling_gemma2.py; core/params.py
+    # POST_NORM_FAMILIES counts them, core/activations.py their inputs).
+    "gemma2": dict(norm="rmsnorm", activation="geglu", position_embedding="rope",
+                   qkv_bias=False, out_bias=False, mlp_bias=False, tie_embeddings=True),
     "falcon": dict(norm="layernorm", activation="gelu", position_embedding="rope",
                    qkv_bias=False, out_bias=False, mlp_bias=False, tie_embeddings=True,
                    shared_layer_norm=True),

@@ -32,3 +32,49 @@ def parse_order(order: str) -> tuple[str, ...]:
     if repeated:
         raise ValueError(f"axis {repeated[0]!r} appears twice in order {quoted(order)}")
     return names
+
+
+# LoRA targets: the layer linears of core/params.py, named as in Hugging Face's Llama, and
+# peft's shorthand for all of them (peft LoraConfig, `target_modules="all-linear"`: every
+# linear but the output layer, tuners_utils.py `_maybe_include_all_linear_layers`).
+LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ALL_LINEAR = "all-linear"
+
+# Module names peft users write for models whose Hugging Face implementation fuses or renames
+# the projections (modeling_phi3.py Phi3Attention.qkv_proj / Phi3MLP.gate_up_proj,
+# modeling_gpt2.py GPT2Attention.c_attn / c_proj and GPT2MLP.c_fc / c_proj,
+# modeling_falcon.py FalconAttention.query_key_value / dense and FalconMLP.dense_h_to_4h /
+# dense_4h_to_h, transformers 4's MixtralBlockSparseTop2MLP w1 / w3 / w2): what each is, and
+# the unfused names shardplan counts for it. A close spelling ("did you mean 'v_proj'") would
+# mislead here.
+RENAMED_LINEARS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "qkv_proj": ("Phi-3's fused q/k/v", ("q_proj", "k_proj", "v_proj")),
+    "gate_up_proj": ("Phi-3's fused gate/up", ("gate_proj", "up_proj")),
+    "c_attn": ("GPT-2's fused q/k/v", ("q_proj", "k_proj", "v_proj")),
+    "c_fc": ("GPT-2's MLP input", ("up_proj",)),
+    "c_proj": ("GPT-2's attention output and MLP output", ("o_proj", "down_proj")),
+    "query_key_value": ("Falcon's fused q/k/v", ("q_proj", "k_proj", "v_proj")),
+    "dense": ("Falcon's attention output", ("o_proj",)),
+    "dense_h_to_4h": ("Falcon's MLP input", ("up_proj",)),
+    "dense_4h_to_h": ("Falcon's MLP output", ("down_proj",)),
+    "w1": ("Mixtral's expert gate projection", ("gate_proj",)),
+    "w3": ("Mixtral's expert up projection", ("up_proj",)),
+    "w2": ("Mixtral's expert down projection", ("down_proj",)),
+}
+# Modules peft can adapt on which shardplan models no adapters (peft's all-linear leaves the
+# output head out; it adapts Mixtral's router, which shardplan does not: docs/job-file.md).
+UNADAPTED_MODULES = {"lm_head": "the output head", "embed_tokens": "the token embedding",
+                     "wte": "GPT-2's token embedding", "gate": "Mixtral's MoE router"}
+
+
+def target_hint(name: str) -> str | None:
+    """Why a LoRA target name peft users write is not one of shardplan's, and what to give
+    instead; None for a name that is neither renamed nor a known unadapted module."""
+    if name in RENAMED_LINEARS:
+        what, names = RENAMED_LINEARS[name]
+        return (f"{name!r} is {what}: give {', '.join(names)} (shardplan counts unfused adapters), "
+                f"or {ALL_LINEAR!r}")
+    if name in UNADAPTED_MODULES:
+        return (f"{name!r} is {UNADAPTED_MODULES[name]}: shardplan puts adapters on layer linears only "
+                f"({', '.join(LAYER_LINEARS)}, or {ALL_LINEAR!r})")
+    return None
