@@ -48,7 +48,7 @@ TRANSFORMERS_COUNTS = {
 
 def shape_of(name: str):
     path = DATA / "hf_configs" / f"{name}.json"
-    shape, problems = resolve_shape(read_hf_config(path, str(path)), where="")
+    shape, problems = resolve_shape(read_hf_config(path, str(path))[0], where="")
     assert not problems
     return shape
 

@@ -115,11 +115,11 @@ def schedule(
     json_out: JsonFlag = False,
 ) -> None:
     """Build a pipeline schedule and simulate it: per-rank timeline, bubble, microbatches in flight."""
+    from ..io.writing import output_target, write_text
     from ..render.schedule import print_schedule, schedule_document, schedule_svg
+
     flags = {"pp": pp, "microbatches": microbatches, "schedule": schedule_name, "virtual": virtual,
              "cost_f": cost_f, "cost_b": cost_b, "cost_w": cost_w}
-    from ..io.writing import output_target, write_text
-
     svg = output_target(svg, "--svg", "the schedule" if not json_out else "the JSON document")
     values, from_file, warnings = _resolve(job, flags, sets or [])
     emit_diagnostics(warnings)

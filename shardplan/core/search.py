@@ -450,6 +450,7 @@ STATES = "model states exceed the GPU memory"
 FORWARD = "GPU memory (states and stage 0's activations)"
 OFFLOAD_FLOOR = "GPU memory even with every offload (activations and what stays on the GPU)"
 NF4_OFFLOAD = "it would offload NF4 weights, which `run` does not"
+TWIN = "the same plan and step at another ZeRO stage with less memory (one rank per shard group shards nothing)"
 
 
 def unrunnable_offload(plan: EstimateInputs) -> str | None:
@@ -460,7 +461,6 @@ def unrunnable_offload(plan: EstimateInputs) -> str | None:
     if (plan.offload_optimizer or plan.offload_params) and plan.optimizer not in ENGINE_OPTIMIZERS:
         return f"it would offload {plan.optimizer} states, which the offload engine does not step"
     return None
-TWIN = "the same plan and step at another ZeRO stage with less memory (one rank per shard group shards nothing)"
 
 
 class _Walk:

@@ -6,7 +6,7 @@ configuration_mixtral.py, configuration_qwen2.py, configuration_gemma.py,
 configuration_gemma2.py, configuration_falcon.py, configuration_phi3.py), copied into
 `HF_DEFAULTS`: planning never imports transformers. Keys that change how a model is run but
 not its shape (a checkpoint's `quantization_config`, Gemma-2's logit soft-capping) are named
-in notes (`HFShape.notes`), not silently dropped.
+in notes (`config_notes`), not silently dropped.
 """
 
 from __future__ import annotations
@@ -317,19 +317,12 @@ def _falcon(r: _Reader) -> dict:
     )
 
 
-class HFShape(dict):
-    """The inline `[model]` table of a config.json, with `notes` on the keys it holds that the
-    plan does not follow (severity "note", at the config's own key names)."""
-
-    notes: list[Problem]
-
-
-def read_hf_config(path: Path, shown: str) -> HFShape:
-    """Read a config.json file and convert it; every failure names the file."""
+def read_hf_config(path: Path, shown: str) -> tuple[dict, list[Problem]]:
+    """Read a config.json file and convert it: the inline `[model]` table, and notes on the
+    keys it holds that the plan does not follow (`config_notes`); every failure names the
+    file."""
     config = read_json(path, shown).data
-    table = HFShape(shape_from_hf_config(config, shown))
-    table.notes = config_notes(config)
-    return table
+    return shape_from_hf_config(config, shown), config_notes(config)
 
 
 # Gemma-2's keys that change activations or time but not parameters (modeling_gemma2.py:

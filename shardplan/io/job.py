@@ -180,7 +180,7 @@ def _resolve_model(spec: ModelSpec, base_dir: Path) -> tuple[ModelShape | None, 
         why = _why_not_a_file(config_path)  # a device or a pipe is read as a file is
         if why:
             return None, "", [Problem("model.hf_config", f"{spec.hf_config!r}: {why}")]
-        table = read_hf_config(config_path, spec.hf_config or "")
+        table, notes = read_hf_config(config_path, spec.hf_config or "")
         family = table.get("family", "")
 
         def named(problem: Problem) -> Problem:  # messages name the config's own keys
@@ -191,7 +191,7 @@ def _resolve_model(spec: ModelSpec, base_dir: Path) -> tuple[ModelShape | None, 
         except ValidationError as exc:
             return None, "", [named(p) for p in problems_from_validation(ModelSpec, exc)]
         shape, problems = resolve_shape(table, where="")
-        problems += table.notes  # keys the plan reads past (quantization_config, Gemma-2's soft-capping)
+        problems += notes  # keys the plan reads past (quantization_config, Gemma-2's soft-capping)
         return shape, table.get("name", config_path.name), [named(p) for p in problems]
     if spec.source == "shape":
         shape, problems = resolve_shape(spec.shape_table())

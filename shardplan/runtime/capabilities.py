@@ -115,7 +115,6 @@ def _lora_unsupported(resolved: ResolvedJob) -> list[tuple[str, str]]:
     return found
 
 
-
 def _offload_unsupported(job: JobSpec, optimizer: bool, params: bool, strategy: str | None,
                          libraries: bool = True) -> list[tuple[str, str]]:
     """What `run` cannot execute of an offload of the optimizer states and/or the parameters:
