@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from time_references import (  # noqa: E402  (the same runs the tests check)
-    A100_80GB, NARAYANAN_TABLE_1, NARAYANAN_TABLE_2, TORCHTITAN_FSDP_TOKENS_PER_GPU, TORCHTITAN_H100,
-    korthikanti_table_5, narayanan_table_1, narayanan_table_2, torchtitan_fsdp,
+    A100_80GB, BLOOM_SECONDS, JEAN_ZAY_A100, NARAYANAN_TABLE_1, NARAYANAN_TABLE_2, TORCHTITAN_FSDP_TOKENS_PER_GPU,
+    TORCHTITAN_H100, bloom_176b, korthikanti_table_5, narayanan_table_1, narayanan_table_2, torchtitan_fsdp,
 )
 
 from shardplan.core.hardware import TimeConstants  # noqa: E402
@@ -77,6 +77,17 @@ def scaling_table() -> None:
     print(f"| 128 / 8 GPUs | {measured:.3f} | {predicted:.3f} | {predicted / measured - 1:+.1%} |")
 
 
+def held_out_table() -> None:
+    """Runs the constants were not fitted on."""
+    print("\nHeld out: BLOOM-176B, Megatron-DeepSpeed on Jean Zay (iteration seconds)\n")
+    print("| run | measured s | predicted s | error | bottleneck |")
+    print("|---|---:|---:|---:|---|")
+    timing = step_time(bloom_176b(), JEAN_ZAY_A100, TimeConstants(overlap_grad_reduce=False))
+    error = timing.step_seconds / BLOOM_SECONDS - 1
+    print(f"| 176B, 384 GPUs, tp 4 x pp 12 | {BLOOM_SECONDS:.2f} | {timing.step_seconds:.2f} | {error:+.1%} | "
+          f"{timing.bottleneck} |")
+
+
 def fit_overlap() -> None:
     """`overlap_efficiency` over the runs whose sharded data parallelism overlaps its
     collectives: Table 2's six ZeRO-3 runs and torchtitan's FSDP2 scaling ratio, together."""
@@ -121,6 +132,7 @@ def main() -> None:
     seconds_table("Korthikanti et al. 2022, Table 5 (iteration seconds)", korthikanti_table_5())
     ranking_table()
     scaling_table()
+    held_out_table()
     if args.fit:
         fit()
         fit_overlap()

@@ -21,8 +21,9 @@ dropout run over it).
   Calculon, calculon-ai/calculon validation/seqsel/tab5/*.json: microbatch 4 for 22B, 1
   otherwise; the interleaved schedule with 3 chunks for 175B and 530B).
 
-One reference is not Megatron-LM: torchtitan's FSDP2 runs of Llama 3.1 8B on 8 and 128 H100s
-(the end of this module), whose GPU peak is unknown, so only their ratio is used.
+Two references are not Megatron-LM on Selene: torchtitan's FSDP2 runs of Llama 3.1 8B on 8 and
+128 H100s (whose GPU peak is unknown, so only their ratio is used), and BLOOM-176B as BigScience
+trained it with Megatron-DeepSpeed on Jean Zay (the end of this module).
 """
 
 from __future__ import annotations
@@ -204,4 +205,39 @@ def torchtitan_fsdp(gpus: int) -> EstimateInputs:
         shape=llama_3_8b(), params=None, degrees=Degrees(dp=gpus), framework="fsdp2", zero_stage=3,
         precision="bf16-mixed", seq_len=8192, micro_batch=2, num_microbatches=1, recompute="op",
         attention="flash", loss="fp32", gpus_per_node=8,
+    )
+
+
+# BLOOM-176B as BigScience trained it (bigscience-workshop/bigscience,
+# train/tr11-176B-ml/tr11-176B-ml.slurm and its README.md): Megatron-DeepSpeed, TP_SIZE=4,
+# PP_SIZE=12 on 48 nodes of 8 (DP 8), MICRO_BATCH_SIZE=2, GLOBAL_BATCH_SIZE=2048, sequences of
+# 2,048; NLAYERS=70, NHIDDEN=14336, NHEADS=112, `--pad-vocab-size-to 250880`, tied embeddings,
+# ALiBi, GeLU MLP of 4h, Megatron-LM's default dropout 0.1 (README "Optimizer"), bf16 with
+# ZERO_STAGE=0 ("bf16 must use z0! it implements its own zero stage 1 equivalent": DeepSpeed's
+# BF16_Optimizer, which partitions the fp32 master and moments over dp), `--checkpoint-activations`
+# (full recomputation), `--pp-partition-method 'type:transformer|embedding'`: pp rank 0 holds the
+# embedding and 5 blocks, ranks 1-10 six, rank 11 five and the tied head (README "Architecture").
+# DeepSpeed's pipeline engine: 1F1B without interleaving, the data-parallel reduction after the
+# last microbatch (no overlap). Measured: 105 s per iteration at GBS 2,048 (the README's
+# days-left formula, `105 * (341e9 - tokens) / (2048*2048*3600*24)`), which is the "about 150
+# TFLOPs" of BigScience's BLOOM page in hardware FLOPs (README "Throughput": recomputation
+# counted, the `4*2` coefficient). Jean Zay's A100 partition (README "Hardware"; Scao et al.
+# 2022, "BLOOM", Engineering, Hardware): 8 A100 80GB per node on NVLink, four Omni-Path
+# 100 Gb/s links per node (400 Gb/s for 8 GPUs: 6.25 GB/s each), 2x AMD EPYC 7543 (8 channels of
+# DDR4-3200 each), 512 GB of memory per node.
+BLOOM_SECONDS = 105.0
+JEAN_ZAY_A100 = Hardware("a100-sxm-80gb-omnipath", peak_flops=312e12, peak_fp32_flops=19.5e12,
+                         memory_bandwidth=2039e9, intra_node_bandwidth=300e9, inter_node_bandwidth=6.25e9,
+                         host_bandwidth=32e9, host_memory_bandwidth=409.6e9)
+
+
+def bloom_176b() -> EstimateInputs:
+    """BLOOM-176B's plan as it ran (above)."""
+    shape, problems = resolve_shape(dict(family="gpt2", num_layers=70, hidden_size=14336, num_heads=112,
+                                         vocab_size=250880, max_seq_len=2048, position_embedding="alibi"))
+    assert not problems, problems
+    return EstimateInputs(
+        shape=shape, params=None, degrees=Degrees(dp=8, tp=4, pp=12), framework="deepspeed", zero_stage=0,
+        precision="bf16-mixed", seq_len=2048, micro_batch=2, num_microbatches=2048 // (8 * 2), schedule="1f1b",
+        stage_split=(5, 5), recompute="full", attention="eager", dropout=True, loss="fused", gpus_per_node=8,
     )

@@ -227,9 +227,27 @@ def _strategy(inputs: EstimateInputs, layout: Layout,
     return decide_offload(inputs, _explained_measure(layout, inputs, devices))
 
 
-def decide_offload(inputs: EstimateInputs, measure: Measure) -> tuple[EstimateInputs, list[str]]:
+def offload_host_need(inputs: EstimateInputs) -> int:
+    """The host bytes per node the offload strategy needs to reach the plan it decides for
+    `inputs` when the host does not stop it: the most any step on its way asks of a node, which
+    can exceed what the final plan holds (offloading the optimizer states alone can pin more
+    than offloading them with the gradients: staging buffers differ), so a budget of the final
+    plan's host bytes alone can stop the strategy at an earlier step."""
+    roomy = inputs.with_(cpu_memory_per_node=HOST_WITHOUT_LIMIT, cpu_memory_budget=HOST_WITHOUT_LIMIT)
+    asked: list[int] = []
+    decided = decide_offload(roomy, numeric_measure, asked)[0]
+    return max([plan_figures(decided)[1], *asked])
+
+
+# The host limit `offload_host_need` lends the strategy: more than any node holds.
+HOST_WITHOUT_LIMIT = 2**50
+
+
+def decide_offload(inputs: EstimateInputs, measure: Measure,
+                   asked: list[int] | None = None) -> tuple[EstimateInputs, list[str]]:
     """Offload more until the peak is under the strategy's share of the GPU memory, never
-    past the node's CPU limit."""
+    past the node's CPU limit. `asked`, when given, collects the host bytes of every step the
+    limit was checked against (`offload_host_need`)."""
     if inputs.gpu_memory is None:
         return inputs, []
     threshold = PRESSURE[inputs.strategy]
@@ -258,6 +276,8 @@ def decide_offload(inputs: EstimateInputs, measure: Measure) -> tuple[EstimateIn
         trial = inputs.with_(**{flag: True})
         trial_peak, cpu, _, _ = measure(trial)
         what = flag.removeprefix("offload_").replace("optimizer", "optimizer states").replace("grads", "gradients")
+        if asked is not None:
+            asked.append(cpu)
         if cpu > limit:
             decisions.append(f"not offloading {what}: a node would need {format_bytes(cpu)} of CPU memory, "
                              f"over its {format_bytes(limit)} (cpu_memory_budget / cpu_memory_per_node)")

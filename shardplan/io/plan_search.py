@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..core.degrees import Degrees
-from ..core.estimate_inputs import EstimateInputs, inputs_from_job
-from ..core.memory import Estimate, cpu_limit, estimate_memory, resolve_offload
+from ..core.estimate_inputs import EstimateInputs, default_cpu_budget, inputs_from_job
+from ..core.memory import Estimate, cpu_limit, estimate_memory, offload_host_need, resolve_offload
 from ..core.pipeline import split_label
 from ..core.search import (Fixed, Group, Miss, SearchResult, Space, candidates, degree_options, next_split_batch,
                            schedule_options, search)
@@ -459,6 +459,26 @@ def between(low: int, high: int, gpus_per_node: int) -> list[int]:
     return sorted(c for c in counts if low < c < high)
 
 
+GIB = 2**30
+
+
+def _host_to_ask(base: EstimateInputs, need: int) -> tuple[int, int]:
+    """(host memory per node, offload budget) that give the offload `need` bytes per node: the
+    smallest node in whole GiB whose default budget (its memory less the reserve) reaches it,
+    and that default; a budget the job states is raised to `need` instead, on a node at least
+    that large."""
+    explicit = base.cpu_memory_per_node is not None and base.cpu_memory_budget != default_cpu_budget(
+        base.cpu_memory_per_node)
+    if explicit:
+        budget = max(base.cpu_memory_budget, -(-need // GIB) * GIB)
+        return max(base.cpu_memory_per_node, budget), budget
+    ram = -(-need // GIB) * GIB
+    while default_cpu_budget(ram) < need:
+        ram += GIB
+    ram = max(ram, base.cpu_memory_per_node or 0)
+    return ram, default_cpu_budget(ram)
+
+
 def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer, ranking: dict) -> list[str]:
     """Nothing fits: what would, at this global batch. Offload first when the job's strategy
     forbids it (the same GPUs), or the host memory per node the offload needs when the host
@@ -481,10 +501,17 @@ def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer,
         roomy = base.with_(cpu_memory_per_node=ROOMY_HOST, cpu_memory_budget=ROOMY_HOST)
         found = searched(roomy, space.world, True, top_k=HOST_TRIES).plans
         if found:
-            need = min(plan.cpu_bytes_per_node for plan in found)
-            notes.append(f"with {format_bytes(need)} of host memory per node for the offload (it may use "
-                         f"{format_bytes(cpu_limit(base))}: offload.cpu_memory_budget, by default "
-                         f"cluster.cpu_memory_per_node less a reserve) a plan fits {counted(space.world, 'GPU')}")
+            # What the strategy asks on its way to each plan, not only what the plan holds.
+            need = min(offload_host_need(plan.asked) for plan in found)
+            ram, budget = _host_to_ask(base, need)
+            asked = base.with_(cpu_memory_per_node=ram, cpu_memory_budget=budget)
+            if searched(asked, space.world, True).plans:
+                keys = [f"cluster.cpu_memory_per_node={-(-ram // GIB)}GiB"] if ram != base.cpu_memory_per_node else []
+                if budget != default_cpu_budget(ram):
+                    keys.append(f"offload.cpu_memory_budget={-(-budget // GIB)}GiB")
+                notes.append(f"with {format_bytes(need)} of host memory per node for the offload (it may use "
+                             f"{format_bytes(cpu_limit(base))} now) a plan fits {counted(space.world, 'GPU')}: "
+                             + " ".join(f"--set {key}" for key in keys))
     # A key the job fixes (other than the degrees, which more GPUs relax below): a plan of these
     # GPUs that fits once the search may choose it.
     for name, value in vars(fixed).items():
