@@ -108,6 +108,22 @@ def test_a_planning_command_ends_without_teardown_and_loses_nothing():
     assert "os._exit" not in trained.stderr and "handler ran" in trained.stderr
 
 
+@pytest.mark.parametrize("argv", [["plan", "llama-3-8b-h100", "--set", "parallel.dp=1", "--gpus", "8", "--json"],
+                                  ["estimate", "llama-3-8b-h100", "--json"], ["presets"]])
+def test_a_reader_that_leaves_is_no_failure(argv):
+    # `shardplan ... | head -c 10`: the reader leaves before the command writes (here before it
+    # starts to, so that every write meets the closed pipe); the command exits 0 with nothing
+    # on stderr (click turns a broken pipe in a command into exit 1).
+    environment = dict(os.environ, PYTHONPATH=str(ROOT))
+    environment.pop("WORLD_SIZE", None)
+    environment.pop("PYTHONUNBUFFERED", None)
+    proc = subprocess.Popen([sys.executable, "-m", "shardplan", *argv], cwd=ROOT, env=environment,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and not stderr, stderr
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
 @pytest.mark.parametrize("unbuffered", [False, True])
 @pytest.mark.parametrize("argv", [["validate", "llama-3-8b-h100"], ["estimate", "llama-3-8b-h100", "--json"]])

@@ -193,6 +193,11 @@ def _main(argv: list[str]) -> int:
     except typer.Exit as exc:
         return exc.exit_code
     except SystemExit as exc:  # typer's completion options exit by themselves
+        if exc.code == 1 and type(sys.stdout).__name__ == "PacifyFlushWrapper":
+            # click's answer to a broken pipe (EPIPE) in the command: it wraps the streams and
+            # exits 1 (click/core.py, `Command.main`). A reader that left (`| head`) is no failure.
+            _quiet_stdout()
+            return 0
         return exc.code if isinstance(exc.code, int) else 0
     except typer.Abort:
         return _fail(["shardplan: interrupted"], 130, False)

@@ -78,7 +78,13 @@ class Line:
 def _rich_console():
     from rich.console import Console
 
-    return Console(file=sys.stdout, highlight=False, soft_wrap=False)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # rich's own answer to a reader that left is SystemExit(1) (rich/console.py,
+            # `on_broken_pipe`); the CLI treats it as no failure (cli/app.py).
+            raise BrokenPipeError
+
+    return _Console(file=sys.stdout, highlight=False, soft_wrap=False)
 
 
 def stdout_console():
