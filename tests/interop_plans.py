@@ -47,6 +47,7 @@ hybrid = true
 prefetch_bucket_size = 20000000
 max_live_parameters = 300000000
 param_persistence_threshold = 50000
+sub_group_size = 200000000
 [offload]
 params = true
 grads = true

@@ -22,7 +22,10 @@ The jobs:
   ODDACCOV: ODDACC at ZeRO-1 with overlap_comm;
 - LIVE: LLAMA with stage3_prefetch_bucket_size 10,000 and stage3_max_live_parameters 100,000,
   run with stage3_max_reuse_distance 0 (a key shardplan has no setting for), so the coordinator
-  releases what it can: what stays gathered is then bounded by the prefetch, not by reuse.
+  releases what it can: what stays gathered is then bounded by the prefetch, not by reuse;
+- SUB: LLAMA with sub_group_size 100,000, which cuts its matrices (434,176 elements a rank)
+  into four sub-groups; SUBOFF: LLAMAOFF with sub_group_size 0, one sub-group per tensor
+  (both values through the config `export` writes).
 
 Tests marked xfail(strict) pin disagreements found between shardplan and DeepSpeed.
 """
@@ -92,6 +95,10 @@ LLAMAOFF = LLAMA + "[offload]\noptimizer = true\nparams = true\n"
 # ODD at ZeRO-2 with ZeRO-Offload (offload_optimizer to the CPU; also run at ZeRO-1).
 ODDOFF = ODD.replace("stage = 3", "stage = 2") + "[offload]\noptimizer = true\n"
 
+# LLAMA cut into sub-groups of about 100,000 elements; LLAMAOFF with every tensor its own (0).
+SUB = LLAMA.replace('framework = "deepspeed"\n', 'framework = "deepspeed"\nsub_group_size = 100000\n')
+SUBOFF = LLAMAOFF.replace('framework = "deepspeed"\n', 'framework = "deepspeed"\nsub_group_size = 0\n')
+
 LIVE = LLAMA.replace("reduce_bucket_size = 65536", "reduce_bucket_size = 65536\nprefetch_bucket_size = 10000\n"
                      "max_live_parameters = 100000")
 
@@ -104,9 +111,11 @@ RUNS = [
     {"tag": "oddacc", "stages": [2, 1]},
     {"tag": "oddoffacc", "stages": [2, 1]},
     {"tag": "oddaccov", "stages": [1]},
+    {"tag": "sub", "stages": [3]},
+    {"tag": "suboff", "stages": [3]},
 ]
 JOBS = {"llama": LLAMA, "odd": ODD, "live": LIVE, "oddoff": ODDOFF, "llamaoff": LLAMAOFF, "oddacc": ODDACC,
-        "oddoffacc": ODDOFFACC, "oddaccov": ODDACCOV}
+        "oddoffacc": ODDOFFACC, "oddaccov": ODDACCOV, "sub": SUB, "suboff": SUBOFF}
 
 
 def _platform_problem() -> str | None:
@@ -301,7 +310,7 @@ def _stage3_memory(job: str, stage: int = 3):
                          optimizer=resolved.job.train.optimizer, reduce_bucket_size=zero.reduce_bucket_size,
                          prefetch_bucket_size=zero.prefetch_bucket_size, max_live_parameters=zero.max_live_parameters,
                          persistence_threshold=zero.param_persistence_threshold, overlap_comm=zero.overlap_comm,
-                         offload_optimizer=resolved.job.offload.optimizer, offload_params=resolved.job.offload.params,
+                         sub_group_size=zero.sub_group_size, offload_optimizer=resolved.job.offload.optimizer, offload_params=resolved.job.offload.params,
                          accumulating=resolved.job.parallel.num_microbatches > 1,
                          pin=False)  # pinned rounding is CUDA's
     return deepspeed_memory(rank_params(resolved.shape, 1, 1, 0, 1, 0), plan)
@@ -328,6 +337,61 @@ def test_zero3_step_casts_one_sub_group(measured, jobs, tag):
     assert buffers["fp16_partitioned_groups_flat"] == buffers["fp32_partitioned_groups_flat"]
     (term,) = [t for t in _stage3_memory(jobs[tag]).buffers_at[STEP] if t.label.startswith("fp32 gradients of one")]
     assert term.bytes == max(buffers["fp32_partitioned_groups_flat"]) * (BF16 + buffers["fp32_element_size"])
+
+
+def _step_cast(job: str) -> int:
+    """Bytes of shardplan's step-time term: one sub-group's gradients, flattened and cast."""
+    from shardplan.core.timeline import STEP
+
+    (term,) = [t for t in _stage3_memory(job).buffers_at[STEP] if t.label.startswith("fp32 gradients of one")]
+    return term.bytes
+
+
+def test_zero3_sub_group_size_cuts_the_step(measured, jobs):
+    """SUB: sub_group_size 100,000, carried by the config `export` writes, cuts each parameter
+    group after the tensor that brings a sub-group to 100,000 elements or past
+    (`_create_fp16_sub_groups`, stage3.py 1210-1233). DeepSpeed's fp32 partitions, one per
+    sub-group (lines 1110-1176), are the sub-groups core/deepspeed.py `stage3_sub_groups`
+    computes, and the step casts one at a time (`_prepare_fp32_grad_for_sub_group` asserts the
+    cast is the partition's size, lines 2686-2691): shardplan's step term falls from LLAMA's
+    whole matrices group at the default 1e9 to the largest of SUB's."""
+    from shardplan.core.deepspeed import stage3_sub_groups
+    from shardplan.core.stages import rank_params
+    from shardplan.io.job import load_job
+
+    # tiny-llama's matrices over 2 ranks (ceil(numel / 2)): embedding and head 512 x 128 / 2 =
+    # 32,768; per layer q 8,192, k 4,096, v 4,096, o 8,192, gate, up, down 22,528 each. Cut after
+    # layer 0's up (32,768 + 69,632), layer 1's down, layer 3's q, and the rest with the head;
+    # the 9 norm weights (64 each) are the vectors' group.
+    expected = [102_400, 114_688, 100_352, 116_736, 576]
+    rp = rank_params(load_job(jobs["sub"]).shape, 1, 1, 0, 1, 0)
+    assert stage3_sub_groups(rp, NPROC, 100_000) == expected
+    for rank in range(NPROC):
+        report = measured["sub", 3, rank]
+        assert report["config"]["zero_optimization"]["sub_group_size"] == 100_000
+        assert report["buffers"]["fp16_partitioned_groups_flat"] == expected
+        assert report["buffers"]["fp32_partitioned_groups_flat"] == expected
+    fp32 = measured["sub", 3, 0]["buffers"]["fp32_element_size"]
+    assert _step_cast(jobs["sub"]) == 116_736 * (BF16 + fp32)
+    # LLAMA at the default: its matrices group whole (434,176 <= 1e9, stage3.py 1215).
+    assert measured["llama", 3, 0]["buffers"]["fp32_partitioned_groups_flat"] == [sum(expected[:4]), 576]
+    assert _step_cast(jobs["llama"]) == sum(expected[:4]) * (BF16 + fp32)
+
+
+def test_zero3_offload_sub_group_size_0_gives_every_tensor_a_buffer(measured, jobs):
+    """SUBOFF: DeepSpeed accepts sub_group_size 0 (zero/config.py line 182, `ge=0`), and then
+    every tensor closes a sub-group of its own (`local_sub_group_size >= sub_group_size`,
+    stage3.py line 1226); with offload_optimizer each sub-group has its own fp32 gradient
+    buffer on the host (lines 1337-1343): one per tensor of tiny-llama (4 layers of 7 matrices
+    and 2 norms, the embedding, the head and the final norm: 39), as core/deepspeed.py's host
+    terms list them (unpinned, as on test_zero3_offload_host_buffers_measured)."""
+    host = [t.bytes for t in _stage3_memory(jobs["suboff"]).host if t.label == "fp32 gradient sub-group"]
+    for rank in range(NPROC):
+        report = measured["suboff", 3, rank]
+        assert report["config"]["zero_optimization"]["sub_group_size"] == 0
+        offload = report["buffers"]["offload"]
+        assert len(offload["fp32_grad_sub_groups"]) == len(report["params"]) == 4 * 9 + 3
+        assert host == [n * offload["fp32_grad_element_size"] for n in offload["fp32_grad_sub_groups"]]
 
 
 def test_zero3_gathered_parameters_measured(measured, jobs):

@@ -334,6 +334,7 @@ def test_the_docs_lora_plan_exports_its_offload(write, target):
 EXPLICIT = {
     "deepspeed": ({"stage": 3, "reduce_bucket_size": 500000000, "stage3_prefetch_bucket_size": 50000000,
                    "stage3_max_live_parameters": 1000000000, "stage3_param_persistence_threshold": 100000,
+                   "sub_group_size": 1000000000,
                    "offload_optimizer": {"device": "cpu", "pin_memory": True},
                    "offload_param": {"device": "cpu", "pin_memory": True}},
                   {"offload.gpu_param_budget": "deepspeed's offload_param offloads every parameter; the plan keeps "

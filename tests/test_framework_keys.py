@@ -29,7 +29,8 @@ def _warnings(write, text: str, *flags: str) -> list[dict]:
 
 @pytest.mark.parametrize("key, value", [("reduce_bucket_size", "1000"), ("allgather_bucket_size", "1000"),
                                         ("prefetch_bucket_size", "0"), ("max_live_parameters", "1000"),
-                                        ("param_persistence_threshold", "10"), ("overlap_comm", "false")])
+                                        ("param_persistence_threshold", "10"), ("sub_group_size", "1e8"),
+                                        ("overlap_comm", "false")])
 @pytest.mark.parametrize("framework", ["fsdp2", "zero-paper"])
 def test_deepspeed_knobs_under_another_framework_warn(write, key, value, framework):
     found = _warnings(write, BASE + f'framework = "{framework}"\n{key} = {value}\n')
@@ -61,3 +62,107 @@ def test_a_set_flag_counts_as_written(write):
 
 def test_defaults_do_not_warn(write):
     assert _warnings(write, BASE) == []
+
+
+@pytest.mark.parametrize("value, message", [
+    ("-5", "zero.sub_group_size: a count cannot be negative (got -5)"),
+    ('"lots"', "zero.sub_group_size: not a count: 'lots'"),
+])
+def test_a_bad_sub_group_size_is_one_line_exit_2(write, value, message):
+    """sub_group_size is a count of elements, 0 or more, as DeepSpeed's field is (zero/config.py
+    line 182, `ge=0`); anything else is bad input: one line naming the file, line and key."""
+    path = write("job.toml", BASE + f'framework = "deepspeed"\nsub_group_size = {value}\n')
+    result = run_cli("estimate", path)
+    assert result.code == 2
+    assert len(result.err_lines) == 1 and result.err_lines[0].startswith(f"{path}:9: {message}")  # BASE opens with a blank line
+
+
+# -- zero.sub_group_size, read by the deepspeed accounting ---------------------------------------
+# llama-3-8b (transformers LlamaConfig: 32 layers, hidden 4,096, 8 KV heads of 128, MLP 14,336,
+# vocabulary 128,256, untied head; 8,030,261,248 parameters) over dp 8: every tensor divides by
+# 8, so a rank's partitions total 1,003,782,656 elements, of which the 65 RMSNorm weights (the
+# vectors' group) hold 65 x 512 = 33,280 and the matrices 1,003,749,376.
+MATRICES_8B = 1_003_782_656 - 33_280
+EMBEDDING_8B = 128_256 * 4_096 // 8  # the largest tensor's partition (the head's too)
+
+
+def _stage3_explain(*flags: str) -> dict:
+    result = run_cli("estimate", "--set", "model.preset=llama-3-8b", "--dp", "8", "--zero", "3", "--framework",
+                     "deepspeed", "--set", "train.seq_len=1024", "--set", "train.activation_checkpointing=full",
+                     "--json", "--explain", *flags)
+    assert result.code in (0, 1), result.err
+    return result.json
+
+
+def test_sub_group_size_sets_the_step_cast():
+    """The step casts one sub-group's 16-bit gradients to fp32 at a time (stage3.py
+    `_prepare_fp32_grad_for_sub_group`, lines 2683-2694): 2 + 4 bytes an element of the largest
+    sub-group (DeepSpeed 0.19.8, deepspeed/runtime/zero/). A group no larger than
+    sub_group_size stays whole (`_create_fp16_sub_groups`, line 1215), and at the default 1e9
+    (zero/config.py line 182) the matrices reach it only at their last tensor, the head (line
+    1226): one sub-group of 1,003,749,376. At 0 every tensor is its own (line 1226): the
+    embedding's 65,667,072 is the largest. The step moment moves by the difference, with the
+    moment's fragmentation allowance (docs/estimate.md)."""
+    default = _stage3_explain()
+    zero = _stage3_explain("--set", "zero.sub_group_size=0")
+    allowance = default["assumptions"]["fragmentation_allowance"]
+    step_default = default["devices"][0]["moments"]["step"]
+    step_zero = zero["devices"][0]["moments"]["step"]
+    assert step_default - step_zero == pytest.approx(6 * (MATRICES_8B - EMBEDDING_8B) * (1 + allowance), abs=1)
+    # Written as DeepSpeed's default, it changes nothing.
+    assert _stage3_explain("--set", "zero.sub_group_size=1e9") == default
+
+
+def test_a_large_sub_group_size_moves_the_peak_to_the_step():
+    """sub_group_size 1e12 (set so that a model's groups are never cut) keeps llama-3-70b's
+    matrices whole: 70,553,706,496 parameters (transformers' count) over dp 8, less the 161
+    RMSNorm weights of 8,192 (80 layers x 2 and the final one), 8,819,048,448 elements a rank,
+    cast at 2 + 4 bytes each (stage3.py lines 1215 and 2683-2694). With recomputation that step
+    is the rank's peak; at the default 1e9 it is not."""
+    flags = ("--set", "model.preset=llama-3-70b", "--set", "offload.strategy=conservative")
+    big = _stage3_explain(*flags, "--set", "zero.sub_group_size=1e12")
+    device = big["devices"][0]
+    assert device["peak_moment"] == "step"
+    terms = {t["label"]: t["bytes"] for t in device["terms"]["gpu.buffers"]}
+    assert terms["fp32 gradients of one sub-group"] == 6 * (70_553_706_496 // 8 - 161 * 8_192 // 8)
+    default = _stage3_explain(*flags)
+    assert default["devices"][0]["peak_moment"] != "step"
+    assert big["peak_gpu_bytes"] > default["peak_gpu_bytes"]
+
+
+def test_checkpoint_staging_is_the_largest_sub_group():
+    """Writing a checkpoint copies one state tensor at a time to the host (core/host.py
+    `checkpoint_staging`); at stage 3 DeepSpeed keeps one fp32 master tensor per sub-group
+    (stage3.py lines 1110-1176), so the largest sub-group bounds it: 8 ranks x 4 bytes x the
+    matrices' 1,003,749,376 at the default 1e9, x 65,667,072 (the embedding) at 0."""
+    label = "checkpoint staging (the largest state tensor while written)"
+    for value, largest in (("1e9", MATRICES_8B), ("0", EMBEDDING_8B)):
+        doc = _stage3_explain("--set", "checkpoint.dir=ckpt", "--set", f"zero.sub_group_size={value}")
+        assert doc["host"]["breakdown"][label] == 8 * 4 * largest
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("preset", ["llama-3-8b", "llama-3-70b", "mixtral-8x7b"])
+@pytest.mark.parametrize("sub_group_size", [0, 1, 50_000_000, 123_456_789, 1_000_000_000, 10**12])
+def test_sub_groups_are_deepspeeds(preset, sub_group_size):
+    """core/deepspeed.py `stage3_sub_groups` against DeepSpeed 0.19.8's own
+    `DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups` (stage3.py lines 1210-1233), run on
+    stand-ins for the rank's parameters in each weight-decay group that answer
+    `partition_numel()` (ceil(numel / dp), partition_parameters.py 1690-1696; measured in
+    tests/test_deepspeed_real.py)."""
+    from types import SimpleNamespace
+
+    stage3 = pytest.importorskip("deepspeed.runtime.zero.stage3", reason="DeepSpeed is in the `interop` extra")
+    from shardplan.core.deepspeed import ordered_params, stage3_sub_groups, weight_decay_groups
+    from shardplan.core.stages import rank_params
+    from shardplan.io.job import load_job
+
+    dp = 8
+    rp = rank_params(load_job(None, [("model.preset", preset)], env={}).shape, 1, 1, 0, 1, 0)
+    optimizer = SimpleNamespace(sub_group_size=sub_group_size)
+    theirs = []
+    for group in weight_decay_groups(ordered_params(rp)):
+        stand_ins = [SimpleNamespace(partition_numel=lambda n=-(-p.numel // dp): n) for p in group]
+        for sub_group in stage3.DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups(optimizer, stand_ins):
+            theirs.append(sum(p.partition_numel() for p in sub_group))
+    assert stage3_sub_groups(rp, dp, sub_group_size) == theirs

@@ -39,6 +39,9 @@ def test_hugging_face_trainer_auto_values_are_named_not_refused(write):
         assert keys.count(key) == 1, (key, keys)  # each named once
     job = result.json["job"]
     assert job["zero"]["stage"] == 3 and job["offload"]["params"] and job["offload"]["optimizer"]
+    # sub_group_size 1e9, a float in JSON, is read as the integer DeepSpeed makes of it
+    # (zero/config.py line 182: `sub_group_size: int`).
+    assert job["zero"]["sub_group_size"] == 1_000_000_000
     assert job["train"]["precision"] == "fp32"
     assert any("planned as fp32" in line for line in result.err_lines)
 
@@ -171,21 +174,49 @@ def test_auto_bucket_sizes_are_the_trainers_for_a_known_hidden_size():
     assert stage2.tables["zero"] == {"framework": "deepspeed", "stage": 2, "reduce_bucket_size": 16_777_216}
 
 
-def test_auto_the_trainer_does_not_fill_is_deepspeeds_default():
+@pytest.mark.parametrize("written, field", [("stage3_max_live_parameters", "max_live_parameters"),
+                                            ("sub_group_size", "sub_group_size")])
+def test_auto_the_trainer_does_not_fill_is_deepspeeds_default(written, field):
     """DeepSpeedExamples inference/sglang/ds_offload_nvme_aio.json (45b4b715) has
     stage3_max_live_parameters "auto", which neither the Trainer nor accelerate fills in (the
-    note said the Trainer did); DeepSpeed's config model drops an "auto" value, leaving its
-    default (deepspeed/runtime/config_utils.py:55-56): checked with DeepSpeed's own class."""
+    note said the Trainer did); nor do they fill sub_group_size (transformers 5.23.0
+    integrations/deepspeed.py and accelerate 1.15.0 accelerator.py never name it). DeepSpeed's
+    config model drops an "auto" value, leaving its default, 1e9 for both (zero/config.py lines
+    182 and 245; deepspeed/runtime/config_utils.py:55-56): checked with DeepSpeed's own class."""
     from shardplan.io.interop.deepspeed import from_deepspeed
 
     zero_config = pytest.importorskip("deepspeed.runtime.zero.config")
-    parsed = zero_config.DeepSpeedZeroConfig(stage=3, stage3_max_live_parameters="auto")
-    out = from_deepspeed({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": "auto"}}, 8)
-    assert "max_live_parameters" not in out.tables["zero"]  # the job keeps the default, DeepSpeed's
-    assert parsed.max_live_parameters == 1_000_000_000
-    message = {n.path: n.message for n in out.notes}["zero_optimization.stage3_max_live_parameters"]
+    parsed = zero_config.DeepSpeedZeroConfig(stage=3, **{written: "auto"})
+    out = from_deepspeed({"zero_optimization": {"stage": 3, written: "auto"}}, 8)
+    assert field not in out.tables["zero"]  # the job keeps the default, DeepSpeed's
+    assert getattr(parsed, field) == 1_000_000_000
+    message = {n.path: n.message for n in out.notes}[f"zero_optimization.{written}"]
     assert message.startswith("'auto' is filled in by neither the Hugging Face Trainer nor accelerate") \
         and "planned at DeepSpeed's default 1,000,000,000" in message
+
+
+def test_sub_group_size_is_read_as_deepspeed_reads_it():
+    """sub_group_size (zero/config.py line 182, `Field(pp_int(1e9), ge=0)`): AXOLOTL_ZERO3 writes
+    0, which DeepSpeed accepts and which then gives every tensor a sub-group of its own
+    (stage3.py line 1226); a negative one DeepSpeed refuses, and so does the import (exit 2).
+    Below stage 3 DeepSpeed does not read it (engine.py line 2775 hands it to the stage 3
+    optimizer alone): a note, and the job keeps the default."""
+    from shardplan.io.interop.deepspeed import from_deepspeed
+
+    zero_config = pytest.importorskip("deepspeed.runtime.zero.config")
+    assert zero_config.DeepSpeedZeroConfig(stage=3, sub_group_size=0).sub_group_size == 0
+    with pytest.raises(ValueError):  # pydantic's ValidationError
+        zero_config.DeepSpeedZeroConfig(stage=3, sub_group_size=-1)
+    assert from_deepspeed(json.loads(AXOLOTL_ZERO3.read_text()), 8).tables["zero"]["sub_group_size"] == 0
+    assert from_deepspeed({"zero_optimization": {"stage": 3, "sub_group_size": 1e8}}, 8).tables["zero"][
+        "sub_group_size"] == 100_000_000
+    refused = from_deepspeed({"zero_optimization": {"stage": 3, "sub_group_size": -1}}, 8)
+    assert [(p.path, p.message) for p in refused.problems] == [("zero_optimization.sub_group_size",
+                                                                "must be >= 0 (got -1)")]
+    stage2 = from_deepspeed({"zero_optimization": {"stage": 2, "sub_group_size": 1e8}}, 8)
+    assert "sub_group_size" not in stage2.tables["zero"]
+    assert {n.path: n.message for n in stage2.notes}["zero_optimization.sub_group_size"] == (
+        "not read: DeepSpeed does not use it at stage 2")
 
 
 def test_precision_advice_is_not_given_when_the_command_line_sets_it():

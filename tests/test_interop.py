@@ -159,13 +159,17 @@ DS_CONFIGS = {
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 1e7, "stage3_max_live_parameters": 3e8,
                               "stage3_param_persistence_threshold": 1e4, "reduce_bucket_size": 2e8,
+                              "sub_group_size": 1e8,
                               "offload_optimizer": {"device": "cpu", "pin_memory": True},
                               "offload_param": {"device": "cpu", "pin_memory": True}},
     },
     "zero2_fp16": {
         "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
         "fp16": {"enabled": True},
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8, "allgather_bucket_size": 2e8},
+        # sub_group_size is the stage 3 optimizer's alone (deepspeed/runtime/engine.py line 2775):
+        # not read at stage 2, and not written back.
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8, "allgather_bucket_size": 2e8,
+                              "sub_group_size": 1e8},
         "activation_checkpointing": {"partition_activations": False},
     },
     "zero1_tp": {
@@ -335,6 +339,7 @@ reduce_bucket_size = 200000000
 prefetch_bucket_size = 10000000
 max_live_parameters = 300000000
 param_persistence_threshold = 10000
+sub_group_size = 100000000
 [offload]
 params = true
 grads = true
@@ -357,13 +362,12 @@ def test_deepspeed_documentation_example(write):
     job, notes = imported(path, "--dp", "8", "--set", "model.preset=gpt2-xl")
     assert job["zero"] == {"framework": "deepspeed", "stage": 3, "prefetch_bucket_size": 10_000_000,
                            "max_live_parameters": 1_000_000_000, "param_persistence_threshold": 100_000,
-                           "reduce_bucket_size": 10_000_000}
+                           "sub_group_size": 1_000_000_000, "reduce_bucket_size": 10_000_000}
     # strategy: DeepSpeed offloads what the config says and nothing more (common.py OFFLOAD_AS_WRITTEN)
     assert job["offload"] == {"optimizer": True, "grads": True, "params": True, "gpu_param_budget": 0,
                               "strategy": "conservative"}
     assert {n["path"] for n in notes if n["message"].startswith("not read")} == {
-        "zero_optimization.contiguous_gradients", "zero_optimization.stage3_max_reuse_distance",
-        "zero_optimization.sub_group_size"}
+        "zero_optimization.contiguous_gradients", "zero_optimization.stage3_max_reuse_distance"}
 
 
 # Copied from the tutorial's page into tests/data/interop/ds_zero_infinity.json.

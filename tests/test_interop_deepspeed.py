@@ -54,6 +54,7 @@ def test_deepspeed_reads_the_exported_config(write, ds, plan):
         assert parsed.zero_config.prefetch_bucket_size == zero.prefetch_bucket_size
         assert parsed.zero_config.max_live_parameters == zero.max_live_parameters
         assert parsed.zero_config.param_persistence_threshold == zero.param_persistence_threshold
+        assert parsed.zero_config.sub_group_size == zero.sub_group_size
     else:
         assert parsed.zero_config.allgather_bucket_size == zero.allgather_bucket_size
     precision = job.train.precision
@@ -93,7 +94,7 @@ def test_deepspeed_tutorial_config_round_trips(write, ds):
     mine = ds(again, 8).zero_config
     theirs = ds({**original, "train_micro_batch_size_per_gpu": 1}, 8).zero_config
     for key in ("stage", "prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold",
-                "reduce_bucket_size"):
+                "reduce_bucket_size", "sub_group_size"):
         assert getattr(mine, key) == getattr(theirs, key), key
     assert mine.offload_param.device == theirs.offload_param.device == "cpu"
     assert mine.offload_optimizer.device == theirs.offload_optimizer.device == "cpu"

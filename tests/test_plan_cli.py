@@ -245,7 +245,7 @@ def test_between_counts_whole_nodes_past_one_node():
     (("--gpus", "0", "--global-batch", "8"), JOB, "--gpus"),
     (("--gpus", "8", "--global-batch", "8", "--top", "0"), JOB, "--top"),
     # Keys the job fixes that no plan of the GPUs or the batch can keep.
-    (("--gpus", "1", "--global-batch", "8"), JOB + "[parallel]\ndp = 8\n", "parallel.dp = 8 (8 GPUs), which 1 GPUs"),
+    (("--gpus", "1", "--global-batch", "8"), JOB + "[parallel]\ndp = 8\n", "parallel.dp = 8 (8 GPUs), which 1 GPU cannot"),
     (("--gpus", "8", "--global-batch", "8"), JOB + "[parallel]\ntp = 2\npp = 2\ndp = 1\ncp = 1\n", "which 8 GPUs"),
     (("--gpus", "8", "--global-batch", "12"), JOB + "[parallel]\nmicro_batch_size = 8\n", "does not divide"),
     # QLoRA of a model torchao cannot store as NF4: no plan `run` executes.

@@ -248,7 +248,7 @@ def sharding_problems(job: JobSpec, nodes: int) -> list[Problem]:
 
 # DeepSpeed's own knobs (spec/job.py ZeroSpec): only the `deepspeed` accounting reads them.
 DEEPSPEED_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters",
-                  "param_persistence_threshold", "overlap_comm")
+                  "param_persistence_threshold", "sub_group_size", "overlap_comm")
 
 
 def framework_key_problems(job: JobSpec) -> list[Problem]:

@@ -25,13 +25,16 @@ Sources, DeepSpeed 0.19.8, the release the `interop` extra installs (deepspeed/r
   partitioned to ceil(numel/dp) elements, except those under
   `stage3_param_persistence_threshold`, which stay whole; the gradient partitions live in one
   flat buffer allocated at start (lines 786-801; pinned on the host with offload_optimizer);
-  one IPG bucket of `reduce_bucket_size` (lines 780-784); the step casts one sub-group (at most
-  `sub_group_size` = 1e9 elements, zero/config.py) of gradients to fp32 at a time
-  (`_prepare_fp32_grad_for_sub_group`, lines 2683-2694). A module's parameters are gathered
-  whole when it runs (`fetch_sub_module`, lines 310-491): `stage3_max_live_parameters` only
-  bounds the prefetch, which fetches up to `stage3_prefetch_bucket_size` more elements of
-  whole parameters at every module's call while fewer than `stage3_max_live_parameters` are
-  available (lines 451-481), so what is in flight piles up to the latter.
+  one IPG bucket of `reduce_bucket_size` (lines 780-784); each optimizer parameter group is
+  cut into sub-groups of about `sub_group_size` elements (1e9 by default, zero/config.py line
+  182; `_create_fp16_sub_groups`, lines 1210-1233), and the step casts one sub-group of
+  gradients to fp32 at a time (`_prepare_fp32_grad_for_sub_group`, lines 2683-2694); ZeRO-1/2
+  never read `sub_group_size` (runtime/engine.py line 2775 hands it to stage 3 alone). A
+  module's parameters are gathered whole when it runs (`fetch_sub_module`, lines 310-491):
+  `stage3_max_live_parameters` only bounds the prefetch, which fetches up to
+  `stage3_prefetch_bucket_size` more elements of whole parameters at every module's call
+  while fewer than `stage3_max_live_parameters` are available (lines 451-481), so what is in
+  flight piles up to the latter.
 - Stage 0 with 16-bit training, runtime/fp16/fused_optimizer.py (FP16_Optimizer, used for fp16
   and, as DDP_BFLOAT16, for bf16 at pp 1; engine.py lines 2294-2326, 2555-2631): a flat 16-bit copy the
   parameters view, an fp32 master copy and its Adam moments; the step casts every gradient to
@@ -57,7 +60,6 @@ from .terms import Term
 from .timeline import BACKWARD, BACKWARD_END, FORWARD, LOSS, STEP
 
 ALIGNMENT_FACTOR = 2  # nccl_start_alignment_factor (stage_1_and_2.py): flat buffers pad to 2*dp
-SUB_GROUP_SIZE = 1_000_000_000  # zero/config.py `sub_group_size` default (stage 3 steps per sub-group)
 BACKWARD_MOMENTS = (LOSS, BACKWARD)
 
 
@@ -83,6 +85,7 @@ class DeepSpeedPlan:
     prefetch_bucket_size: int = 50_000_000
     max_live_parameters: int = 1_000_000_000
     persistence_threshold: int = 100_000
+    sub_group_size: int = 1_000_000_000  # zero/config.py line 182 (stage 3 only)
     overlap_comm: bool | None = None  # None: DeepSpeed's default, true at stage 3 only
     accumulating: bool = False  # gradient accumulation or pipeline microbatches
 
@@ -504,7 +507,7 @@ def _stage3(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
     if plan.moments:
         optimizer.append(_term("Adam moments", partition, plan.moments, f"{plan.moments} B of moments per element"))
     place["optimizer"] = optimizer
-    sub_groups = [size for group in groups for size in _sub_groups(group)]
+    sub_groups = [size for group in groups for size in sub_groups_of(group, plan.sub_group_size)]
     if plan.offload_optimizer:
         host.append(_pinned("gradient partitions", partition * model, plan.pin, "grad_partitions_flat_buffer"))
         if plan.master:
@@ -556,20 +559,30 @@ def _stage3(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
     return DeepSpeedMemory(gpu, cpu, grads_at, buffers_at, host)
 
 
-def _sub_groups(partitions: list[int]) -> list[int]:
-    """Stage 3's optimizer sub-groups of one parameter group, given its tensors' partitions:
-    the whole group when it is at most `sub_group_size`, else cut after the tensor that takes
-    a sub-group to `sub_group_size` or past it (`_create_fp16_sub_groups`, stage3.py lines
-    1209-1232)."""
-    if sum(partitions) <= SUB_GROUP_SIZE:
+def sub_groups_of(partitions: list[int], sub_group_size: int) -> list[int]:
+    """Stage 3's optimizer sub-groups of one parameter group, in elements, given its tensors'
+    partitions in order: the whole group when it is at most `sub_group_size`, else cut after
+    the tensor that takes a sub-group to `sub_group_size` or past it, so a sub-group can exceed
+    it by up to one tensor and 0 makes every tensor its own (`_create_fp16_sub_groups`,
+    stage3.py lines 1210-1233: `sub_group_size >= params_group_numel`, then
+    `local_sub_group_size >= sub_group_size`)."""
+    if sum(partitions) <= sub_group_size:
         return [sum(partitions)] if partitions else []
     out, current = [], 0
     for size in partitions:
         current += size
-        if current >= SUB_GROUP_SIZE:
+        if current >= sub_group_size:
             out.append(current)
             current = 0
     return out + ([current] if current else [])
+
+
+def stage3_sub_groups(rp: RankParams, degree: int, sub_group_size: int) -> list[int]:
+    """The rank's stage-3 sub-groups, in elements: each weight-decay group's partitions
+    (ceil(numel / degree) per tensor) cut by `sub_groups_of`. One fp32 master tensor each
+    (`fp32_partitioned_groups_flat`, stage3.py lines 1110-1176)."""
+    return [size for group in weight_decay_groups(ordered_params(rp))
+            for size in sub_groups_of([-(-p.numel // degree) for p in group], sub_group_size)]
 
 
 def _stage0(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:

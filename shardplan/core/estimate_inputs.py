@@ -48,6 +48,7 @@ class EstimateInputs:
     prefetch_bucket_size: int = 50_000_000
     max_live_parameters: int = 1_000_000_000
     param_persistence_threshold: int = 100_000
+    sub_group_size: int = 1_000_000_000
     overlap_comm: bool | None = None  # None: DeepSpeed's default (true at stage 3)
     # the step
     precision: str = "bf16-mixed"
@@ -129,6 +130,7 @@ def inputs_from_job(job: JobSpec, shape: ModelShape | None, limits_known: bool) 
         prefetch_bucket_size=zero.prefetch_bucket_size,
         max_live_parameters=zero.max_live_parameters,
         param_persistence_threshold=zero.param_persistence_threshold,
+        sub_group_size=zero.sub_group_size,
         overlap_comm=zero.overlap_comm,
         precision=train.precision,
         optimizer=train.optimizer,

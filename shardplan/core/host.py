@@ -18,7 +18,7 @@ node adds its ranks up and needs the larger moment.
 from __future__ import annotations
 
 from ..spec.units import counted
-from .deepspeed import SUB_GROUP_SIZE, flat_groups, ordered_params, pinned_bytes
+from .deepspeed import flat_groups, pinned_bytes, stage3_sub_groups
 from .estimate_inputs import EstimateInputs
 from .offload import (CODE_BYTES, CODEC_CHUNK, INT8_BLOCK, MOMENTS, ROUNDING_CHUNKS, frees_device_grads,
                       rounding_elements)
@@ -188,7 +188,9 @@ def checkpoint_staging(inputs: EstimateInputs, rp: RankParams, degree: int) -> l
     if inputs.framework == "deepspeed" and inputs.zero_stage in (1, 2):
         largest = max(g.partition for g in flat_groups(rp, degree, 0))  # one flat fp32 partition
     elif inputs.framework == "deepspeed" and inputs.zero_stage == 3:
-        largest = min(SUB_GROUP_SIZE, sum(-(-p.numel // degree) for p in ordered_params(rp)))
+        # One fp32 master tensor per sub-group (stage3.py lines 1110-1176), the largest of
+        # which bounds it; zero.sub_group_size cuts them (core/deepspeed.py `sub_groups_of`).
+        largest = max(stage3_sub_groups(rp, degree, inputs.sub_group_size))
     else:
         shard = degree if inputs.zero_stage >= 2 or inputs.framework != "fsdp2" else 1
         largest = max(p.padded_shard_numel(shard) for p in (*rp.layer, *rp.root))

@@ -184,7 +184,7 @@ def _check_fixed(fixed: Fixed, world: int, batch: int) -> None:
         product *= value
     if degrees and (world % product or (len(degrees) == 4 and product != world)):
         given = " x ".join(f"parallel.{key} = {value}" for key, value in degrees.items())
-        raise InputError(Problem("parallel", f"the job fixes {given} ({product} GPUs), which {world} GPUs cannot hold: "
+        raise InputError(Problem("parallel", f"the job fixes {given} ({counted(product, 'GPU')}), which {counted(world, 'GPU')} cannot hold: "
                                              "leave them out of the job to let the plan choose them, or plan for "
                                              f"a multiple of {product} GPUs"))
     if fixed.pp is not None and fixed.num_microbatches is not None and fixed.num_microbatches < fixed.pp > 1:

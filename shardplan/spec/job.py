@@ -113,8 +113,8 @@ class ZeroSpec(Table):
     min_num_params: Count = Field(0, description="parameters smaller than this stay unsharded")
     # DeepSpeed's ZeRO knobs, with its defaults (deepspeed/runtime/zero/config.py, v0.19:
     # reduce_bucket_size 5e8, allgather_bucket_size 5e8, stage3_prefetch_bucket_size 5e7,
-    # stage3_max_live_parameters 1e9, stage3_param_persistence_threshold 1e5). The `deepspeed`
-    # accounting reads them; `export --to deepspeed` writes them.
+    # stage3_max_live_parameters 1e9, stage3_param_persistence_threshold 1e5, sub_group_size 1e9).
+    # The `deepspeed` accounting reads them; `export --to deepspeed` writes them.
     reduce_bucket_size: Count = Field(
         # DeepSpeed 0.19.8 zero/config.py: `reduce_bucket_size: int = Field(pp_int(5e8), gt=0)`.
         500_000_000, ge=1, json_schema_extra={"minimum": 1},
@@ -132,6 +132,12 @@ class ZeroSpec(Table):
     )
     param_persistence_threshold: Count = Field(
         100_000, description="parameters this small stay gathered, stage 3 (DeepSpeed stage3_param_persistence_threshold)"
+    )
+    sub_group_size: Count = Field(
+        # DeepSpeed 0.19.8 zero/config.py: `sub_group_size: int = Field(pp_int(1e9), ge=0)`; 0
+        # makes every tensor a sub-group of its own (stage3.py `_create_fp16_sub_groups`).
+        1_000_000_000, description="parameter elements per optimizer sub-group, stage 3: the step casts one "
+        "sub-group's gradients to fp32 at a time (DeepSpeed sub_group_size)"
     )
     overlap_comm: Optional[bool] = Field(
         None, description="DeepSpeed overlap_comm: reduce gradients during backward in two alternating "

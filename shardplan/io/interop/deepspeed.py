@@ -4,7 +4,7 @@ Keys and defaults: DeepSpeed's config-json documentation (docs/_pages/config-jso
 its config classes, v0.19.8: deepspeed/runtime/config.py (batch arithmetic:
 train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * data-parallel
 world size, any two of the three given), deepspeed/runtime/zero/config.py
-(`DeepSpeedZeroConfig`: stage, bucket sizes and their `stage3_*` aliases),
+(`DeepSpeedZeroConfig`: stage, bucket sizes and their `stage3_*` aliases, sub_group_size),
 deepspeed/runtime/zero/offload_config.py (offload_optimizer / offload_param: device,
 pin_memory), deepspeed/runtime/tensor_parallel/config.py (`tensor_parallel.autotp_size`).
 """
@@ -29,8 +29,10 @@ _BUCKETS = {
     "prefetch_bucket_size": "stage3_prefetch_bucket_size",
     "max_live_parameters": "stage3_max_live_parameters",
     "param_persistence_threshold": "stage3_param_persistence_threshold",
+    "sub_group_size": "sub_group_size",  # no stage3_ alias (zero/config.py line 182)
 }
-_STAGE3_ONLY = ("prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold")
+# sub_group_size is handed to the stage 3 optimizer alone (runtime/engine.py line 2775).
+_STAGE3_ONLY = ("prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold", "sub_group_size")
 # DeepSpeedZeroConfig's lower bounds where they are not 0 (zero/config.py: reduce_bucket_size
 # is `Field(..., gt=0)`; the others `ge=0`).
 _BUCKET_MINIMUM = {"reduce_bucket_size": 1}
