@@ -252,6 +252,13 @@ def test_torchtitan_says_the_lora_plan_does_not_fit_without_fsdp(write):
     assert config["training"]["enable_cpu_offload"] is False
     assert notes["offload"].startswith("torchtitan offloads to the CPU only under FSDP")
     assert "written as enable_cpu_offload = false, which does not fit (fsdp2 accounting: peak" in notes["offload"]
+    assert notes["offload"].endswith("; as written, a run stops out of memory: give torchtitan more data-parallel "
+                                     "ranks to shard over (`shardplan plan --gpus N`), or export to deepspeed, which "
+                                     "offloads on one data-parallel rank")
+    # The advice holds: the DeepSpeed export of the same plan offloads, and fits.
+    config, notes = export(write("l.toml", LORA_BASE_ON_CPU), "deepspeed")
+    assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert "which fits (deepspeed accounting" in notes["offload"]
 
 
 def test_accelerate_zero0_cannot_offload_and_says_what_would(write):
@@ -261,7 +268,12 @@ def test_accelerate_zero0_cannot_offload_and_says_what_would(write):
     assert config["fsdp_config"]["fsdp_offload_params"] is False
     assert "which shardplan plans only with zero.stage = 3 (got 0)" in notes["offload"]
     assert "which does not fit" in notes["offload"]
-    assert notes["offload"].endswith("; with zero.stage = 3 and fsdp_offload_params = true it would fit")
+    assert notes["offload"].endswith("; as written, a run stops out of memory: export it with --zero 3, with "
+                                     "which fsdp_offload_params = true fits")
+    # The advice holds: the export it names writes the offload, and says it fits.
+    config, notes = export(write("job.toml", PIPELINE), "accelerate", "--zero", "3")
+    assert config["fsdp_config"]["fsdp_offload_params"] is True
+    assert "written as fsdp_offload_params = true" in notes["offload"] and "which fits" in notes["offload"]
 
 
 def test_torchtitan_pipeline_plan_without_fsdp_says_it_does_not_fit(write):
@@ -309,6 +321,8 @@ def test_megatron_says_what_it_cannot_offload(write):
     assert notes["offload"].startswith("megatron offloads optimizer states only (--optimizer-cpu-offload); the "
                                        "balanced strategy offloads optimizer states, gradients and the parameters "
                                        "of 21 of 40 layers: written as optimizer states, which does not fit")
+    assert notes["offload"].endswith("; as written, a run stops out of memory: search again with more GPUs "
+                                     "(`shardplan plan --gpus N`)")
 
 
 @pytest.mark.parametrize("target", TARGETS)

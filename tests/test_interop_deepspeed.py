@@ -98,3 +98,126 @@ def test_deepspeed_tutorial_config_round_trips(write, ds):
         assert getattr(mine, key) == getattr(theirs, key), key
     assert mine.offload_param.device == theirs.offload_param.device == "cpu"
     assert mine.offload_optimizer.device == theirs.offload_optimizer.device == "cpu"
+
+
+# `shardplan plan q1.toml --gpus 8` for Llama-3 8B on H100s at seq 8192, global batch 512 (the
+# search's best plan under fsdp2): dp 4 x pp 2 with ZeRO-3.
+PIPELINE_ZERO3 = """
+[model]
+preset = "llama-3-8b"
+[train]
+seq_len = 8192
+activation_checkpointing = "none"
+global_batch_size = 512
+[cluster]
+preset = "h100-80gb"
+[parallel]
+dp = 4
+pp = 2
+micro_batch_size = 1
+num_microbatches = 128
+[zero]
+stage = 3
+"""
+# Each DeepSpeed source line a note cites, and what that line of the installed DeepSpeed says.
+CITED = {
+    "deepspeed/runtime/pipe/engine.py:77": '"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"',
+    "deepspeed/__init__.py:583": "mpu = model.mpu()",
+    "deepspeed/runtime/config.py:471": "self.world_size = dist.get_world_size()",
+    "deepspeed/runtime/config.py:602": "assert train_batch == micro_batch * grad_acc * self.world_size",
+}
+
+
+def export_notes(write, job: str, *flags: str) -> tuple[dict, dict[str, str]]:
+    """(config, {job key: note}) of an export, its stderr lines checked to be the JSON's notes."""
+    result = run_cli("export", write("job.toml", job), "--to", "deepspeed", "--json", *flags)
+    assert result.code == 0, result.err
+    notes = result.json["notes"]
+    assert [f"export: {n['path']}: {n['message']}" for n in notes] == \
+        [line for line in result.err_lines if line.startswith("export: ")]
+    return result.json["config"], {n["path"]: n["message"] for n in notes}
+
+
+def test_the_cited_deepspeed_lines_say_what_the_notes_quote(write):
+    """Every `deepspeed/...:line` a pipeline note names is that line of the installed DeepSpeed."""
+    from pathlib import Path
+
+    _, notes = export_notes(write, PIPELINE_ZERO3)
+    said = " ".join(notes.values())
+    root = Path(deepspeed.__file__).parent.parent
+    for where, text in CITED.items():
+        assert where in said, where
+        path, line = where.rsplit(":", 1)
+        assert text in (root / path).read_text().splitlines()[int(line) - 1], where
+    assert CITED["deepspeed/runtime/pipe/engine.py:77"] in notes["zero.stage"]
+
+
+def test_a_pipeline_plan_with_zero3_says_deepspeed_refuses_it(write, monkeypatch):
+    """The review's plan: DeepSpeed's pipeline engine takes ZeRO stages below
+    `ZeroStageEnum.gradients` (2) only (pipe/engine.py:76-77), and without a pipeline its config
+    takes dp = the world, 8, and fails the batch assertion (config.py:602) with the figures the
+    note gives; with the pipeline's data-parallel size, 4, the batch keys are DeepSpeed's."""
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    config, notes = export_notes(write, PIPELINE_ZERO3)
+    assert config["zero_optimization"]["stage"] == 3 >= ZeroStageEnum.gradients
+    assert notes["zero.stage"].startswith("DeepSpeed refuses this config: with pp 2 it needs DeepSpeed's pipeline "
+                                          "engine, which runs ZeRO stages 0 and 1 only")
+    assert notes["zero.stage"].endswith("`shardplan plan --framework deepspeed` searches only the plans DeepSpeed runs")
+    pp = notes["parallel.pp"]
+    assert "PipelineModule(num_stages=2)" in pp and "the batch keys are written for dp = world 8 / (pp 2) = 4" in pp
+    assert "cannot express" not in pp
+    assert pp.endswith("DeepSpeed refuses this config without a PipelineModule: the 2 stages' ranks then join data "
+                       "parallel, dp = world 8 (deepspeed/runtime/config.py:471), and train_batch_size == "
+                       "train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp "
+                       "(deepspeed/runtime/config.py:602) fails: 512 != 1 * 128 * 8")
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(ds_config.dist, "get_world_size", lambda group=None: 8)
+    with pytest.raises(AssertionError, match=r"512 != 1 \* 128 \* 8"):
+        ds_config.DeepSpeedConfig(json.loads(json.dumps(config)))  # no mpu: dp is the world
+    from conftest import DataParallelUnit
+
+    parsed = ds_config.DeepSpeedConfig(json.loads(json.dumps(config)), mpu=DataParallelUnit(4))
+    assert parsed.train_batch_size == 512
+
+
+def test_the_deepspeed_plan_of_the_same_job_is_not_refused(write, ds):
+    """`plan --framework deepspeed` picks ZeRO-1 for the pipeline: below ZeroStageEnum.gradients,
+    so no refusal; the pipeline note still says the PipelineModule sets the data-parallel size."""
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    config, notes = export_notes(write, PIPELINE_ZERO3, "--zero", "1")
+    assert config["zero_optimization"]["stage"] == 1 < ZeroStageEnum.gradients
+    assert "zero.stage" not in notes
+    assert notes["parallel.pp"].startswith("deepspeed's config has no pipeline degree")
+    assert ds(config, 4).gradient_accumulation_steps == 128
+
+
+def test_a_model_parallel_pipeline_names_the_rule_without_figures(write):
+    """With tp > 1 the data-parallel size DeepSpeed would take without a pipeline depends on the
+    script's groups: the note names the rule, not figures it cannot know."""
+    from interop_plans import PLANS as plans
+
+    _, notes = export_notes(write, plans["pp4_interleaved"])
+    pp = notes["parallel.pp"]
+    assert "dp = world 64 / (tp 8 * pp 4) = 2" in pp
+    assert pp.endswith("the 4 stages' ranks then join data parallel, and train_batch_size == "
+                       "train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp "
+                       "(deepspeed/runtime/config.py:602) fails")
+    assert "zero.stage" not in notes  # ZeRO-0
+
+
+@pytest.mark.parametrize("plan", sorted(p for p in PLANS if "pp = " not in PLANS[p]))
+def test_no_pipeline_no_pipeline_note(write, plan):
+    _, notes = export_notes(write, PLANS[plan])
+    assert "parallel.pp" not in notes and not any("refuses" in n for n in notes.values())
+
+
+def test_zero2_in_a_pipeline_is_refused_too(write):
+    """ZeroStageEnum.gradients is stage 2 itself: the pipeline engine refuses ZeRO-2 as well."""
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    config, notes = export_notes(write, PIPELINE_ZERO3, "--zero", "2")
+    assert config["zero_optimization"]["stage"] == 2 == ZeroStageEnum.gradients
+    assert notes["zero.stage"].startswith("DeepSpeed refuses this config: with pp 2")
+    assert "the config writes stage 2;" in notes["zero.stage"]

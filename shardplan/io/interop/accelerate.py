@@ -125,7 +125,8 @@ def to_accelerate(plan: Plan) -> Exported:
         if plan.offload.changed:
             notes.append(Note("offload", whole_model_offload(
                 plan.offload, "fsdp_offload_params", zero.stage,
-                "accelerate offloads to the CPU only under FSDP or DeepSpeed")[1]))
+                "accelerate offloads to the CPU only under FSDP or DeepSpeed",
+                "export it with --zero 3, which accelerate writes as FSDP2, or export to deepspeed")[1]))
         elif any((off.params, off.grads, off.optimizer)):
             notes.append(Note("offload", "accelerate offloads to the CPU only under FSDP or DeepSpeed"))
         if train.activation_checkpointing != "none":

@@ -5,6 +5,8 @@ its config classes, v0.19.8: deepspeed/runtime/config.py (batch arithmetic:
 train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * data-parallel
 world size, any two of the three given), deepspeed/runtime/zero/config.py
 (`DeepSpeedZeroConfig`: stage, bucket sizes and their `stage3_*` aliases, sub_group_size),
+deepspeed/runtime/pipe/engine.py (`PipelineEngine`: ZeRO stages 0-1 only), deepspeed/__init__.py
+(`initialize`: a PipelineModule's topology gives the data-parallel size),
 deepspeed/runtime/zero/offload_config.py (offload_optimizer / offload_param: device,
 pin_memory), deepspeed/runtime/tensor_parallel/config.py (`tensor_parallel.autotp_size`).
 """
@@ -17,7 +19,7 @@ from typing import Collection
 
 from ...spec.job import ZeroSpec
 from .common import AUTO, Exported, Imported, Note, Plan, Reader, offload_as_written, unexpressed
-from .offload import Offload, fit_of, same
+from .offload import Offload, fit_of, same, way_out
 
 TARGET = "deepspeed"
 
@@ -37,6 +39,15 @@ _STAGE3_ONLY = ("prefetch_bucket_size", "max_live_parameters", "param_persistenc
 # is `Field(..., gt=0)`; the others `ge=0`).
 _BUCKET_MINIMUM = {"reduce_bucket_size": 1}
 _STAGE12_ONLY = ("allgather_bucket_size",)  # stage 3 gathers by the prefetch bucket instead
+# Where DeepSpeed 0.19.8 refuses a config, named in the notes so a reader can check them.
+PIPELINE_ZERO_RULE = ('"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism" '
+                      "(deepspeed/runtime/pipe/engine.py:77)")
+PIPELINE_MPU_RULE = "deepspeed/__init__.py:583"  # mpu = model.mpu(): dp from the PipelineModule's topology
+BATCH_RULE = ("train_batch_size == train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp "
+              "(deepspeed/runtime/config.py:602)")
+REFUSES = "DeepSpeed refuses this config"
+DEEPSPEED_PLANS = "`shardplan plan --framework deepspeed` searches only the plans DeepSpeed runs"
+FIT_PLANS = "`shardplan plan --framework deepspeed` finds the plans that fit as DeepSpeed allocates them"
 
 
 def _applies(key: str, stage: int) -> bool:
@@ -45,7 +56,7 @@ def _applies(key: str, stage: int) -> bool:
 
 # Job keys this format carries (everything else that differs from its default gets a note).
 COVERED = (
-    "parallel.dp", "parallel.tp", "parallel.micro_batch_size", "parallel.num_microbatches",
+    "parallel.dp", "parallel.tp", "parallel.pp", "parallel.micro_batch_size", "parallel.num_microbatches",
     "zero.stage", "zero.hybrid", *(f"zero.{k}" for k in _BUCKETS),
     "offload.params", "offload.grads", "offload.optimizer", "offload.pin_memory", "offload.gpu_param_budget",
     "train.precision", "train.optimizer", "train.lr", "train.global_batch_size", "train.activation_checkpointing",
@@ -128,8 +139,34 @@ def to_deepspeed(plan: Plan) -> Exported:
                                                                 "model's code chooses what deepspeed.checkpointing recomputes"))
     if job.model.source is not None:
         notes.append(Note("model", "deepspeed's config has no model: the training script builds it"))
-    notes += unexpressed(plan, COVERED, TARGET)
+    notes = _pipeline_notes(plan, stage) + notes + unexpressed(plan, COVERED, TARGET)
     return Exported(config, notes)
+
+
+def _pipeline_notes(plan: Plan, stage: int) -> list[Note]:
+    """What a pipeline plan needs from the training script, and where DeepSpeed refuses the
+    config as written (first: a reader sees them before the notes on keys)."""
+    par = plan.job.parallel
+    if par.pp == 1:
+        return []
+    notes = []
+    if stage >= 2:
+        notes.append(Note("zero.stage", f"{REFUSES}: with pp {par.pp} it needs DeepSpeed's pipeline engine, which "
+                                        f"runs ZeRO stages 0 and 1 only, {PIPELINE_ZERO_RULE}, and the config writes "
+                                        f"stage {stage}; {DEEPSPEED_PLANS}"))
+    without = f"{REFUSES} without a PipelineModule: the {par.pp} stages' ranks then join data parallel"
+    if par.tp == par.cp == 1:  # no model-parallel unit: dp is the world
+        micro, steps = par.micro_batch_size, par.num_microbatches
+        without += (f", dp = world {plan.world} (deepspeed/runtime/config.py:471), and {BATCH_RULE} fails: "
+                    f"{plan.global_batch} != {micro} * {steps} * {plan.world}")
+    else:
+        without += f", and {BATCH_RULE} fails"
+    dims = " * ".join(f"{axis} {getattr(par, axis)}" for axis in ("tp", "pp", "cp") if getattr(par, axis) > 1)
+    notes.append(Note("parallel.pp", f"deepspeed's config has no pipeline degree: the training script's "
+                                     f"PipelineModule(num_stages={par.pp}) sets it, and DeepSpeed takes the "
+                                     f"data-parallel size from its topology ({PIPELINE_MPU_RULE}); the batch keys are "
+                                     f"written for dp = world {plan.world} / ({dims}) = {par.dp}. {without}"))
+    return notes
 
 
 def _stage_note(stage: int, written: int, dp: int) -> Note:
@@ -162,7 +199,7 @@ def _decided_offload(plan: Plan, notes: list[Note]) -> Offload:
         why.append("offload_param offloads every layer's parameters")
     because = f" ({'; '.join(why)})" if why else ""
     notes.append(Note("offload", f"the {decision.strategy} strategy offloads {decision.describe()}: "
-                                 f"{decision.written_as(written)}{because}, {fit}"))
+                                 f"{decision.written_as(written)}{because}, {fit}{way_out(fit, FIT_PLANS)}"))
     return written
 
 
@@ -178,8 +215,7 @@ def _as_planned_fit(plan: Plan, stage: int, notes: list[Note]) -> None:
                       resident_layers=0 if off.params else None, zero_stage=stage)
     fit = fit_of(decision, written, TARGET)
     if fit.fits is False:
-        notes.append(Note("zero.framework", f"written as planned, {fit}: `shardplan plan --framework deepspeed` "
-                                            "finds the plans that fit as DeepSpeed allocates them"))
+        notes.append(Note("zero.framework", f"written as planned, {fit}: {FIT_PLANS}"))
 
 
 def dumps(config: dict) -> str:

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from ...spec.job import parse_order
 from .common import Exported, Note, Plan, unexpressed
-from .offload import Offload, fit_of, same
+from .offload import Offload, fit_of, same, way_out
 
 TARGET = "megatron"
 
@@ -163,7 +163,7 @@ def _decided_offload(plan: Plan, notes: list[Note]) -> Offload:
     if not same(decision, written) or not fit.fits:
         notes.append(Note("offload", f"megatron offloads optimizer states only (--optimizer-cpu-offload); the "
                                      f"{decision.strategy} strategy offloads {decision.describe()}: "
-                                     f"{decision.written_as(written)}, {fit}"))
+                                     f"{decision.written_as(written)}, {fit}{way_out(fit, '')}"))
     return written
 
 

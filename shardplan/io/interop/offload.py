@@ -161,7 +161,8 @@ def fsdp2_stage(stage: int) -> int:
     return 2 if stage == 1 else stage
 
 
-def whole_model_offload(decision: OffloadDecision, key: str, stage: int, cannot: str = "") -> tuple[bool, str]:
+def whole_model_offload(decision: OffloadDecision, key: str, stage: int, cannot: str = "",
+                        advice: str = "") -> tuple[bool, str]:
     """For a target whose only CPU offload is FSDP2's CPUOffloadPolicy (`key`: true moves the
     parameters, gradients and optimizer states of every layer): the nearest setting to the
     strategy's decision that still fits, and the note that says what was written. Whole
@@ -170,20 +171,21 @@ def whole_model_offload(decision: OffloadDecision, key: str, stage: int, cannot:
     target cannot offload this plan at all (then false is written). `stage`: the job's ZeRO
     stage, estimated as the target writes it (`fsdp2_stage`). shardplan offloads
     parameters only at `zero.stage` 3 (core/checks.py), so below it whole offload is no option
-    and the note says whether stage 3 would fit."""
+    and the note says whether stage 3 would fit. A setting that does not fit ends the note with
+    what to do: `advice` (the target's own way out), else a search with more GPUs."""
     framework = "fsdp2"
     decided = decision.describe()
     head = f"the {decision.strategy} strategy offloads {decided}"
     if cannot:
-        return False, f"{cannot}; {head}: written as {key} = false, {fit_of(decision, NONE, framework)}"
+        fit = fit_of(decision, NONE, framework)
+        return False, f"{cannot}; {head}: written as {key} = false, {fit}{way_out(fit, advice)}"
     if stage != 3:
         fit = fit_of(decision, replace(NONE, zero_stage=fsdp2_stage(stage)), framework)
-        hint = ""
-        if not fit.fits:
-            full = fit_of(decision, replace(WHOLE, zero_stage=3), framework)
-            hint = f"; with zero.stage = 3 and {key} = true it would fit" if full.fits else ""
+        if fit.fits is False and fit_of(decision, replace(WHOLE, zero_stage=3), framework).fits:
+            advice = f"export it with --zero 3, with which {key} = true fits"
         return False, (f"{key} offloads every layer's parameters too, which shardplan plans only with "
-                       f"zero.stage = 3 (got {stage}); {head}: written as {key} = false, {fit}{hint}")
+                       f"zero.stage = 3 (got {stage}); {head}: written as {key} = false, {fit}"
+                       f"{way_out(fit, advice)}")
     fits = {}
     for option in (WHOLE, NONE):
         fits[option] = fit_of(decision, option, framework)
@@ -194,4 +196,16 @@ def whole_model_offload(decision: OffloadDecision, key: str, stage: int, cannot:
         return chosen.params, ""
     written = "true (every layer's parameters, gradients and optimizer states)" if chosen.params else "false"
     return chosen.params, (f"{key} moves the parameters, gradients and optimizer states of every layer together; "
-                           f"{head}: written as {key} = {written}, {fits[chosen]}")
+                           f"{head}: written as {key} = {written}, {fits[chosen]}{way_out(fits[chosen], advice)}")
+
+
+# What a user can always do about a config that does not fit: search the plans that fit.
+MORE_GPUS = "search again with more GPUs (`shardplan plan --gpus N`)"
+
+
+def way_out(fit: Fit, advice: str) -> str:
+    """The end of a note whose written setting does not fit: that a run of it stops out of
+    memory, and what to do instead (nothing when it fits or its fit is unknown)."""
+    if fit.fits is not False:
+        return ""
+    return f"; as written, a run stops out of memory: {advice or MORE_GPUS}"

@@ -120,8 +120,10 @@ def _training(plan: Plan, notes: list[Note]) -> dict:
     _, shard = _dp_degrees(plan)
     if plan.offload.changed:  # the offload strategy's decision, in the one setting torchtitan has
         cannot = "" if fsdp_applied(shard, par.cp) else f"torchtitan offloads to the CPU only under FSDP, {NO_FSDP}"
+        advice = ("give torchtitan more data-parallel ranks to shard over (`shardplan plan --gpus N`), or export "
+                  "to deepspeed, which offloads on one data-parallel rank") if cannot else ""
         training["enable_cpu_offload"], note = whole_model_offload(plan.offload, "enable_cpu_offload",
-                                                                   job.zero.stage, cannot)
+                                                                   job.zero.stage, cannot, advice)
         if note:
             notes.append(Note("offload", note))
         return training
