@@ -199,3 +199,151 @@ def test_the_head_gradient_before_its_hook(preset, stage, overlap, expected):
     held = {m: sum(t.bytes for t in terms if "head's gradient" in t.label or t.label.startswith("tied embedding"))
             for m, terms in deepspeed_memory(rp, plan).buffers_at.items()}
     assert {m: b // 2 for m, b in held.items() if b} == expected
+
+
+# -- Stage 0, bf16, pipeline parallelism: BF16_Optimizer ----------------------------------------
+#
+# deepspeed/runtime/engine.py lines 2313-2320 (`_do_optimizer_sanity_check`): without ZeRO, a bf16
+# model whose grad_accum_dtype is the model dtype (its default, lines 1806-1807) under a
+# PipelineModule steps with BF16_Optimizer (runtime/bf16_optimizer.py). llama-3-8b at pp 2, rank
+# 0: the embedding (525,336,576) and 16 layers of 218,103,808 matrix and 8,192 norm elements.
+# Both weight-decay groups are multiples of 2*dp at dp 4 and 8, so no padding
+# (`align_dense_tensors`, runtime/utils.py lines 994-1005).
+LLAMA_PP0_MATRICES = 525_336_576 + 16 * 218_103_808  # 4,014,997,504
+LLAMA_PP0_VECTORS = 16 * 8_192
+LLAMA_PP0 = LLAMA_PP0_MATRICES + LLAMA_PP0_VECTORS
+
+
+def _llama_pp2_rank0():
+    from shardplan.core.stages import rank_params
+    from shardplan.io.job import load_job
+
+    return rank_params(load_job(None, [("model.preset", "llama-3-8b")], env={}).shape, 2, 1, 0, 1, 0)
+
+
+def _stage0(rp, dp: int, precision: str = "bf16-mixed", pipeline: bool = True, accumulating: bool = True):
+    from shardplan.core.deepspeed import DeepSpeedPlan, deepspeed_memory
+
+    return deepspeed_memory(rp, DeepSpeedPlan(stage=0, degree=dp, index=0, precision=precision, optimizer="adamw",
+                                              accumulating=accumulating, pipeline=pipeline))
+
+
+def _by_label(terms) -> dict[str, int]:
+    return {t.label: t.bytes for t in terms}
+
+
+@pytest.mark.parametrize("dp, step_label, step_elements", [
+    # dp 8: the partition (501,891,072) is smaller than the embedding, whose gradient the global
+    # norm casts to fp32 alone (runtime/utils.py line 950, `tensor.detach().float().norm()`).
+    (8, "fp32 copy of the largest gradient (the global norm's .float())", 525_336_576),
+    # dp 4: the partition (1,003,782,144) cast to fp32 for the step (bf16_optimizer.py 414-418).
+    (4, "fp32 gradient partition (grad_partition.to(float32))", LLAMA_PP0 // 4),
+])
+def test_bf16_optimizer_at_stage_0_with_pipeline_parallelism(dp, step_label, step_elements):
+    rp = _llama_pp2_rank0()
+    assert rp.numel == LLAMA_PP0
+    memory = _stage0(rp, dp)
+    partition = LLAMA_PP0 // dp
+    assert _by_label(memory.gpu["params"]) == {"flat bf16 parameters (bf16_groups_flat)": 2 * LLAMA_PP0}  # 165-171
+    assert _by_label(memory.gpu["optimizer"]) == {
+        "fp32 master partition (fp32_groups_flat_partition)": 4 * partition,  # lines 181-183
+        "Adam moments": 8 * partition,  # AdamW over the partition (line 225)
+    }
+    assert _by_label(memory.gpu["grads"]) == {
+        "gradient accumulation buffer (fp32_groups_gradients_flat, bf16)": 2 * LLAMA_PP0,  # line 191, bf16
+        "bf16 gradients of the parameters (param.grad)": 2 * LLAMA_PP0,  # freed by zero_grad (625-627)
+    }
+    assert _by_label(memory.buffers_at["step"]) == {step_label: 4 * step_elements}
+    # The engine all-reduces [matrices, vectors]: the first passes 5e8 elements alone, a view.
+    assert memory.buffers_at["backward end"] == []
+    # 6 + 12 / dp bytes per element held through the step, where FP16_Optimizer holds 16.
+    states = sum(t.bytes for kind in ("params", "grads", "optimizer") for t in memory.gpu[kind])
+    assert states == 6 * LLAMA_PP0 + 12 * partition
+
+
+def test_bf16_optimizer_gradients_by_moment():
+    """The accumulation buffer exists from start (line 191, only zeroed after the step: lines
+    605-610); the parameters' bf16 gradients from the first backward to the step (no hook frees
+    them while immediate_grad_update is false, precision_config.py line 51; `zero_grad` sets them
+    to None after the step): in forward only when microbatches accumulate."""
+    rp = _llama_pp2_rank0()
+    buffer = "gradient accumulation buffer (fp32_groups_gradients_flat, bf16)"
+    lp = "bf16 gradients of the parameters (param.grad)"
+    for accumulating in (False, True):
+        grads = {m: [t.label for t in terms] for m, terms in _stage0(rp, 8, accumulating=accumulating).grads_at.items()}
+        assert grads["forward"] == ([buffer, lp] if accumulating else [buffer])
+        for moment in ("loss", "backward", "backward end", "step"):
+            assert grads[moment] == [buffer, lp]
+
+
+def test_bf16_optimizer_flattens_small_groups_to_all_reduce():
+    """`allreduce_no_retain` (engine.py lines 3828-3838) closes a list once it passes 5e8
+    elements; a list of two flat buffers is flattened into a new one (line 3796). ODD-sized
+    models keep both groups in one list: 2 B * (matrices + vectors), each padded to 2*dp."""
+    from shardplan.core.stages import rank_params
+    from shardplan.spec.model import resolve_shape
+
+    shape, problems = resolve_shape(dict(family="gpt2", num_layers=4, hidden_size=99, num_heads=3, vocab_size=101,
+                                         max_seq_len=33))
+    assert not problems
+    rp = rank_params(shape, 2, 1, 0, 1, 0)
+    memory = _stage0(rp, 2)
+    # Rank 0 of 2: matrices 248,490 -> 248,492 and vectors 2,574 -> 2,576 (multiples of 4).
+    assert _by_label(memory.buffers_at["backward end"]) == {
+        "flattened gradient buffers being all-reduced (allreduce_bucket)": 2 * (248_492 + 2_576)}
+
+
+@pytest.mark.parametrize("precision, pipeline", [("bf16-mixed", False), ("fp16-mixed", True)])
+def test_fp16_optimizer_elsewhere_at_stage_0(precision, pipeline):
+    """Without a PipelineModule bf16 takes DDP_BFLOAT16 (FP16_Optimizer), and fp16 always takes
+    FP16_Optimizer (engine.py line 2321): whole fp32 copies."""
+    memory = _stage0(_llama_pp2_rank0(), 8, precision=precision, pipeline=pipeline)
+    assert _by_label(memory.gpu["optimizer"]) == {"fp32 master copy": 4 * LLAMA_PP0, "Adam moments": 8 * LLAMA_PP0}
+
+
+def test_bf16_optimizer_is_not_taken_at_stage_1():
+    """ZeRO-1 takes BF16_Optimizer only with grad_accum_dtype fp32 (engine.py lines 2303-2310),
+    which no key of a job sets: stage 1 at pp 2 stays DeepSpeedZeroOptimizer."""
+    from shardplan.core.deepspeed import DeepSpeedPlan, deepspeed_memory
+
+    plan = DeepSpeedPlan(stage=1, degree=8, index=0, precision="bf16-mixed", optimizer="adamw", pipeline=True)
+    assert not plan.bf16_optimizer
+    assert "flat 16-bit parameters" in _by_label(deepspeed_memory(_llama_pp2_rank0(), plan).gpu["params"])
+
+
+def test_bloom_176b_fits_as_bigscience_ran_it():
+    """BLOOM-176B as BigScience trained it (tests/time_references.py `bloom_176b`: DeepSpeed's
+    pipeline engine, ZeRO 0, bf16, dp 8 x tp 4 x pp 12) fits an 80 GB A100, and its estimated
+    peak is at most the 60 GB per GPU BigScience reports it ran with ("using 60 GB of memory on
+    each GPU", bigscience.notion.site, the BigScience-176B-Model page), a figure read from
+    nvidia-smi that includes what the caching allocator keeps."""
+    from shardplan.core.estimate_inputs import default_cpu_budget
+    from shardplan.core.memory import estimate_memory
+    from time_references import bloom_176b
+
+    gib = 1 << 30
+    estimate = estimate_memory(bloom_176b().with_(gpu_memory=80 * gib, cpu_memory_per_node=512 * gib,
+                                                  cpu_memory_budget=default_cpu_budget(512 * gib)))
+    assert estimate.fits
+    assert estimate.peak_gpu_bytes <= 60 * 10 ** 9
+
+
+@pytest.mark.parametrize("precision, elements", [
+    # BF16_Optimizer: the largest fp32_groups_flat_partition (bf16_optimizer.py lines 181-183):
+    # BLOOM's first stage at tp 4 holds its embedding (62,720 x 14,336 = 899,153,920) and 5 layers
+    # of 12 * 14,336^2 / 4 = 616,562,688 matrix elements: 3,981,967,360, a multiple of 2 * 8, / 8.
+    ("bf16-mixed", 3_981_967_360 // 8),
+    # FP16_Optimizer: the matrices' whole fp32_groups_flat (runtime/fp16/fused_optimizer.py 94-103).
+    ("fp16-mixed", 3_981_967_360),
+])
+def test_checkpoint_staging_at_stage_0_is_the_largest_fp32_group(precision, elements):
+    """Writing a checkpoint stages one state tensor at a time on the host (core/host.py
+    `checkpoint_staging`): at stage 0 the largest fp32 master tensor, 1/dp of a group under
+    BF16_Optimizer, a whole group under FP16_Optimizer."""
+    from shardplan.core.host import checkpoint_staging
+    from shardplan.core.stages import rank_params
+    from time_references import bloom_176b
+
+    inputs = bloom_176b().with_(checkpointing=True, precision=precision)
+    rp = rank_params(inputs.shape, 12, 1, 0, 4, 0, (5, 5))
+    assert [t.bytes for t in checkpoint_staging(inputs, rp, 8)] == [4 * elements]

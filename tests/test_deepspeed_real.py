@@ -635,3 +635,171 @@ def test_stage_1_holds_every_gradient_until_the_boundary(measured, jobs, tag, st
     for rank in range(NPROC):
         first = measured[tag, stage, rank]["backward_ends"][0]
         assert first["param_grad_bytes"] == held == (978_120 if stage == 1 else 0)
+
+
+# -- Stage 0 with bf16 under a PipelineModule: BF16_Optimizer ----------------------------------
+#
+# A second launch, 4 CPU ranks (pp 2 x dp 2), runs this module as a script (`_bf16_pipeline_worker`
+# below): a PipelineModule whose two stages hold exactly the tensors shardplan gives ODD's pipeline
+# ranks at pp 2 (core/deepspeed.py `ordered_params`; each stage is one module holding them, their
+# gradients all ones), trained by DeepSpeed's pipeline engine with bf16 at ZeRO 0, two
+# microbatches, torch's AdamW over the weight-decay groups. Only the tensors' shapes and order
+# decide what BF16_Optimizer allocates (bf16_optimizer.py `_setup_for_real_optimizer`).
+
+PIPE_NPROC = 4  # pp 2 x dp 2
+
+
+def _odd_pipeline_ranks() -> list:
+    import tomllib
+
+    from shardplan.core.stages import rank_params
+    from shardplan.spec.model import resolve_shape
+
+    model = tomllib.loads(ODD)["model"]
+    shape, problems = resolve_shape({k: v for k, v in model.items() if k != "name"})
+    assert not problems, problems
+    return [rank_params(shape, 2, 1, pp_rank, 1, 0) for pp_rank in range(2)]
+
+
+@pytest.fixture(scope="module")
+def bf16_pipeline(tmp_path_factory) -> dict:
+    """{(pp_rank, dp_rank): report} from one torchrun launch of `_bf16_pipeline_worker`."""
+    problem = _platform_problem()
+    if problem:
+        pytest.skip(problem)
+    from shardplan.core.deepspeed import decays, ordered_params
+
+    stages = [[[list(p.shape), decays(p)] for p in ordered_params(rp)] for rp in _odd_pipeline_ranks()]
+    out = tmp_path_factory.mktemp("bf16_pipeline")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+               DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(PIPE_NPROC),
+           __file__, str(out), json.dumps(stages)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    reports = {}
+    for rank in range(PIPE_NPROC):
+        report = json.loads((out / f"rank{rank}.json").read_text(encoding="utf-8"))
+        reports[report["stage"], report["dp_rank"]] = report
+    return reports
+
+
+def _bf16_memory(rp, dp_rank: int):
+    from shardplan.core.deepspeed import DeepSpeedPlan, deepspeed_memory
+
+    plan = DeepSpeedPlan(stage=0, degree=2, index=dp_rank, precision="bf16-mixed", optimizer="adamw",
+                         accumulating=True, pipeline=True)
+    return deepspeed_memory(rp, plan)
+
+
+def _bytes_of(terms, label: str) -> int:
+    found = [t.bytes for t in terms if t.label.startswith(label)]
+    assert len(found) == 1, (label, [t.label for t in terms])
+    return found[0]
+
+
+def test_bf16_optimizer_buffers_measured(bf16_pipeline):
+    """Each pipeline rank's BF16_Optimizer, measured, against core/deepspeed.py's terms: the flat
+    bf16 copy padded to 2*dp (bf16_optimizer.py lines 165-171), the fp32 partition of 1/dp of it
+    (lines 181-183) and AdamW's two moments of that size, the accumulation buffer of the whole
+    flat size in bf16 (line 191), and at the step every parameter's bf16 gradient still alive
+    beside the fp32 cast of this rank's part of the buffer (lines 414-418)."""
+    ranks = _odd_pipeline_ranks()
+    for (stage, dp_rank), report in sorted(bf16_pipeline.items()):
+        assert report["optimizer"] == "BF16_Optimizer"
+        memory = _bf16_memory(ranks[stage], dp_rank)
+        params, grads, optimizer = memory.gpu["params"], memory.gpu["grads"], memory.gpu["optimizer"]
+        assert report["bf16_groups_flat"] == [BF16, _bytes_of(params, "flat bf16 parameters") // BF16]
+        assert report["fp32_groups_flat_partition"] == [4, _bytes_of(optimizer, "fp32 master partition") // 4]
+        assert report["adam_moments_bytes"] == _bytes_of(optimizer, "Adam moments")
+        assert report["fp32_groups_gradients_flat"] == [BF16, _bytes_of(grads, "gradient accumulation buffer") // BF16]
+        assert report["lp_grads_at_step_bytes"] == _bytes_of(grads, "bf16 gradients of the parameters")
+        assert report["master_grads_at_step"] == [4, _bytes_of(memory.buffers_at["step"], "fp32 gradient partition") // 4]
+
+
+def test_bf16_optimizer_frees_the_gradients_at_the_step(bf16_pipeline):
+    """After the step the parameters' bf16 gradients and the fp32 casts are gone (`zero_grad`,
+    lines 625-627; lines 424-426), so a step's first forward holds neither, while the
+    accumulation buffer stays (only zeroed, lines 605-610): the estimate's forward holds the
+    buffer always and the bf16 gradients only when microbatches accumulate (a later forward
+    follows a backward)."""
+    from shardplan.core.deepspeed import DeepSpeedPlan, deepspeed_memory
+
+    ranks = _odd_pipeline_ranks()
+    for (stage, dp_rank), report in bf16_pipeline.items():
+        assert report["lp_grads_after_step_bytes"] == 0
+        assert report["master_grads_after_step"] == 0
+        assert report["fp32_groups_gradients_flat"][1] > 0
+        one = deepspeed_memory(ranks[stage], DeepSpeedPlan(stage=0, degree=2, index=dp_rank, precision="bf16-mixed",
+                                                           optimizer="adamw", pipeline=True))
+        assert [t.label for t in one.grads_at["forward"]] == [
+            "gradient accumulation buffer (fp32_groups_gradients_flat, bf16)"]
+
+
+def _bf16_pipeline_worker(out_dir: str, stages_json: str) -> None:
+    """One rank of the bf16 pipeline run (see `bf16_pipeline`): writes OUT_DIR/rank<R>.json."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    stages = json.loads(stages_json)
+
+    class Holder(torch.nn.Module):
+        """One pipeline stage: holds the stage's tensors in order; every gradient is ones."""
+
+        def __init__(self, shapes):
+            super().__init__()
+            self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(shape)) for shape, _ in shapes)
+
+        def forward(self, x):
+            return x + sum(p.sum() for p in self.weights)
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    module = PipelineModule([LayerSpec(Holder, shapes) for shapes in stages], num_stages=len(stages),
+                            partition_method="uniform", loss_fn=lambda out, label: (out.float() - label).pow(2).mean())
+    stage = module.stage_id
+    flags = [matrix for _, matrix in stages[stage]]
+    params = list(module.parameters())
+    groups = [{"params": [p for p, m in zip(params, flags) if m], "weight_decay": 0.1},
+              {"params": [p for p, m in zip(params, flags) if not m], "weight_decay": 0.0}]
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 0}, "steps_per_print": 10 ** 9}
+    engine, optimizer, _, _ = deepspeed.initialize(model=module, optimizer=torch.optim.AdamW(groups, lr=1e-3),
+                                                   config=config)
+    seen = {}
+    real_step = optimizer.optimizer.step
+
+    def step(*args, **kwargs):
+        masters = [p for g in optimizer.optimizer.param_groups for p in g["params"]]
+        seen["master_grads_at_step"] = [masters[0].grad.element_size(), sum(p.grad.numel() for p in masters)]
+        seen["lp_grads_at_step_bytes"] = sum(p.grad.numel() * p.grad.element_size()
+                                             for p in params if p.grad is not None)
+        return real_step(*args, **kwargs)
+
+    optimizer.optimizer.step = step
+    data = iter([(torch.ones(1, 4, dtype=torch.bfloat16), torch.zeros(1, 4))] * 2)
+    engine.train_batch(data_iter=data)
+    state = optimizer.optimizer.state
+    report = dict(
+        stage=stage, dp_rank=dist.get_rank(group=engine.mpu.get_data_parallel_group()),
+        optimizer=type(optimizer).__name__,
+        bf16_groups_flat=[2, sum(t.numel() for t in optimizer.bf16_groups_flat)],
+        fp32_groups_flat_partition=[optimizer.fp32_groups_flat_partition[0].element_size(),
+                                    sum(t.numel() for t in optimizer.fp32_groups_flat_partition)],
+        adam_moments_bytes=sum(v.numel() * v.element_size() for s in state.values() for k, v in s.items()
+                               if k in ("exp_avg", "exp_avg_sq")),
+        fp32_groups_gradients_flat=[optimizer.fp32_groups_gradients_flat[0].element_size(),
+                                    sum(t.numel() for t in optimizer.fp32_groups_gradients_flat)],
+        lp_grads_after_step_bytes=sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+        master_grads_after_step=sum(p.grad.numel() for p in optimizer.fp32_groups_flat_partition if p.grad is not None),
+        **seen,
+    )
+    with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w", encoding="utf-8") as f:
+        json.dump(report, f)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    _bf16_pipeline_worker(sys.argv[1], sys.argv[2])

@@ -450,16 +450,21 @@ def test_a_fixed_key_no_plan_keeps_is_named(write):
     with tp, nor context parallel) is bad input naming it (exit 2), not a plan that does not fit
     (exit 1)."""
     job = write("job.toml", JOB)
-    for flags, named in ((("--set", "parallel.virtual_stages=3"), "parallel.virtual_stages = 3"),
-                         (("--tp", "16"), "parallel.tp = 16"),
-                         (("--tp", "8", "--zero", "1"), "parallel.tp = 8, zero.stage = 1"),
-                         (("--cp", "2"), "parallel.cp = 2")):  # runtime/capabilities.py: no context parallel
+    # A degree the search's own rules refuse says which rule (core/search.py `degree_refusal`).
+    for flags, named, why in (
+            (("--set", "parallel.virtual_stages=3"), "parallel.virtual_stages = 3", ""),
+            (("--tp", "16"), "parallel.tp = 16",
+             ": `shardplan run` splits no key/value head over tensor-parallel ranks (16 > model.num_kv_heads, 8)"),
+            (("--tp", "8", "--zero", "1"), "parallel.tp = 8, zero.stage = 1", ""),
+            (("--cp", "2"), "parallel.cp = 2", ": `shardplan run` executes no context parallelism")):
         result = run_cli("plan", job, "--gpus", "16", "--global-batch", "64", *flags)
         assert result.code == 2 and len(result.err_lines) == 1, (flags, result.err)
-        assert f"the job fixes {named}, which no plan of 16 GPUs keeps" in result.err, result.err
+        assert f"the job fixes {named}, which no plan of 16 GPUs keeps{why}" in result.err, result.err
         # At the flag that fixed the key when one key is to blame, as every bad input is.
         if "," not in named:
             assert result.err.startswith(f"{flags[0]}") and f": {named.split(' = ')[0]}: the job" in result.err
+    deep = run_cli("plan", job, "--gpus", "64", "--global-batch", "64", "--pp", "64")
+    assert deep.code == 2 and "which no plan of 64 GPUs keeps: 64 stages are more than the model's 32 layers" in deep.err
     # Written in the file: its file and line.
     written = write("vs.toml", JOB + "[parallel]\nvirtual_stages = 3\n")
     result = run_cli("plan", written, "--gpus", "16", "--global-batch", "64", "--json")

@@ -39,6 +39,20 @@ Sources, DeepSpeed 0.19.8, the release the `interop` extra installs (deepspeed/r
   and, as DDP_BFLOAT16, for bf16 at pp 1; engine.py lines 2294-2326, 2555-2631): a flat 16-bit copy the
   parameters view, an fp32 master copy and its Adam moments; the step casts every gradient to
   fp32 and concatenates them (lines 283-296), two fp32 copies at once.
+- Stage 0 with bf16 and pipeline parallelism, runtime/bf16_optimizer.py (BF16_Optimizer:
+  `_do_optimizer_sanity_check`, engine.py lines 2313-2320, takes it when the model dtype bf16
+  equals grad_accum_dtype, which defaults to it, lines 1806-1807, under a PipelineModule). Per group,
+  a flat bf16 copy padded to 2*dp that the parameters view (`bf16_groups_flat`, lines 165-171),
+  an fp32 partition of 1/dp of it that the optimizer steps (`fp32_groups_flat_partition`, lines
+  181-183, 225), so its moments are 1/dp too, and a gradient-accumulation buffer of the whole
+  flat size in grad_acc_dtype, bf16 here (`fp32_groups_gradients_flat`, line 191), allocated at
+  start. Each backward adds the parameters' own bf16 gradients into it (`update_hp_grads`, lines
+  508-539; pipe/engine.py lines 838-862), and the step's `zero_grad` frees them (lines 625-627,
+  engine.py line 3526). The pipeline engine all-reduces the buffers (`_bf16_reduce_grads`,
+  pipe/engine.py line 297), the step casts this rank's part of them to fp32
+  (`grad_partition.to`, lines 414-418) and drops the casts after it (lines 424-426), and the
+  updated bf16 partitions are all-gathered in place (`all_gather_into_tensor_dp_groups`,
+  runtime/utils.py lines 1008-1016).
 
 Pinned host memory comes from torch's caching host allocator, which rounds every allocation up
 to the next power of two (torch 2.13, ATen/core/CachingHostAllocator.h, `allocate`: "Round up
@@ -88,10 +102,19 @@ class DeepSpeedPlan:
     sub_group_size: int = 1_000_000_000  # zero/config.py line 182 (stage 3 only)
     overlap_comm: bool | None = None  # None: DeepSpeed's default, true at stage 3 only
     accumulating: bool = False  # gradient accumulation or pipeline microbatches
+    pipeline: bool = False  # pp > 1: the model is a PipelineModule (engine.py line 582)
 
     @property
     def overlap(self) -> bool:
         return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
+
+    @property
+    def bf16_optimizer(self) -> bool:
+        """DeepSpeed steps with BF16_Optimizer: stage 0, bf16 (pure bf16 runs as bf16 mixed
+        precision), a PipelineModule (`_do_optimizer_sanity_check`, engine.py lines 2313-2320,
+        with grad_accum_dtype at its default, the model dtype: lines 1806-1807). Stage 1 takes it
+        only with grad_accum_dtype fp32 (lines 2303-2310), which no key of a job sets."""
+        return uses_bf16_optimizer(self.stage, self.precision, self.pipeline)
 
     @property
     def model_bytes(self) -> int:
@@ -111,6 +134,11 @@ class DeepSpeedPlan:
         ones for adamw8bit (2: Dettmers et al. 2022; DeepSpeed steps a client 8-bit optimizer,
         whose block scales, under 2% at block size 256, are left out here), SGD none."""
         return {"adamw": 2 * FP32, "adamw8bit": 2}.get(self.optimizer, 0)
+
+
+def uses_bf16_optimizer(stage: int, precision: str, pipeline: bool) -> bool:
+    """See `DeepSpeedPlan.bf16_optimizer`."""
+    return stage == 0 and precision in ("bf16-mixed", "bf16") and pipeline
 
 
 @dataclass
@@ -242,13 +270,7 @@ def reduction_copy(rp: RankParams, stage: int, degree: int, limit: int, in_backw
     params = ordered_params(rp)
     sizes = [p.numel for p in params]
     if stage == 0:
-        largest, held, count = 0, 0, 0
-        for size in sizes:
-            held, count = held + size, count + 1
-            if held > ENGINE_ALLREDUCE_SIZE:
-                largest = max(largest, held if count > 1 else 0)
-                held, count = 0, 0
-        return max(largest, held if count > 1 else 0)
+        return _allreduce_copy(sizes)
     if stage == 3:
         order = sizes[::-1]
         largest = 0
@@ -585,7 +607,86 @@ def stage3_sub_groups(rp: RankParams, degree: int, sub_group_size: int) -> list[
             for size in sub_groups_of([-(-p.numel // degree) for p in group], sub_group_size)]
 
 
+def _bf16_optimizer(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
+    """Stage 0 with bf16 under a PipelineModule: runtime/bf16_optimizer.py (module docstring)."""
+    groups = flat_groups(rp, plan.degree, plan.index)
+    model = plan.model_bytes
+    padded = sum(g.padded for g in groups)
+    partition = sum(g.partition for g in groups)
+    moments = (FORWARD, LOSS, BACKWARD, BACKWARD_END, STEP)
+    grads_at: dict[str, list[Term]] = {m: [] for m in moments}
+    buffers_at: dict[str, list[Term]] = {m: [] for m in moments}
+    # bf16_optimizer.py lines 165-171: each group flattened, padded to
+    # nccl_start_alignment_factor (2) * dp, the parameters made views of it.
+    gpu = {"params": [_term("flat bf16 parameters (bf16_groups_flat)", padded, model,
+                            f"{len(groups)} groups padded to 2*dp")], "grads": [], "optimizer": []}
+    # Lines 181-183: this rank's 1/dp of the flat copy, cloned to fp32; line 225 makes it the
+    # optimizer's only parameter, so torch's Adam keeps its moments at that size.
+    gpu["optimizer"].append(_term("fp32 master partition (fp32_groups_flat_partition)", partition, FP32,
+                                  f"1/{plan.degree} of the flat buffer"))
+    if plan.moments:
+        gpu["optimizer"].append(_term("Adam moments", partition, plan.moments,
+                                      f"{plan.moments} B of moments per element of the partition"))
+    # Line 191: `torch.zeros_like(bf16_groups_flat[i], dtype=grad_acc_dtype)`, the whole flat
+    # size, allocated at start and only zeroed after each step (`clear_hp_grads`, lines 605-610).
+    # grad_acc_dtype is the model dtype by default (engine.py lines 1806-1807): bf16, 2 B.
+    accumulation = _term("gradient accumulation buffer (fp32_groups_gradients_flat, bf16)", padded, model,
+                         "the whole flat size, in grad_acc_dtype")
+    gpu["grads"].append(accumulation)
+    for moment in moments:
+        grads_at[moment].append(accumulation)
+    # The parameters' own bf16 gradients (`param.grad`): immediate_grad_update is false by
+    # default (precision_config.py line 51), so no hook frees them; each backward adds them into
+    # the buffer after it ends (`update_hp_grads(clear_lp_grads=False)`, pipe/engine.py lines
+    # 859-862; `backward_epilogue`, engine.py line 3161) and the next one zeroes them in place
+    # (`clear_lp_grads`, lines 612-623). The step's `zero_grad` sets them to None (lines
+    # 625-627, called by engine.py line 3526): alive from the first backward to the step.
+    lp = _term("bf16 gradients of the parameters (param.grad)", rp.numel, model, "every local gradient")
+    gpu["grads"].append(lp)
+    for moment in (LOSS, BACKWARD, BACKWARD_END, STEP) + ((FORWARD,) if plan.accumulating else ()):
+        grads_at[moment].append(lp)
+    # After the last backward the pipeline engine all-reduces the buffers (`_bf16_reduce_grads`,
+    # pipe/engine.py line 297: `buffered_allreduce_fallback` with 5e8 elements per list, engine.py
+    # lines 3921-3929 and 3828-3838), flattening a list of two or more into a new tensor (line 3796).
+    if copy := _allreduce_copy([g.padded for g in groups]):
+        buffers_at[BACKWARD_END].append(_term("flattened gradient buffers being all-reduced (allreduce_bucket)",
+                                              copy, model, "a list of two or more flat buffers"))
+    # The step, two instants. First the global norm casts each parameter's gradient (a view of
+    # the buffer) to fp32 one at a time (`get_global_norm_of_tensors`, runtime/utils.py line 950:
+    # `tensor.detach().float().norm()`; bf16_optimizer.py lines 388-392); clipping multiplies in
+    # place (utils.py lines 988-990). Then each group's part of the buffer is cast to fp32 as the
+    # master's gradient (lines 414-418), all groups before `optimizer.step()`, dropped after it
+    # when grad_acc_dtype is not fp32 (lines 424-426). The updated bf16 partitions are
+    # all-gathered into the flat copy itself (`all_gather_into_tensor_dp_groups`, runtime/utils.py
+    # lines 1008-1016): no further buffer. The larger of the two instants is counted.
+    largest = max((p.numel for p in rp.layer + rp.root), default=0)
+    if partition >= largest:
+        buffers_at[STEP].append(_term("fp32 gradient partition (grad_partition.to(float32))", partition, FP32,
+                                      "this rank's part of the buffer, cast (more than the norm's cast of the "
+                                      "largest tensor)"))
+    else:
+        buffers_at[STEP].append(_term("fp32 copy of the largest gradient (the global norm's .float())", largest,
+                                      FP32, "the largest local tensor, cast for its norm (more than the cast "
+                                      "partition)"))
+    return DeepSpeedMemory(gpu, {"params": [], "grads": [], "optimizer": []}, grads_at, buffers_at, [])
+
+
+def _allreduce_copy(sizes: list[int]) -> int:
+    """Elements of the largest list the engine flattens into a new tensor as it all-reduces
+    `sizes` in order (`allreduce_no_retain`, engine.py lines 3828-3838: a list closes once it
+    passes 5e8 elements; `flatten` of a single tensor is a view of it, line 3796)."""
+    largest, held, count = 0, 0, 0
+    for size in sizes:
+        held, count = held + size, count + 1
+        if held > ENGINE_ALLREDUCE_SIZE:
+            largest = max(largest, held if count > 1 else 0)
+            held, count = 0, 0
+    return max(largest, held if count > 1 else 0)
+
+
 def _stage0(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
+    if plan.bf16_optimizer:
+        return _bf16_optimizer(rp, plan)
     model = plan.model_bytes
     numel = rp.numel
     moments = (FORWARD, LOSS, BACKWARD, BACKWARD_END, STEP)

@@ -193,16 +193,17 @@ def _activation_shape(inputs: EstimateInputs, eb: ElementBytes) -> ActivationSha
                            inputs.sequence_parallel and d.tp > 1, inputs.recompute, inputs.attention,
                            inputs.dropout, eb.compute,
                            uses_autocast(inputs.framework, inputs.zero_stage, inputs.precision), inputs.loss,
-                           inputs.lora)
+                           inputs.lora, inputs.sp_keeps_gathered)
 
 
 @lru_cache(maxsize=4096)
 def _interned_shape(shape: ModelShape, micro_batch: int, seq_len: int, tp: int, cp: int, sequence_parallel: bool,
                     recompute: str, attention: str, dropout: bool, act_bytes: int, autocast: bool, loss: str,
-                    lora: LoraPlan | None) -> ActivationShape:
+                    lora: LoraPlan | None, keeps_gathered: bool = False) -> ActivationShape:
     return ActivationShape(shape=shape, micro_batch=micro_batch, seq_len=seq_len, tp=tp, cp=cp,
                            sequence_parallel=sequence_parallel, recompute=recompute, attention=attention,
-                           dropout=dropout, act_bytes=act_bytes, autocast=autocast, loss=loss, lora=lora)
+                           dropout=dropout, act_bytes=act_bytes, autocast=autocast, loss=loss, lora=lora,
+                           keeps_gathered=keeps_gathered)
 
 
 def torch_sequence_parallel_extra(inputs: EstimateInputs) -> int:
@@ -364,7 +365,7 @@ def _deepspeed(inputs: EstimateInputs, rp: RankParams, degree: int, index: int) 
         prefetch_bucket_size=inputs.prefetch_bucket_size, max_live_parameters=inputs.max_live_parameters,
         persistence_threshold=inputs.param_persistence_threshold, sub_group_size=inputs.sub_group_size,
         overlap_comm=inputs.overlap_comm,
-        accumulating=inputs.num_microbatches > 1,
+        accumulating=inputs.num_microbatches > 1, pipeline=inputs.degrees.pp > 1,
     )
     ds = _deepspeed_cached(rp, plan)
     return _RankMemory(ds.gpu, ds.cpu, ds.grads_at, ds.buffers_at), ds.host

@@ -81,6 +81,10 @@ class EstimateInputs:
     on_gpu: bool = True  # CUDA allowances apply
     checkpointing: bool = False  # `run` writes checkpoints: their staging is host memory
     lora: LoraPlan | None = None  # LoRA / QLoRA: adapters train, the base is frozen (None: full training)
+    # Sequence parallel counted as torch's DTensor plan keeps it (the gathered inputs of the QKV
+    # and MLP linears, core/estimate.py `torch_sequence_parallel_extra`), not as the paper does:
+    # the planner's check that `run` holds a plan; the estimate itself follows the paper (CONTRACT).
+    sp_keeps_gathered: bool = False
 
     __hash__ = cached_hash  # planner caches key on this frozen value
 

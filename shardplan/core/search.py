@@ -169,6 +169,36 @@ def degree_options(shape: ModelShape, space: Space, fixed: Fixed, seq_len: int,
                 yield Degrees(dp=dp, tp=tp, pp=pp, cp=cp)
 
 
+def degree_refusal(shape: ModelShape, space: Space, name: str, value: int, seq_len: int,
+                   lora: LoraPlan | None = None) -> str | None:
+    """Why `degree_options` offers no plan with degree `name` = `value` alone (its own rules,
+    in its order), or None when the degree by itself is allowed."""
+    world, heads, kv = space.world, shape.num_heads, shape.num_kv_heads
+    if world % value:
+        return f"{value} does not divide the {world:,} GPUs"
+    if name == "tp":
+        if heads % value:
+            return f"{value} does not divide model.num_heads ({heads})"
+        if kv % value and value % kv:
+            return f"{value} neither divides nor is a multiple of model.num_kv_heads ({kv})"
+        if space.runnable and value > kv:
+            return f"`shardplan run` splits no key/value head over tensor-parallel ranks ({value} > model.num_kv_heads, {kv})"
+        if space.runnable and lora is not None and lora.nf4 and value > 1:
+            return "`shardplan run` executes QLoRA without tensor parallelism"
+        if space.runnable and not space.tied_tp and shape.tie_embeddings and value > 1:
+            return "`shardplan run` executes a model with tied embeddings without tensor parallelism"
+    if name == "cp" and value > 1:
+        if space.runnable:
+            return "`shardplan run` executes no context parallelism"
+        if space.deepspeed:
+            return "DeepSpeed's engine has no context parallelism of this kind"
+        if seq_len % (2 * value):
+            return f"the sequence of {seq_len:,} tokens does not split into {2 * value} chunks"
+    if name == "pp" and value > shape.num_layers:
+        return f"{value} stages are more than the model's {shape.num_layers} layers"
+    return None
+
+
 def schedule_options(shape: ModelShape, pp: int, space: Space, fixed: Fixed) -> list[tuple[str, int, tuple[int, int]]]:
     """(schedule, virtual stages, (first, last) stage layers) for pp stages. One stage runs
     gradient accumulation: no schedule to choose. 1F1B takes uneven end stages: the first
@@ -449,6 +479,7 @@ SMALLER = "GPU memory (a smaller micro batch already does not fit)"
 STATES = "model states exceed the GPU memory"
 FORWARD = "GPU memory (states and stage 0's activations)"
 OFFLOAD_FLOOR = "GPU memory even with every offload (activations and what stays on the GPU)"
+TORCH_SP = "GPU memory with sequence parallel as torch keeps it (the gathered linear inputs)"
 NF4_OFFLOAD = "it would offload NF4 weights, which `run` does not"
 TWIN = "the same plan and step at another ZeRO stage with less memory (one rank per shard group shards nothing)"
 
@@ -468,8 +499,9 @@ class _Walk:
     largest fitting micro batch. Every plan the walk reaches counts once in `evaluated` and
     once either under a rejection reason or in `fitting` (tests/test_plan_cli.py)."""
 
-    def __init__(self, base: EstimateInputs, top_k: int, timer, progress, refine=None):
+    def __init__(self, base: EstimateInputs, top_k: int, timer, progress, refine=None, torch_sp: bool = False):
         share = PRESSURE.get(base.strategy)  # the job's strategy keeps its headroom
+        self.torch_sp = torch_sp  # sequence-parallel plans must also fit as torch keeps them (`memory`)
         self.capacity = self.gpu_memory = base.gpu_memory
         if self.capacity is not None and share is not None and share < 1:
             self.capacity = int(share * self.capacity)
@@ -542,6 +574,15 @@ class _Walk:
             if not self.fitted:
                 self.miss(inputs, peak, host, max(over_gpu, over_host), reason)
             return False, peak, host, reason
+        if self.torch_sp and inputs.sequence_parallel and inputs.degrees.tp > 1 and self.capacity is not None:
+            # `run` executes sequence parallel as torch's DTensor plan does, which keeps the
+            # gathered inputs of the QKV and MLP linears beyond the paper's accounting that the
+            # figures (and `estimate`) follow: the plan must also fit as torch keeps them.
+            held = plan_figures(inputs.with_(sp_keeps_gathered=True), self.capacity)[0]
+            if held > self.capacity:
+                if not self.fitted:
+                    self.miss(inputs, peak, host, held - self.capacity, TORCH_SP)
+                return False, peak, host, TORCH_SP
         self.fitted = True
         return True, peak, host, ""
 
@@ -804,7 +845,7 @@ def search(base: EstimateInputs, space: Space, fixed: Fixed, timer: Callable[[Es
     micro batches (core/step_time.py `step_time_group_bound`), with which the plans' own bounds
     are computed only for the groups the walk reaches (`_Walk.in_bound_order`)."""
     start = time.perf_counter()
-    walk = _Walk(base, top_k, timer, progress, refine)
+    walk = _Walk(base, top_k, timer, progress, refine, torch_sp=space.runnable)
     result = walk.result
     groups = list(candidates(base, space, fixed, result.rejected))
     result.evaluated = sum(result.rejected.values())  # the plans the structure rejected

@@ -21,8 +21,8 @@ from ..core.degrees import Degrees
 from ..core.estimate_inputs import EstimateInputs, default_cpu_budget, inputs_from_job
 from ..core.memory import Estimate, cpu_limit, estimate_memory, offload_host_need, resolve_offload
 from ..core.pipeline import split_label
-from ..core.search import (Fixed, Group, Miss, SearchResult, Space, candidates, degree_options, next_split_batch,
-                           schedule_options, search)
+from ..core.search import (Fixed, Group, Miss, SearchResult, Space, candidates, degree_options, degree_refusal,
+                           next_split_batch, schedule_options, search)
 from ..spec.common import MAX_WORLD_SIZE
 from ..spec.errors import InputError, Problem
 from ..spec.units import counted, format_bytes
@@ -237,10 +237,16 @@ def _blame_fixed(base: EstimateInputs, space: Space, fixed: Fixed, timer, rankin
     text = ", ".join(f"{FIXED_KEYS[name]} = {_value(given[name])}" for name in culprits)
     what = "the plans `shardplan run` executes" if space.runnable else "the plans of the job's framework"
     either = "it" if len(culprits) == 1 else ("one of them" if alone else "them")
+    # A degree alone can say why: the rule of the search's degrees that refuses it.
+    why = [reason for name in culprits if name in ("tp", "pp", "cp") and base.shape is not None
+           for reason in [degree_refusal(base.shape, space, name, given[name], base.seq_len, base.lora)] if reason]
+    if why:
+        said = f"the job fixes {text}, which no plan of {counted(space.world, 'GPU')} keeps: {'; '.join(why)}"
+    else:
+        said = (f"the job fixes {text}, which no plan of {counted(space.world, 'GPU')} keeps (among {what}, for "
+                "this model and batch)")
     problem = Problem(FIXED_KEYS[culprits[0]] if len(culprits) == 1 else "",
-                      f"the job fixes {text}, which no plan of {counted(space.world, 'GPU')} keeps (among {what}, for "
-                      f"this model and batch): leave {either} out of the job and the command line to let the plan "
-                      "choose")
+                      f"{said}: leave {either} out of the job and the command line to let the plan choose")
     # At the key's flag or file line when one key is to blame; keys from several places stay unplaced.
     raise InputError(locate([problem]) if len(culprits) == 1 else [problem])
 
