@@ -15,7 +15,7 @@ rank; `shardplan run` compares them with what each rank measures.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import lru_cache
 from math import gcd
 
@@ -213,8 +213,9 @@ def torch_sequence_parallel_extra(inputs: EstimateInputs) -> int:
     linears. 0 without sequence parallel, and under `deepspeed`, whose accounting is the paper's."""
     if inputs.framework != "fsdp2" or inputs.shape is None or not inputs.sequence_parallel or inputs.degrees.tp == 1:
         return 0
-    paper = _activation_shape(inputs, element_bytes(inputs.framework, inputs.precision, inputs.optimizer))
-    torch_sp = replace(paper, keeps_gathered=True)
+    eb = element_bytes(inputs.framework, inputs.precision, inputs.optimizer)
+    paper = _activation_shape(inputs.with_(sp_keeps_gathered=False), eb)
+    torch_sp = _activation_shape(inputs.with_(sp_keeps_gathered=True), eb)
     return sum(t.bytes for t in stored_layer_terms(torch_sp)) - sum(t.bytes for t in stored_layer_terms(paper))
 
 

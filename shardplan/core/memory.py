@@ -239,7 +239,8 @@ def offload_host_need(inputs: EstimateInputs) -> int:
     return max([plan_figures(decided)[1], *asked])
 
 
-# The host limit `offload_host_need` lends the strategy: more than any node holds.
+# A host limit more than any node holds (1 PiB): what `offload_host_need` and the planner's
+# what-would-fit search (io/plan_search.py) lend the offload strategy.
 HOST_WITHOUT_LIMIT = 2**50
 
 

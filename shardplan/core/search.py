@@ -141,27 +141,17 @@ def _options(fixed: int | None, values: list[int]) -> list[int]:
 
 def degree_options(shape: ModelShape, space: Space, fixed: Fixed, seq_len: int,
                    lora: LoraPlan | None = None) -> Iterator[Degrees]:
-    """dp x tp x pp x cp = world, each allowed by the model (core/checks.py's rules): tp
-    divides the query heads and divides or is a multiple of the key/value heads (and, for
-    `run`, is at most them), pp at most the layers, cp splits the sequence into 2*cp
-    chunks (`run`: cp 1). `run` executes QLoRA, and models with tied embeddings, without
-    tensor parallelism (runtime/capabilities.py)."""
+    """dp x tp x pp x cp = world, each degree allowed by the model and the space
+    (`degree_refusal`, core/checks.py's rules)."""
     world = space.world
-    heads, kv = shape.num_heads, shape.num_kv_heads
-    if space.runnable and (fixed.cp or 1) > 1:  # `run` executes no context parallel (capabilities.py)
-        return
     for tp in _options(fixed.tp, divisors(world)):
-        if world % tp or heads % tp or (kv % tp and tp % kv) or (space.runnable and tp > kv):
-            continue
-        if space.runnable and lora is not None and lora.nf4 and tp > 1:
-            continue
-        if space.runnable and not space.tied_tp and shape.tie_embeddings and tp > 1:  # runtime/capabilities.py
+        if degree_refusal(shape, space, "tp", tp, seq_len, lora):
             continue
         for cp in _options(fixed.cp, [1] if space.runnable or space.deepspeed else divisors(world // tp)):
-            if world % (tp * cp) or (cp > 1 and seq_len % (2 * cp)):
+            if world % (tp * cp) or degree_refusal(shape, space, "cp", cp, seq_len, lora):
                 continue
             for pp in _options(fixed.pp, divisors(world // (tp * cp))):
-                if world % (tp * cp * pp) or pp > shape.num_layers:
+                if world % (tp * cp * pp) or degree_refusal(shape, space, "pp", pp, seq_len, lora):
                     continue
                 dp = world // (tp * cp * pp)
                 if fixed.dp is not None and dp != fixed.dp:
@@ -171,8 +161,12 @@ def degree_options(shape: ModelShape, space: Space, fixed: Fixed, seq_len: int,
 
 def degree_refusal(shape: ModelShape, space: Space, name: str, value: int, seq_len: int,
                    lora: LoraPlan | None = None) -> str | None:
-    """Why `degree_options` offers no plan with degree `name` = `value` alone (its own rules,
-    in its order), or None when the degree by itself is allowed."""
+    """Why no plan may have degree `name` = `value`, whatever the other degrees (the rules of
+    `degree_options`, which asks this of every degree it tries), or None when it may: tp
+    divides the query heads and divides or is a multiple of the key/value heads (and, for
+    `run`, is at most them), pp at most the layers, cp splits the sequence into 2*cp chunks;
+    `run` executes no context parallel, and QLoRA and models with tied embeddings without
+    tensor parallelism (runtime/capabilities.py)."""
     world, heads, kv = space.world, shape.num_heads, shape.num_kv_heads
     if world % value:
         return f"{value} does not divide the {world:,} GPUs"
@@ -190,8 +184,6 @@ def degree_refusal(shape: ModelShape, space: Space, name: str, value: int, seq_l
     if name == "cp" and value > 1:
         if space.runnable:
             return "`shardplan run` executes no context parallelism"
-        if space.deepspeed:
-            return "DeepSpeed's engine has no context parallelism of this kind"
         if seq_len % (2 * value):
             return f"the sequence of {seq_len:,} tokens does not split into {2 * value} chunks"
     if name == "pp" and value > shape.num_layers:

@@ -19,13 +19,14 @@ from pathlib import Path
 
 from ..core.degrees import Degrees
 from ..core.estimate_inputs import EstimateInputs, default_cpu_budget, inputs_from_job
-from ..core.memory import Estimate, cpu_limit, estimate_memory, offload_host_need, resolve_offload
+from ..core.memory import (HOST_WITHOUT_LIMIT, Estimate, cpu_limit, estimate_memory, offload_host_need,
+                           resolve_offload)
 from ..core.pipeline import split_label
 from ..core.search import (Fixed, Group, Miss, SearchResult, Space, candidates, degree_options, degree_refusal,
                            next_split_batch, schedule_options, search)
 from ..spec.common import MAX_WORLD_SIZE
 from ..spec.errors import InputError, Problem
-from ..spec.units import counted, format_bytes
+from ..spec.units import GIB, counted, format_bytes
 from .files import Document, read_document
 from .job import ResolvedJob, hf_config_as_job
 from .overrides import apply_overrides
@@ -448,9 +449,8 @@ def _batch_that_splits(base: EstimateInputs, space: Space, fixed: Fixed, timer, 
     return [f"{head}, nor one up to {limit}: plan fewer GPUs (--gpus)"]
 
 
-# Host memory per node `_what_it_would_take` lends the offload to ask whether the host stopped it
-# (1 PiB: beyond any node), and the plans of that search whose host memory it compares.
-ROOMY_HOST = 2**50
+# The plans of the search with room on the host (core/memory.py HOST_WITHOUT_LIMIT) whose host
+# memory `_what_it_would_take` compares.
 HOST_TRIES = 5
 
 # Counts `_what_it_would_take` tries between a world that fits nothing and twice it that fits.
@@ -464,8 +464,6 @@ def between(low: int, high: int, gpus_per_node: int) -> list[int]:
     counts = {-(-(low + (high - low) * i // (BETWEEN_TRIES + 1)) // unit) * unit for i in range(1, BETWEEN_TRIES + 1)}
     return sorted(c for c in counts if low < c < high)
 
-
-GIB = 2**30
 
 
 def _host_to_ask(base: EstimateInputs, need: int) -> tuple[int, int]:
@@ -504,7 +502,7 @@ def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer,
     elif space.offload and base.cpu_memory_budget is not None:
         # The strategy may offload, but the host memory it may use can be what stops it: the
         # same search with room on the host, and the least host memory of its fastest plans.
-        roomy = base.with_(cpu_memory_per_node=ROOMY_HOST, cpu_memory_budget=ROOMY_HOST)
+        roomy = base.with_(cpu_memory_per_node=HOST_WITHOUT_LIMIT, cpu_memory_budget=HOST_WITHOUT_LIMIT)
         found = searched(roomy, space.world, True, top_k=HOST_TRIES).plans
         if found:
             # What the strategy asks on its way to each plan, not only what the plan holds.
