@@ -146,3 +146,47 @@ def test_time_model_covers_every_mode():
     assert plain < compressed[0] < compressed[1] < compressed[2]
     both = _offload_seconds("offload.optimizer=true", "offload.params=true", "offload.gpu_param_budget=1GiB")
     assert both < plain
+
+
+# Llama-3 8B full training on two RTX 4090s (22.35 GiB): only offload fits, and offloading the
+# optimizer states alone pins more host memory (135.83 GiB) than the plan the balanced strategy
+# ends with, the optimizer, the gradients and 30 of 32 layers' parameters (134.21 GiB).
+ON_4090S = ["--set", "model.preset=llama-3-8b", "--set", "train.seq_len=4096", "--set", "cluster.gpu=rtx-4090",
+            "--set", "cluster.gpus_per_node=2", "--dp", "2", "--zero", "3", "--set", "parallel.micro_batch_size=2",
+            "--set", "parallel.num_microbatches=4", "--set", "train.activation_checkpointing=full"]
+
+
+def _on_4090s(ram_gib: int) -> tuple[int, dict]:
+    result = run_cli("estimate", "--json", *ON_4090S, "--set", f"cluster.cpu_memory_per_node={ram_gib}GiB")
+    return result.code, result.json
+
+
+def test_strategy_goes_past_a_step_over_the_host_limit():
+    """Only the plan the strategy ends with runs: a step on its way that needs more host memory
+    than the node's limit does not stop it when a later step needs less. With 150 GiB of RAM
+    (a 135 GiB budget) the optimizer step asks 135.83 GiB, and the strategy ends at the plan a
+    host without limit gives, which fits."""
+    code, roomy = _on_4090s(2048)
+    assert code == 0
+    code, doc = _on_4090s(150)
+    assert code == 0 and doc["fits"] is True, doc["decisions"]
+    assert doc["assumptions"]["offload"] == roomy["assumptions"]["offload"]
+    assert doc["cpu_bytes_per_node"] == roomy["cpu_bytes_per_node"] <= doc["host"]["limit"]
+    assert "over its 135.00 GiB: offloading more may need less" in doc["decisions"][1]
+
+
+def test_a_host_limit_under_the_plans_need_offloads_more_layers():
+    """With the optimizer on the host, a resident layer's states take more host memory than an
+    offloaded layer's (the engine's pinned master and gradient buffers against FSDP's shards),
+    so a limit below the plan's 134.21 GiB is met by offloading more layers than the GPU needs;
+    none fits under the host of every layer offloaded."""
+    _, roomy = _on_4090s(2048)
+    code, doc = _on_4090s(149)  # a 134.10 GiB budget
+    assert code == 0 and doc["cpu_bytes_per_node"] <= doc["host"]["limit"] < roomy["cpu_bytes_per_node"]
+    resident, roomy_resident = (d["assumptions"]["offload"]["resident_layers"] for d in (doc, roomy))
+    assert max(resident) < max(roomy_resident)
+    assert doc["peak_gpu_bytes"] < roomy["peak_gpu_bytes"]
+    assert any(line.startswith("more layers than the GPU needs") for line in doc["decisions"])
+    code, doc = _on_4090s(145)
+    assert code == 1 and doc["fits"] is False
+    assert "no further offload needs less" in doc["decisions"][-1]

@@ -590,7 +590,8 @@ def test_host_memory_that_stops_the_offload_is_named(write, text, ram, may_use):
     8 A100s with 512 GiB of RAM per node (docs/plan.md), whose offload may use 460.80 GiB; and
     Llama-3 8B on two RTX 4090s with 64 GiB. The note names the host memory per node the
     offload needs on its way to a plan and the `--set` that gives it; with that set `plan`
-    finds one, and with a node 1 GiB smaller nothing fits."""
+    finds one, and with a node 1 GiB smaller only a slower plan (the strategy offloads more
+    layers to hold less on the host) or none."""
     job = write("ft.toml", text)
     result = run_cli("plan", job, "--set", f"cluster.cpu_memory_per_node={ram}GiB", "--json")
     assert result.code == 1
@@ -599,10 +600,11 @@ def test_host_memory_that_stops_the_offload_is_named(write, text, ram, may_use):
     keys = notes[0].split("--set ")[1:]
     assert [key.split("=")[0] for key in keys] == ["cluster.cpu_memory_per_node"], notes[0]
     node = int(keys[0].split("=")[1].removesuffix("GiB").strip())
-    fits = run_cli("plan", job, "--set", f"cluster.cpu_memory_per_node={node}GiB", "--top", "1")
+    fits = run_cli("plan", job, "--set", f"cluster.cpu_memory_per_node={node}GiB", "--top", "1", "--json")
     assert fits.code == 0, fits.err
-    short = run_cli("plan", job, "--set", f"cluster.cpu_memory_per_node={node - 1}GiB", "--top", "1")
-    assert short.code == 1
+    short = run_cli("plan", job, "--set", f"cluster.cpu_memory_per_node={node - 1}GiB", "--top", "1", "--json")
+    assert short.code == 1 or (short.json["plans"][0]["time"]["step_seconds"]
+                               > fits.json["plans"][0]["time"]["step_seconds"]), short.json["plans"][0]
 
 
 def test_deepspeed_plans_are_what_deepspeed_runs(job):

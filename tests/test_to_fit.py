@@ -23,6 +23,26 @@ stage = 1
 preset = "h100-80gb"
 """
 
+# Llama-3 8B on two RTX 4090s with 64 GiB of RAM per node: the offload strategy needs more host
+# memory than that (tests/test_offload_estimate.py); the host is the lever.
+ON_4090S = """
+[model]
+preset = "llama-3-8b"
+[train]
+seq_len = 4096
+activation_checkpointing = "full"
+[parallel]
+dp = 2
+micro_batch_size = 2
+num_microbatches = 4
+[zero]
+stage = 3
+[cluster]
+gpu = "rtx-4090"
+gpus_per_node = 2
+cpu_memory_per_node = "64GiB"
+"""
+
 
 def _flags(settings: dict) -> list[str]:
     out = []
@@ -36,6 +56,7 @@ def _flags(settings: dict) -> list[str]:
     (OVER.replace('preset = "h100-80gb"', 'gpu_memory = "80GiB"\ngpus_per_node = 8\ncpu_memory_per_node = "2TiB"'),
      False),
     (OVER + '[offload]\nstrategy = "conservative"\n', True),
+    (ON_4090S, True),
 ])
 def test_each_suggestion_fits_as_said(write, text, timed):
     job = write("job.toml", text)
@@ -101,3 +122,16 @@ def test_nothing_in_reach(write):
     result = run_cli("estimate", job)
     assert result.code == 1
     assert "to fit: no change of the plan fits these GPUs" in result.out
+
+
+def test_host_memory_is_a_lever(write):
+    """When the host limit is what stops the offload, the same plan on nodes with the host
+    memory it needs is a suggestion: the least RAM in whole GiB whose default budget (90%) holds
+    it, checked by `estimate` (a node 1 GiB smaller does not fit)."""
+    job = write("job.toml", ON_4090S)
+    changes = run_cli("estimate", job, "--json").json["to_fit"]
+    host = [c for c in changes if c["lever"] == "host memory"]
+    assert len(host) == 1 and list(host[0]["set"]) == ["cluster.cpu_memory_per_node"], changes
+    ram = int(host[0]["set"]["cluster.cpu_memory_per_node"].removesuffix("GiB"))
+    assert run_cli("estimate", job, "--set", f"cluster.cpu_memory_per_node={ram}GiB").code == 0
+    assert run_cli("estimate", job, "--set", f"cluster.cpu_memory_per_node={ram - 1}GiB").code == 1

@@ -43,7 +43,7 @@ from .figures import rank_figures, rank_host_figures
 from .host import PROCESS_HOST_BYTES, PROCESS_HOST_BYTES_CPU, node_host, process_allowance
 from .layout import Layout
 from .offload import ENGINE_OPTIMIZERS
-from ..spec.units import format_bytes
+from ..spec.units import GIB, format_bytes
 
 # Share of the GPU memory the peak may use under each strategy (None: never offload more).
 PRESSURE = {"conservative": None, "balanced": 1.0, "aggressive": 0.75, "extreme": 0.5}
@@ -227,16 +227,31 @@ def _strategy(inputs: EstimateInputs, layout: Layout,
     return decide_offload(inputs, _explained_measure(layout, inputs, devices))
 
 
-def offload_host_need(inputs: EstimateInputs) -> int:
-    """The host bytes per node the offload strategy needs to reach the plan it decides for
-    `inputs` when the host does not stop it: the most any step on its way asks of a node, which
-    can exceed what the final plan holds (offloading the optimizer states alone can pin more
-    than offloading them with the gradients: staging buffers differ), so a budget of the final
-    plan's host bytes alone can stop the strategy at an earlier step."""
-    roomy = inputs.with_(cpu_memory_per_node=HOST_WITHOUT_LIMIT, cpu_memory_budget=HOST_WITHOUT_LIMIT)
-    asked: list[int] = []
-    decided = decide_offload(roomy, numeric_measure, asked)[0]
-    return max([plan_figures(decided)[1], *asked])
+def offload_host_need(inputs: EstimateInputs, capacity: int) -> int | None:
+    """The least host bytes per node with which the offload strategy brings `inputs` to a plan
+    whose peak is at most `capacity`, in whole GiB of limit (None when even a host without
+    limit does not): what that plan holds. The strategy goes past a step that needs more than
+    the plan it ends with (`decide_offload`), and with the optimizer offloaded a smaller limit
+    can be met by offloading more layers, at some speed: so the limit is bisected, with the
+    strategy's numeric figures."""
+
+    def holds(limit: int) -> int | None:
+        decided = decide_offload(inputs.with_(cpu_memory_per_node=limit, cpu_memory_budget=limit), numeric_measure)[0]
+        peak, host = plan_figures(decided)
+        return host if peak <= capacity and host <= limit else None
+
+    most = holds(HOST_WITHOUT_LIMIT)
+    if most is None:
+        return None
+    low, high = 0, -(-most // GIB)
+    while low < high:
+        middle = (low + high) // 2
+        if holds(middle * GIB) is None:
+            low = middle + 1
+        else:
+            high = middle
+    least = holds(high * GIB)
+    return most if least is None else least
 
 
 # A host limit more than any node holds (1 PiB): what `offload_host_need` and the planner's
@@ -244,11 +259,12 @@ def offload_host_need(inputs: EstimateInputs) -> int:
 HOST_WITHOUT_LIMIT = 2**50
 
 
-def decide_offload(inputs: EstimateInputs, measure: Measure,
-                   asked: list[int] | None = None) -> tuple[EstimateInputs, list[str]]:
-    """Offload more until the peak is under the strategy's share of the GPU memory, never
-    past the node's CPU limit. `asked`, when given, collects the host bytes of every step the
-    limit was checked against (`offload_host_need`)."""
+def decide_offload(inputs: EstimateInputs, measure: Measure) -> tuple[EstimateInputs, list[str]]:
+    """Offload more until the peak is under the strategy's share of the GPU memory, ending at a
+    plan within the node's CPU limit. A step over that limit is taken provisionally: a later
+    step can need less host memory (other staging buffers, or the states of offloaded layers
+    counted once), and only the plan the strategy ends with runs. When no later step comes back
+    under the limit, the strategy ends at the last plan within it."""
     if inputs.gpu_memory is None:
         return inputs, []
     threshold = PRESSURE[inputs.strategy]
@@ -266,6 +282,16 @@ def decide_offload(inputs: EstimateInputs, measure: Measure,
     if peak <= target:
         return inputs, []
     decisions = [f"{head}: without more offload the peak would be {share(peak)}"]
+    # The last plan within the CPU limit, its decisions, and the first step past the limit
+    # (what it offloads, the host bytes it needs) while the strategy goes on past it.
+    within, kept, over = inputs, 1, None
+
+    def back() -> tuple[EstimateInputs, list[str]]:
+        what, cpu = over
+        return within, decisions[:kept] + [
+            f"not offloading {what}: a node would need {format_bytes(cpu)} of CPU memory, over its "
+            f"{format_bytes(limit)} (cpu_memory_budget / cpu_memory_per_node), and no further offload needs less"]
+
     # DeepSpeed moves the fp32 gradients with the optimizer (offload_optimizer); the paper and
     # the fsdp2 engine count gradients on their own.
     steps = {"deepspeed": ["offload_optimizer"]}.get(inputs.framework, ["offload_optimizer", "offload_grads"])
@@ -277,32 +303,42 @@ def decide_offload(inputs: EstimateInputs, measure: Measure,
         trial = inputs.with_(**{flag: True})
         trial_peak, cpu, _, _ = measure(trial)
         what = flag.removeprefix("offload_").replace("optimizer", "optimizer states").replace("grads", "gradients")
-        if asked is not None:
-            asked.append(cpu)
-        if cpu > limit:
-            decisions.append(f"not offloading {what}: a node would need {format_bytes(cpu)} of CPU memory, "
-                             f"over its {format_bytes(limit)} (cpu_memory_budget / cpu_memory_per_node)")
-            return inputs, decisions
         if trial_peak >= peak:
             # Freed gradients only help a peak at the step: in backward a block's are in flight.
             decisions.append(f"not offloading {what}: the peak would not fall ({share(trial_peak)})")
             continue
         inputs, peak = trial, trial_peak
+        if cpu > limit:
+            over = over or (what, cpu)
+            decisions.append(f"offload {what}: peak {share(peak)}; a node would need {format_bytes(cpu)} of CPU "
+                             f"memory, over its {format_bytes(limit)}: offloading more may need less")
+            continue
+        within, kept, over = inputs, len(decisions) + 1, None
         decisions.append(f"offload {what}: peak {share(peak)}")
         if peak <= target:
             return inputs, decisions
     if inputs.zero_stage != 3:
+        if over:
+            return back()
         decisions.append(f"parameters can only be offloaded with zero.stage = 3 (got {inputs.zero_stage}); stopping")
         return inputs, decisions
     chosen, resident, peak, cpu_bound = _fewest_offloaded_layers(inputs, measure, target, limit)
-    layers = measure(chosen)[2]
+    layers, host = measure(chosen)[2], measure(chosen)[1]
+    if over and (resident == layers or host > limit):
+        return back()
     if resident == layers:
         decisions.append(f"offloading layers would take more CPU memory than the {format_bytes(limit)} limit")
         return inputs, decisions
     along = " with their gradients and optimizer states" if inputs.framework == "fsdp2" and not inputs.offload_optimizer else ""
     decisions.append(f"offload the parameters of {layers - resident} of {layers} layers{along}: peak {share(peak)}")
-    if cpu_bound:
+    if cpu_bound == "fewer":
         decisions.append(f"stopped by the CPU limit ({format_bytes(limit)} per node)")
+    elif cpu_bound == "more" and host > limit:
+        decisions.append(f"every layer offloaded, and a node still needs {format_bytes(host)} of CPU memory, over "
+                         f"its {format_bytes(limit)} limit")
+    elif cpu_bound == "more":
+        decisions.append(f"more layers than the GPU needs: a resident layer's states take more CPU memory than an "
+                         f"offloaded layer's, and the CPU limit ({format_bytes(limit)} per node) allows no more resident")
     elif peak > target:
         decisions.append("still over the threshold with every layer offloaded")
     return chosen, decisions
@@ -339,10 +375,19 @@ def _search(low: int, high: int, good, guess: int | None = None) -> int | None:
 
 
 def _fewest_offloaded_layers(inputs: EstimateInputs, measure: Measure, target: int,
-                             limit: int) -> tuple[EstimateInputs, int, int, bool]:
-    """Most resident layers whose GPU peak meets `target`; fewer resident layers cost CPU
-    memory, so never below the fewest the CPU `limit` allows. Returns (inputs, resident,
-    peak, whether the CPU limit decided)."""
+                             limit: int) -> tuple[EstimateInputs, int, int, str]:
+    """Most resident layers whose GPU peak meets `target` and whose host bytes meet the CPU
+    `limit`. Returns (inputs, resident, peak, what the CPU limit did: "" when it decided
+    nothing, "fewer" when it kept more layers resident than the GPU allows, "more" when it
+    offloaded more layers than the GPU needs).
+
+    The GPU peak grows with the resident layers. The host bytes move one way or the other:
+    they fall as layers stay resident when an offloaded layer holds more on the host than a
+    resident one (parameter offload alone), and they grow when the resident layers' states sit
+    on the host as well, in the optimizer offload's pinned buffers (fsdp2's offload engine:
+    fp32 master, gradient staging and moments, each rounded up to a power of two), which hold a
+    layer in more than FSDP's offloaded shards do. The limit is then a floor on the offloaded
+    layers, else a ceiling."""
     current = inputs.with_(offload_params=True)
     layers = measure(inputs)[2]
     upper = min(layers, measure(current)[3]) if inputs.offload_params else layers
@@ -354,12 +399,9 @@ def _fewest_offloaded_layers(inputs: EstimateInputs, measure: Measure, target: i
             measured[resident] = plan, measure(plan)
         return measured[resident][1]
 
-    # CPU use falls as more layers stay resident: the fewest resident the CPU allows.
-    by_cpu = _search(0, upper, lambda r: at(upper - r)[1] <= limit)
-    fewest = upper - by_cpu if by_cpu is not None else upper
-    # The GPU peak grows with the resident layers: all of them when the most meets the target,
-    # none when even none resident does not; between, about linearly, so the line through the
-    # two ends guesses where it crosses the target and `_search` checks the guess.
+    # The GPU: all layers resident when the most meets the target, none when even none
+    # resident does not; between, about linearly, so the line through the two ends guesses
+    # where it crosses the target and `_search` checks the guess.
     most, least = at(upper)[0], at(0)[0]
     if most <= target:
         by_gpu: int | None = upper
@@ -369,10 +411,19 @@ def _fewest_offloaded_layers(inputs: EstimateInputs, measure: Measure, target: i
         guess = (target - least) * upper // (most - least)
         by_gpu = _search(0, upper, lambda r: at(r)[0] <= target, guess)  # its first check, the most, is known
     wanted = by_gpu if by_gpu is not None else 0  # every layer offloaded when none meets the target
-    resident = max(wanted, fewest)
+    if at(0)[1] <= at(upper)[1]:
+        # Host bytes grow with the resident layers: the most resident the CPU allows.
+        by_cpu = _search(0, upper, lambda r: at(r)[1] <= limit)
+        most_allowed = by_cpu if by_cpu is not None else 0
+        resident, cpu = min(wanted, most_allowed), "more" if most_allowed < wanted else ""
+    else:
+        # Host bytes fall as layers stay resident: the fewest resident the CPU allows.
+        by_cpu = _search(0, upper, lambda r: at(upper - r)[1] <= limit)
+        fewest = upper - by_cpu if by_cpu is not None else upper
+        resident, cpu = max(wanted, fewest), "fewer" if fewest > wanted else ""
     at(resident)
     chosen, (peak, *_) = measured[resident]
-    return chosen, resident, peak, fewest > wanted
+    return chosen, resident, peak, cpu
 
 
 def assumptions(inputs: EstimateInputs) -> dict[str, object]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..core.degrees import Degrees
 from ..core.estimate_inputs import EstimateInputs, default_cpu_budget, inputs_from_job
-from ..core.memory import (HOST_WITHOUT_LIMIT, Estimate, cpu_limit, estimate_memory, offload_host_need,
+from ..core.memory import (HOST_WITHOUT_LIMIT, PRESSURE, Estimate, cpu_limit, estimate_memory, offload_host_need,
                            resolve_offload)
 from ..core.pipeline import split_label
 from ..core.search import (Fixed, Group, Miss, SearchResult, Space, candidates, degree_options, degree_refusal,
@@ -466,21 +466,26 @@ def between(low: int, high: int, gpus_per_node: int) -> list[int]:
 
 
 
-def _host_to_ask(base: EstimateInputs, need: int) -> tuple[int, int]:
-    """(host memory per node, offload budget) that give the offload `need` bytes per node: the
-    smallest node in whole GiB whose default budget (its memory less the reserve) reaches it,
-    and that default; a budget the job states is raised to `need` instead, on a node at least
-    that large."""
+def host_to_ask(base: EstimateInputs, need: int) -> tuple[EstimateInputs, dict[str, str]]:
+    """The job with the host memory that gives the offload `need` bytes per node, and the
+    `--set` keys that make it: the smallest node in whole GiB whose default budget (its memory
+    less the reserve) reaches `need`; a budget the job states is raised to `need` instead, on
+    a node at least that large."""
     explicit = base.cpu_memory_per_node is not None and base.cpu_memory_budget != default_cpu_budget(
         base.cpu_memory_per_node)
     if explicit:
         budget = max(base.cpu_memory_budget, -(-need // GIB) * GIB)
-        return max(base.cpu_memory_per_node, budget), budget
-    ram = -(-need // GIB) * GIB
-    while default_cpu_budget(ram) < need:
-        ram += GIB
-    ram = max(ram, base.cpu_memory_per_node or 0)
-    return ram, default_cpu_budget(ram)
+        ram = max(base.cpu_memory_per_node, budget)
+    else:
+        ram = -(-need // GIB) * GIB
+        while default_cpu_budget(ram) < need:
+            ram += GIB
+        ram = max(ram, base.cpu_memory_per_node or 0)
+        budget = default_cpu_budget(ram)
+    keys = {"cluster.cpu_memory_per_node": f"{-(-ram // GIB)}GiB"} if ram != base.cpu_memory_per_node else {}
+    if budget != default_cpu_budget(ram):
+        keys["offload.cpu_memory_budget"] = f"{-(-budget // GIB)}GiB"
+    return base.with_(cpu_memory_per_node=ram, cpu_memory_budget=budget), keys
 
 
 def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer, ranking: dict) -> list[str]:
@@ -506,16 +511,13 @@ def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer,
         found = searched(roomy, space.world, True, top_k=HOST_TRIES).plans
         if found:
             # What the strategy asks on its way to each plan, not only what the plan holds.
-            need = min(offload_host_need(plan.asked) for plan in found)
-            ram, budget = _host_to_ask(base, need)
-            asked = base.with_(cpu_memory_per_node=ram, cpu_memory_budget=budget)
+            capacity = base.gpu_memory if PRESSURE[base.strategy] >= 1 else int(PRESSURE[base.strategy] * base.gpu_memory)
+            need = min(need for need in (offload_host_need(plan.asked, capacity) for plan in found) if need is not None)
+            asked, keys = host_to_ask(base, need)
             if searched(asked, space.world, True).plans:
-                keys = [f"cluster.cpu_memory_per_node={-(-ram // GIB)}GiB"] if ram != base.cpu_memory_per_node else []
-                if budget != default_cpu_budget(ram):
-                    keys.append(f"offload.cpu_memory_budget={-(-budget // GIB)}GiB")
                 notes.append(f"with {format_bytes(need)} of host memory per node for the offload (it may use "
                              f"{format_bytes(cpu_limit(base))} now) a plan fits {counted(space.world, 'GPU')}: "
-                             + " ".join(f"--set {key}" for key in keys))
+                             + " ".join(f"--set {key}={value}" for key, value in keys.items()))
     # A key the job fixes (other than the degrees, which more GPUs relax below): a plan of these
     # GPUs that fits once the search may choose it.
     for name, value in vars(fixed).items():

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from ..core.degrees import Degrees
 from ..core.estimate_inputs import EstimateInputs
-from ..core.memory import estimate_memory
+from ..core.memory import estimate_memory, offload_host_need
 from ..core.search import Fixed, Space, search
 from .plan_job import plan_tables
 
@@ -91,11 +91,30 @@ def changes_to_fit(asked: EstimateInputs, hardware, lora=None, limit: int = 3) -
     timer, ranking = search_ranking(hardware if known else hardware_of(_preset_cluster(FALLBACK_GPU)), lora)
     with collector_paused():
         found = _levers_searched(asked, timer, ranking, known)
+    host = _more_host(asked, timer if known else None)
+    if host is not None:
+        found[tuple(host.settings.items())] = host
     ordered = sorted(found.values(), key=lambda c: (timer_of(c), len(c.settings)))[:limit]
     smallest = min(found.values(), key=lambda c: (len(c.settings), timer_of(c)), default=None)
     if smallest is not None and smallest not in ordered:
         ordered[-1] = smallest  # the fastest changes, and the smallest one
     return ordered
+
+
+def _more_host(asked: EstimateInputs, timer) -> Change | None:
+    """The same plan on nodes with the host memory its offload needs, when the host limit is
+    what stops it: the offload strategy's plan with room on the host fits the GPU."""
+    from .plan_search import host_to_ask
+
+    need = offload_host_need(asked, asked.gpu_memory)
+    if need is None:
+        return None
+    more, settings = host_to_ask(asked, need)
+    estimate = estimate_memory(more)
+    if not settings or not estimate.fits:
+        return None
+    return Change("host memory", settings, estimate.peak_gpu_bytes, estimate.cpu_bytes_per_node,
+                  timer(estimate.inputs) if timer is not None else None)
 
 
 def _levers_searched(asked: EstimateInputs, timer, ranking: dict, known: bool) -> dict[tuple, Change]:
@@ -151,7 +170,8 @@ def _state_levers(asked: EstimateInputs, limit: int) -> list[Change]:
         if asked.zero_stage != 3:
             settings["zero.stage"] = 3
         trials.append(("more GPUs", settings, asked.with_(degrees=more, zero_stage=3)))
-    changes = []
+    host = _more_host(asked, None)
+    changes = [host] if host is not None else []
     for lever, settings, inputs in trials:
         estimate = estimate_memory(inputs)
         if estimate.fits:
