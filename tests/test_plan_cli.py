@@ -529,8 +529,12 @@ def test_a_fixed_key_that_stops_every_plan_is_named_with_what_would_fit(write):
                              'activation_checkpointing = "selective"\n[cluster]\npreset = "h100-80gb"\n')
     result = run_cli("plan", job, "--nodes", "256", "--tp", "8", "--pp", "8")
     assert result.code == 1
-    assert ('plan: with train.activation_checkpointing left to the search instead of "selective" (take it out of '
-            'the job) a plan fits 2,048 GPUs: train.activation_checkpointing = "full"') in result.err_lines
+    assert ('plan: with train.activation_checkpointing left to the search instead of "selective" (--set '
+            'train.activation_checkpointing=auto) a plan fits 2,048 GPUs: train.activation_checkpointing = "full"'
+            ) in result.err_lines
+    freed = run_cli("plan", job, "--nodes", "256", "--tp", "8", "--pp", "8", "--set",
+                    "train.activation_checkpointing=auto", "--top", "1", "--json")
+    assert freed.code == 0 and freed.json["plans"][0]["job"]["train"]["activation_checkpointing"] == "full"
     assert any("with the job's keys as written" in line for line in result.err_lines)
     closest = [line for line in result.err_lines if line.startswith(("plan: closest:", "plan: another miss:"))]
     # One miss by the states alone (ZeRO 0); its hybrid ZeRO 2 and 3 twins were listed too.
@@ -704,3 +708,17 @@ def test_a_miss_by_its_states_alone_is_not_called_closer(write):
     assert misses[0].startswith("plan: closest:") and "over the GPU memory" in misses[0], misses
     alone = [line for line in misses if "alone exceed" in line]
     assert alone and all(line.startswith("plan: another miss:") for line in alone), misses
+
+
+def test_auto_leaves_a_preset_key_to_the_search():
+    """A job preset's keys are fixed (llama-2-70b-3d writes zero.stage = 1, which no plan `run`
+    executes keeps): the refusal names `--set zero.stage=auto`, which takes the key out of the
+    job so the search chooses it, while the preset's other keys stay as written."""
+    refused = run_cli("plan", "llama-2-70b-3d", "--top", "1")
+    assert refused.code == 2 and "(--set zero.stage=auto)" in refused.err
+    freed = run_cli("plan", "llama-2-70b-3d", "--set", "zero.stage=auto", "--top", "3", "--json")
+    assert freed.code == 0, freed.err
+    for plan in freed.json["plans"]:
+        parallel = plan["job"]["parallel"]
+        assert (parallel["dp"], parallel["tp"], parallel["pp"], parallel["micro_batch_size"]) == (2, 8, 4, 1)
+        assert plan["job"]["zero"]["stage"] != 1

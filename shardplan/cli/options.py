@@ -52,7 +52,7 @@ _SET_ANNOTATION = Annotated[
     Optional[List[str]],
     typer.Option(
         "--set",
-        help="override any job-file key: section.key=value (repeatable)",
+        help="override any job-file key: section.key=value (repeatable); a plan key =auto is left to the search",
         rich_help_panel="Plan overrides",
         show_default=False,
     ),

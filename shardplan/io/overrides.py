@@ -1,7 +1,10 @@
 """Command-line overrides of the job file: `--set section.key=value` and the shortcut flags.
 
 Values are read as TOML (`2`, `true`, `"x"`, `3e-4`, `[1, 2]`); a value that is not TOML is
-taken as a plain string, so `--set train.precision=fp32` works without quotes.
+taken as a plain string, so `--set train.precision=fp32` works without quotes. `auto` for a
+plan key (spec/names.py PLAN_KEYS) takes the key out of the job, as if it were not written:
+`plan` searches it (a job preset's fixed degrees can be freed so), other commands take its
+default.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from ..spec.errors import InputError, Problem
-from ..spec.names import SHAPE_KEYS, SOURCE_KEYS
+from ..spec.names import AUTO, PLAN_KEYS, SHAPE_KEYS, SOURCE_KEYS
 from ..spec.units import cut, quoted
 from .files import longest_int_digits
 
@@ -108,12 +111,17 @@ def apply_overrides(data: dict, overrides: list[Override]) -> dict:
     """A copy of `data` with the overrides written in.
 
     Setting a model source (preset, hf_config, params) replaces the file's model source, so
-    `--params 7.5B` works on a job file that names a preset.
+    `--params 7.5B` works on a job file that names a preset. A plan key set to `auto` is
+    taken out.
     """
     result = copy.deepcopy(data)
     for path, value in overrides:
         section, key = path.split(".")
         table = result.get(section)
+        if value == AUTO and path in PLAN_KEYS:
+            if isinstance(table, dict):
+                table.pop(key, None)
+            continue
         if not isinstance(table, dict):
             table = result[section] = {}
         if section == "model" and key in SOURCE_KEYS:

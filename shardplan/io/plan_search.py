@@ -26,6 +26,7 @@ from ..core.search import (Fixed, Group, Miss, SearchResult, Space, candidates, 
                            next_split_batch, schedule_options, search)
 from ..spec.common import MAX_WORLD_SIZE
 from ..spec.errors import InputError, Problem
+from ..spec.names import AUTO
 from ..spec.units import GIB, counted, format_bytes
 from .files import Document, read_document
 from .job import ResolvedJob, hf_config_as_job
@@ -175,6 +176,12 @@ def _global_batch(resolved: ResolvedJob, global_batch: int | None, fixed: Fixed)
                                                "(or train.global_batch_size)"))
 
 
+def auto_flags(paths) -> str:
+    """`--set KEY=auto` for each key: how a key the job (or its preset) writes is left to the
+    search (io/overrides.py)."""
+    return " ".join(f"--set {path}={AUTO}" for path in paths)
+
+
 def _check_fixed(fixed: Fixed, world: int, batch: int) -> None:
     """Keys the job fixes that no plan of this world and batch can keep: say which, and how to
     let the search choose them, rather than search nothing."""
@@ -186,16 +193,18 @@ def _check_fixed(fixed: Fixed, world: int, batch: int) -> None:
     if degrees and (world % product or (len(degrees) == 4 and product != world)):
         given = " x ".join(f"parallel.{key} = {value}" for key, value in degrees.items())
         raise InputError(Problem("parallel", f"the job fixes {given} ({counted(product, 'GPU')}), which {counted(world, 'GPU')} cannot hold: "
-                                             "leave them out of the job to let the plan choose them, or plan for "
+                                             f"leave them out of the job to let the plan choose them "
+                                             f"({auto_flags(f'parallel.{key}' for key in degrees)}), or plan for "
                                              f"a multiple of {product} GPUs"))
     if fixed.pp is not None and fixed.num_microbatches is not None and fixed.num_microbatches < fixed.pp > 1:
         raise InputError(Problem("parallel", f"the job fixes parallel.pp = {fixed.pp} x parallel.num_microbatches = "
                                              f"{fixed.num_microbatches}, and a pipeline of {fixed.pp} stages needs at "
                                              f"least {fixed.pp} microbatches: leave them out of the job to let the plan "
-                                             "choose them"))
+                                             f"choose them ({auto_flags(['parallel.pp', 'parallel.num_microbatches'])})"))
     per_step = [(f"parallel.{key} = {value}", value) for key, value in
                 (("dp", fixed.dp), ("micro_batch_size", fixed.micro_batch), ("num_microbatches", fixed.num_microbatches))
                 if value is not None]
+    freed = auto_flags(text.split(" = ")[0] for text, _ in per_step)
     share = 1
     for _, value in per_step:
         share *= value
@@ -203,18 +212,18 @@ def _check_fixed(fixed: Fixed, world: int, batch: int) -> None:
     if len(per_step) == 3 and share != batch:
         raise InputError(Problem("parallel", f"the job fixes {given} ({share} sequences per step), which is not the "
                                              f"global batch of {batch} sequences: leave them out of the job to let the "
-                                             f"plan choose them, or give that batch (--global-batch {share})"))
+                                             f"plan choose them ({freed}), or give that batch (--global-batch {share})"))
     if per_step and batch % share:
         raise InputError(Problem("parallel", f"the job fixes {given}, which does not divide the global batch of "
                                              f"{batch} sequences: leave them out of the job to let the plan choose "
-                                             "them, or give a global batch they divide (--global-batch)"))
+                                             f"them ({freed}), or give a global batch they divide (--global-batch)"))
     if fixed.dp is None and fixed.micro_batch is not None and fixed.num_microbatches is not None:
         dp = batch // share  # the data-parallel degree the batch then asks for
         if world % dp:
             raise InputError(Problem("parallel", f"the job fixes {given}, which leaves {dp} data-parallel ranks for "
                                                  f"the global batch of {batch} sequences, and {dp} does not divide "
-                                                 f"{world} GPUs: leave them out of the job to let the plan choose them, "
-                                                 "or give a global batch that makes a divisor of the GPUs (--global-batch)"))
+                                                 f"{world} GPUs: leave them out of the job to let the plan choose them "
+                                                 f"({freed}), or give a global batch that makes a divisor of the GPUs (--global-batch)"))
 
 
 def _blame_fixed(base: EstimateInputs, space: Space, fixed: Fixed, timer, ranking: dict,
@@ -247,7 +256,8 @@ def _blame_fixed(base: EstimateInputs, space: Space, fixed: Fixed, timer, rankin
         said = (f"the job fixes {text}, which no plan of {counted(space.world, 'GPU')} keeps (among {what}, for "
                 "this model and batch)")
     problem = Problem(FIXED_KEYS[culprits[0]] if len(culprits) == 1 else "",
-                      f"{said}: leave {either} out of the job and the command line to let the plan choose")
+                      f"{said}: leave {either} out of the job and the command line to let the plan choose "
+                      f"({auto_flags(FIXED_KEYS[name] for name in culprits)})")
     # At the key's flag or file line when one key is to blame; keys from several places stay unplaced.
     raise InputError(locate([problem]) if len(culprits) == 1 else [problem])
 
@@ -526,8 +536,8 @@ def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer,
         relaxed = search(base, space, replace(fixed, **{name: None}), timer, top_k=1, **ranking)
         if relaxed.plans:
             chosen = relaxed.plans[0].asked
-            notes.append(f"with {FIXED_KEYS[name]} left to the search instead of {_value(value)} (take it out of "
-                         f"the job) a plan fits {counted(space.world, 'GPU')}: {_chosen(name, chosen, space.global_batch)}")
+            notes.append(f"with {FIXED_KEYS[name]} left to the search instead of {_value(value)} "
+                         f"({auto_flags([FIXED_KEYS[name]])}) a plan fits {counted(space.world, 'GPU')}: {_chosen(name, chosen, space.global_batch)}")
     worlds = [space.world * factor for factor in (2, 4, 8, 16, 32, 64) if space.world * factor <= MAX_WORLD_SIZE]
     if not worlds:
         return notes + [f"more GPUs cannot be planned ({space.world:,} GPUs is over half the largest supported world, "

@@ -19,6 +19,18 @@ SHAPE_KEYS = (
 )
 SOURCE_KEYS = ("preset", "hf_config", "params")
 
+# The plan keys: what `shardplan plan` searches when the job does not give it (io/plan_job.py
+# FIXED_KEYS and the offload table). `--set KEY=auto` leaves one of them unwritten, also when
+# the file or a job preset writes it (io/overrides.py).
+PLAN_KEYS = (
+    "parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.sequence_parallel",
+    "parallel.pipeline_schedule", "parallel.virtual_stages", "parallel.first_stage_layers",
+    "parallel.last_stage_layers", "parallel.micro_batch_size", "parallel.num_microbatches",
+    "zero.stage", "zero.hybrid", "train.activation_checkpointing",
+    "offload.params", "offload.grads", "offload.optimizer",
+)
+AUTO = "auto"
+
 
 def parse_order(order: str) -> tuple[str, ...]:
     """Axis names of an order string, fastest first; unknown or repeated axes raise."""
