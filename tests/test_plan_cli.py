@@ -722,3 +722,19 @@ def test_auto_leaves_a_preset_key_to_the_search():
         parallel = plan["job"]["parallel"]
         assert (parallel["dp"], parallel["tp"], parallel["pp"], parallel["micro_batch_size"]) == (2, 8, 4, 1)
         assert plan["job"]["zero"]["stage"] != 1
+
+
+def test_tensor_parallel_across_nodes_is_said(write):
+    """Llama-3 70B on 8 nodes of 2 A100s with tp 4 fixed: every plan's tensor-parallel groups
+    span two nodes (ranks 0-3 on nodes 0 and 1, as `layout` warns), which the table says under
+    the plans and the JSON as each plan's `warnings`; plans with tp 2 say nothing."""
+    job = write("tpx.toml", '[model]\npreset = "llama-3-70b"\n[train]\nseq_len = 4096\nglobal_batch_size = 64\n'
+                            '[cluster]\ngpu = "a100-sxm-80gb"\ngpus_per_node = 2\nnodes = 8\n')
+    table = run_cli("plan", job, "--tp", "4", "--top", "2")
+    assert table.code == 0, table.err
+    assert "plans 1, 2: tensor-parallel groups span nodes (tp 4 on nodes of 2 GPUs)" in table.out
+    assert "spans nodes 0 and 1" in run_cli("layout", job, "--tp", "4", "--dp", "4").err
+    doc = run_cli("plan", job, "--tp", "4", "--top", "2", "--json").json
+    assert all(plan["warnings"] and "tp 4 on nodes of 2 GPUs" in plan["warnings"][0] for plan in doc["plans"])
+    within = run_cli("plan", job, "--tp", "2", "--top", "2", "--json").json
+    assert within["plans"] and all(plan["warnings"] == [] for plan in within["plans"])

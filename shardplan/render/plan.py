@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..core.collectives import spans_nodes
 from ..core.pipeline import split_label
 from ..spec.units import counted, format_bytes
 from .output import Line
@@ -42,6 +43,17 @@ def _offload_document(entry) -> dict:
     resident = entry.estimate.assumptions.get("offload", {}).get("resident_layers")
     return {"params": inputs.offload_params, "grads": inputs.offload_grads, "optimizer": inputs.offload_optimizer,
             "resident_layers": list(resident) if inputs.offload_params and resident else None}
+
+
+def plan_warnings(entry) -> list[str]:
+    """What a plan does that an experienced user would not do without a reason: tensor
+    parallel across nodes (its all-reduces on the network; `layout` warns the same)."""
+    inputs = entry.inputs
+    d = inputs.degrees
+    if d.tp > 1 and spans_nodes(d, inputs.order, inputs.gpus_per_node, "tp"):
+        return [f"tensor-parallel groups span nodes (tp {d.tp} on nodes of {inputs.gpus_per_node} GPUs): their "
+                "all-reduces run at the inter-node bandwidth, as the step time counts them"]
+    return []
 
 
 def plan_rows(outcome) -> tuple[list[str], list[list[str]]]:
@@ -87,6 +99,13 @@ def print_plans(console, outcome) -> None:
     if result.rejected:
         searched += "; rejected: " + ", ".join(f"{n:,} {reason}" for reason, n in result.rejected.most_common())
     lines.append(Line(searched, style="dim"))
+    said: dict[str, list[str]] = {}
+    for index, entry in enumerate(outcome.entries, 1):
+        for warning in plan_warnings(entry):
+            said.setdefault(warning, []).append(str(index))
+    for warning, plans in said.items():
+        lines.append(Line(f"{'plan' if len(plans) == 1 else 'plans'} {', '.join(plans)}: "
+                          f"{warning}; `shardplan layout` shows the groups", style="yellow"))
     if result.offloaded and outcome.entries:
         lines.append(Line("nothing fits without offload: these plans offload as the balanced strategy decides",
                           style="yellow"))
@@ -107,6 +126,7 @@ def plan_document(outcome) -> dict:
             "cpu_bytes_per_node": entry.estimate.cpu_bytes_per_node,
             "time": time_document(entry.timing, False),
             "offload": _offload_document(entry),
+            "warnings": plan_warnings(entry),
         })
     result = outcome.result
     return {
