@@ -82,6 +82,24 @@ def test_world_arithmetic_hint(write):
     assert "dp(1) * tp(4) * pp(1) * cp(1) = 4 != world size 16 (from --world); dp = 4 would fit" in result.err
 
 
+QUESTION = '[model]\npreset = "llama-3-70b"\n[train]\nseq_len = 4096\nglobal_batch_size = 64\n[cluster]\npreset = "a100-80gb"\nnodes = 2\n'
+
+
+def test_the_two_hints_of_a_question_file_agree(write):
+    """A job that gives the model, the cluster and the global batch but no degrees: the world's
+    hint (dp = 16) and the batch's (num_microbatches) are computed together, so following both
+    gives a valid job; the world's also points to `plan`. With degrees written it does not."""
+    job = write("question.toml", QUESTION)
+    result = run_cli("validate", job)
+    assert result.code == 2
+    assert "dp = 16 would fit; or `shardplan plan` chooses the degrees" in result.err
+    assert "num_microbatches = 4 would make it with dp = 16" in result.err
+    assert run_cli("validate", job, "--dp", "16", "--set", "parallel.num_microbatches=4").code == 0
+    given = run_cli("validate", job, "--dp", "8")
+    assert "dp = 16 would fit" in given.err and "shardplan plan" not in given.err
+    assert "num_microbatches = 4 would make it with dp = 16" in given.err
+
+
 def test_world_from_cluster_and_env(write):
     path = write("job.toml", "[parallel]\ndp = 8\n[cluster]\nnodes = 2\ngpus_per_node = 8\n")
     result = run_cli("validate", path)

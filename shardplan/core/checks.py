@@ -7,6 +7,8 @@ a framework's own constraint.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..spec.common import MAX_DIM, MAX_WORLD_SIZE
 from ..spec.errors import PlanError, Problem
 from ..spec.job import JobSpec
@@ -153,17 +155,22 @@ def sequence_problems(job: JobSpec, shape: ModelShape | None) -> list[Problem]:
     return problems
 
 
-def batch_problems(job: JobSpec) -> list[Problem]:
-    """A global batch that is given must be what the data-parallel ranks and accumulation make."""
+def batch_problems(job: JobSpec, fitting_dp: int | None = None) -> list[Problem]:
+    """A global batch that is given must be what the data-parallel ranks and accumulation make.
+    `fitting_dp`: the data-parallel degree the world's message suggests instead of the job's,
+    with which the accumulation hint is computed, so that the two hints agree."""
     par, wanted = job.parallel, job.train.global_batch_size
     made = par.dp * par.micro_batch_size * par.num_microbatches
+    dp = fitting_dp or par.dp
     if not wanted or wanted == made:
         return []
     message = (f"{wanted} != dp ({par.dp}) * micro_batch_size ({par.micro_batch_size}) * "
                f"num_microbatches ({par.num_microbatches}) = {made}")
-    per_step = par.dp * par.micro_batch_size
+    per_step = dp * par.micro_batch_size
     if wanted % per_step == 0 and wanted // per_step <= MAX_DIM:  # a value num_microbatches takes
-        message += f"; num_microbatches = {wanted // per_step} would make it"
+        message += f"; num_microbatches = {wanted // per_step} would make it" + (f" with dp = {dp}" if dp != par.dp else "")
+    elif dp != par.dp:
+        message += f"; no num_microbatches makes it with dp = {dp} and micro_batch_size = {par.micro_batch_size}"
     return [error("train.global_batch_size", message)]
 
 
@@ -327,6 +334,10 @@ def job_problems(
     except PlanError as exc:  # a world beyond any cluster: nothing else can be checked
         return [error("parallel", str(exc))]
     mismatched = world_problems(degrees, worlds)
+    if mismatched and not {"dp", "tp", "pp", "cp"} & par.model_fields_set:
+        # A job that gives no degrees asks which: the search answers that.
+        mismatched = [replace(p, message=p.message + "; or `shardplan plan` chooses the degrees (and every plan key "
+                                                     "the job leaves out)") for p in mismatched]
     problems = list(mismatched)
     for axis in missing_axes(par.order, degrees):
         problems.append(error(
@@ -337,7 +348,9 @@ def job_problems(
         problems += heads_problems(par.tp, shape)
     problems += pipeline_problems(job, shape.num_layers if shape else None)
     problems += sequence_problems(job, shape)
-    problems += batch_problems(job)
+    rest = degrees.tp * degrees.pp * degrees.cp
+    fitting = [world // rest for world, _ in worlds if world != degrees.world and world % rest == 0]
+    problems += batch_problems(job, fitting[0] if len(set(fitting)) == 1 else None)
     problems += lora_problems(job, shape)
     problems += precision_problems(job)
     placement = layout_problems(degrees, par.order, job.cluster.gpus_per_node,
