@@ -738,3 +738,18 @@ def test_tensor_parallel_across_nodes_is_said(write):
     assert all(plan["warnings"] and "tp 4 on nodes of 2 GPUs" in plan["warnings"][0] for plan in doc["plans"])
     within = run_cli("plan", job, "--tp", "2", "--top", "2", "--json").json
     assert within["plans"] and all(plan["warnings"] == [] for plan in within["plans"])
+
+
+def test_nothing_fits_with_offload_written_and_no_strategy(write):
+    """A conservative job that writes its own offload (the optimizer on the host) on one H100
+    with 64 GiB of RAM: the host is what stops it, so the note names the host memory the
+    written offload needs, and with it a plan fits."""
+    job = write("cons.toml", '[model]\npreset = "llama-3-8b"\n[train]\nseq_len = 4096\nglobal_batch_size = 8\n'
+                             '[cluster]\ngpu = "h100-sxm"\ngpus_per_node = 1\nnodes = 1\ncpu_memory_per_node = "64GiB"\n'
+                             '[offload]\nstrategy = "conservative"\noptimizer = true\n')
+    result = run_cli("plan", job, "--top", "1", "--json")
+    assert result.code == 1, result.err
+    notes = [n for n in result.json["notes"] if "of host memory per node for the offload" in n]
+    assert len(notes) == 1, result.json["notes"]
+    node = notes[0].split("--set cluster.cpu_memory_per_node=")[1].split()[0]
+    assert run_cli("plan", job, "--set", f"cluster.cpu_memory_per_node={node}", "--top", "1").code == 0

@@ -227,6 +227,15 @@ def _strategy(inputs: EstimateInputs, layout: Layout,
     return decide_offload(inputs, _explained_measure(layout, inputs, devices))
 
 
+def strategy_capacity(inputs: EstimateInputs) -> int | None:
+    """The GPU bytes a plan may use under the job's offload strategy: its share of the GPU
+    memory when the strategy keeps headroom (aggressive, extreme), else all of it."""
+    share = PRESSURE.get(inputs.strategy)
+    if inputs.gpu_memory is None or share is None or share >= 1:
+        return inputs.gpu_memory
+    return int(share * inputs.gpu_memory)
+
+
 def offload_host_need(inputs: EstimateInputs, capacity: int) -> int | None:
     """The least host bytes per node with which the offload strategy brings `inputs` to a plan
     whose peak is at most `capacity`, in whole GiB of limit (None when even a host without

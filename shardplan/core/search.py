@@ -38,7 +38,7 @@ from .estimate import Coordinates, _activation_shape, _first_layer_bytes, _layer
 from .buffers import CUDA_CONTEXT_BYTES, FRAGMENTATION
 from .figures import rank_states_bytes
 from .estimate_inputs import EstimateInputs
-from .memory import PRESSURE, cpu_limit, plan_figures
+from .memory import cpu_limit, plan_figures, strategy_capacity
 from .pipeline import split_layers, split_problem
 from .offload import ENGINE_OPTIMIZERS
 from .precision import element_bytes
@@ -492,11 +492,9 @@ class _Walk:
     once either under a rejection reason or in `fitting` (tests/test_plan_cli.py)."""
 
     def __init__(self, base: EstimateInputs, top_k: int, timer, progress, refine=None, torch_sp: bool = False):
-        share = PRESSURE.get(base.strategy)  # the job's strategy keeps its headroom
         self.torch_sp = torch_sp  # sequence-parallel plans must also fit as torch keeps them (`memory`)
-        self.capacity = self.gpu_memory = base.gpu_memory
-        if self.capacity is not None and share is not None and share < 1:
-            self.capacity = int(share * self.capacity)
+        self.gpu_memory = base.gpu_memory
+        self.capacity = strategy_capacity(base)  # the job's strategy keeps its headroom
         self.limit = cpu_limit(base)
         self.top_k, self.timer, self.progress, self.refine = top_k, timer, progress, refine
         self.result = SearchResult(plans=[], evaluated=0)

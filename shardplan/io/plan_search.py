@@ -19,8 +19,8 @@ from pathlib import Path
 
 from ..core.degrees import Degrees
 from ..core.estimate_inputs import EstimateInputs, default_cpu_budget, inputs_from_job
-from ..core.memory import (HOST_WITHOUT_LIMIT, PRESSURE, Estimate, cpu_limit, estimate_memory, offload_host_need,
-                           resolve_offload)
+from ..core.memory import (HOST_WITHOUT_LIMIT, Estimate, cpu_limit, estimate_memory, offload_host_need,
+                           resolve_offload, strategy_capacity)
 from ..core.pipeline import split_label
 from ..core.search import (Fixed, Group, Miss, SearchResult, Space, candidates, degree_options, degree_refusal,
                            next_split_batch, schedule_options, search)
@@ -520,11 +520,11 @@ def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer,
         roomy = base.with_(cpu_memory_per_node=HOST_WITHOUT_LIMIT, cpu_memory_budget=HOST_WITHOUT_LIMIT)
         found = searched(roomy, space.world, True, top_k=HOST_TRIES).plans
         if found:
-            # What the strategy asks on its way to each plan, not only what the plan holds.
-            capacity = base.gpu_memory if PRESSURE[base.strategy] >= 1 else int(PRESSURE[base.strategy] * base.gpu_memory)
-            need = min(need for need in (offload_host_need(plan.asked, capacity) for plan in found) if need is not None)
-            asked, keys = host_to_ask(base, need)
-            if searched(asked, space.world, True).plans:
+            # The least host limit with which the strategy still brings each under the GPU.
+            needs = [offload_host_need(plan.asked, strategy_capacity(base)) for plan in found]
+            need = min((n for n in needs if n is not None), default=None)
+            asked, keys = host_to_ask(base, need) if need is not None else (base, {})
+            if need is not None and searched(asked, space.world, True).plans:
                 notes.append(f"with {format_bytes(need)} of host memory per node for the offload (it may use "
                              f"{format_bytes(cpu_limit(base))} now) a plan fits {counted(space.world, 'GPU')}: "
                              + " ".join(f"--set {key}={value}" for key, value in keys.items()))
