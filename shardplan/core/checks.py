@@ -348,9 +348,9 @@ def job_problems(
         problems += heads_problems(par.tp, shape)
     problems += pipeline_problems(job, shape.num_layers if shape else None)
     problems += sequence_problems(job, shape)
-    rest = degrees.tp * degrees.pp * degrees.cp
-    fitting = [world // rest for world, _ in worlds if world != degrees.world and world % rest == 0]
-    problems += batch_problems(job, fitting[0] if len(set(fitting)) == 1 else None)
+    # The batch hint follows the world's hint (`world_mismatch`) when the worlds agree on one dp.
+    fitting = {degrees.fitting_dp(world) for world, _ in worlds if world != degrees.world}
+    problems += batch_problems(job, fitting.pop() if len(fitting) == 1 else None)
     problems += lora_problems(job, shape)
     problems += precision_problems(job)
     placement = layout_problems(degrees, par.order, job.cluster.gpus_per_node,

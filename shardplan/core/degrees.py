@@ -44,14 +44,17 @@ class Degrees:
         factors = " * ".join(f"{axis}({self.of(axis)})" for axis in ("dp", "tp", "pp", "cp"))
         return f"{factors} = {self.world}"
 
+    def fitting_dp(self, world: int) -> int | None:
+        """The data-parallel degree with which the other degrees fill `world`, or None."""
+        rest = self.tp * self.pp * self.cp
+        return world // rest if world % rest == 0 else None
+
     def world_mismatch(self, world: int, source: str) -> str | None:
         """The message for a world size the degrees do not multiply to, or None."""
         if world == self.world:
             return None
-        hint = ""
-        rest = self.tp * self.pp * self.cp
-        if world % rest == 0:
-            hint = f"; dp = {world // rest} would fit"
+        dp = self.fitting_dp(world)
+        hint = f"; dp = {dp} would fit" if dp is not None else ""
         return f"{self.arithmetic()} != world size {world} ({source}){hint}"
 
 

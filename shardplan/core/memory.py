@@ -332,7 +332,7 @@ def decide_offload(inputs: EstimateInputs, measure: Measure) -> tuple[EstimateIn
         decisions.append(f"parameters can only be offloaded with zero.stage = 3 (got {inputs.zero_stage}); stopping")
         return inputs, decisions
     chosen, resident, peak, cpu_bound = _fewest_offloaded_layers(inputs, measure, target, limit)
-    layers, host = measure(chosen)[2], measure(chosen)[1]
+    _, host, layers, _ = measure(chosen)
     if over and (resident == layers or host > limit):
         return back()
     if resident == layers:
