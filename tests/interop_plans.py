@@ -1,7 +1,8 @@
 """Job files the interop tests export to every target (shared by the test_interop_* files).
 
 Each covers a different corner: ZeRO stages 0-3, hybrid sharding, offload, precisions,
-tensor / pipeline / context parallel, uneven pipeline stages, custom DeepSpeed buckets."""
+tensor / pipeline / context parallel, uneven pipeline stages, custom DeepSpeed buckets,
+DeepSpeed's overlap_comm and fp32 gradient accumulation."""
 
 from __future__ import annotations
 
@@ -98,6 +99,22 @@ seed = 7
 dir = "ckpt"
 every = 50
 keep = 3
+""",
+    # DeepSpeed's BF16_Optimizer at stage 1 (data_types.grad_accum_dtype fp32) with overlap_comm.
+    "zero1_bf16_fp32_accumulation": """
+[model]
+preset = "llama-2-7b"
+[parallel]
+dp = 8
+micro_batch_size = 2
+num_microbatches = 4
+[zero]
+stage = 1
+framework = "deepspeed"
+overlap_comm = true
+grad_accum_dtype = "fp32"
+[train]
+seq_len = 2048
 """,
     "cp2_zero3": """
 [model]

@@ -18,8 +18,9 @@ The jobs:
   elements, each 2 mod 4) are padded to 2*dp (stage_1_and_2.py 441-446); ZeRO-3, 2 and 1;
 - ODDOFF: ODD at ZeRO-2 and 1 with offload_optimizer (ZeRO-Offload) to the CPU;
 - LLAMAOFF: LLAMA with offload_optimizer and offload_param to the CPU (ZeRO-Infinity);
-- ODDACC and ODDOFFACC: ODD and ODDOFF at ZeRO-2 and 1 accumulating two microbatches, and
-  ODDACCOV: ODDACC at ZeRO-1 with overlap_comm;
+- ODDACC and ODDOFFACC: ODD and ODDOFF at ZeRO-2 and 1 accumulating two microbatches,
+  ODDACCOV: ODDACC at ZeRO-1 with overlap_comm, and ODDBF16: ODDACC at ZeRO-1 accumulating in
+  fp32 (data_types.grad_accum_dtype), which DeepSpeed steps with BF16_Optimizer;
 - LIVE: LLAMA with stage3_prefetch_bucket_size 10,000 and stage3_max_live_parameters 100,000,
   run with stage3_max_reuse_distance 0 (a key shardplan has no setting for), so the coordinator
   releases what it can: what stays gathered is then bounded by the prefetch, not by reuse;
@@ -90,6 +91,9 @@ precision = "bf16-mixed"
 ODDACC = ODD.replace("stage = 3", "stage = 2").replace("dp = 2\n", "dp = 2\nnum_microbatches = 2\n")
 ODDOFFACC = ODDACC + "[offload]\noptimizer = true\n"
 ODDACCOV = ODDACC.replace('framework = "deepspeed"\n', 'framework = "deepspeed"\noverlap_comm = true\n')
+# ODDACC at ZeRO-1 accumulating in fp32 (data_types.grad_accum_dtype): BF16_Optimizer.
+ODDBF16 = ODDACC.replace("stage = 2", "stage = 1").replace('framework = "deepspeed"\n',
+                                                             'framework = "deepspeed"\ngrad_accum_dtype = "fp32"\n')
 # LLAMA with ZeRO-Infinity's CPU offload of the optimizer and the parameters.
 LLAMAOFF = LLAMA + "[offload]\noptimizer = true\nparams = true\n"
 # ODD at ZeRO-2 with ZeRO-Offload (offload_optimizer to the CPU; also run at ZeRO-1).
@@ -111,11 +115,12 @@ RUNS = [
     {"tag": "oddacc", "stages": [2, 1]},
     {"tag": "oddoffacc", "stages": [2, 1]},
     {"tag": "oddaccov", "stages": [1]},
+    {"tag": "oddbf16", "stages": [1]},
     {"tag": "sub", "stages": [3]},
     {"tag": "suboff", "stages": [3]},
 ]
 JOBS = {"llama": LLAMA, "odd": ODD, "live": LIVE, "oddoff": ODDOFF, "llamaoff": LLAMAOFF, "oddacc": ODDACC,
-        "oddoffacc": ODDOFFACC, "oddaccov": ODDACCOV, "sub": SUB, "suboff": SUBOFF}
+        "oddoffacc": ODDOFFACC, "oddaccov": ODDACCOV, "oddbf16": ODDBF16, "sub": SUB, "suboff": SUBOFF}
 
 
 def _platform_problem() -> str | None:
@@ -310,6 +315,7 @@ def _stage3_memory(job: str, stage: int = 3):
                          optimizer=resolved.job.train.optimizer, reduce_bucket_size=zero.reduce_bucket_size,
                          prefetch_bucket_size=zero.prefetch_bucket_size, max_live_parameters=zero.max_live_parameters,
                          persistence_threshold=zero.param_persistence_threshold, overlap_comm=zero.overlap_comm,
+                         grad_accum_dtype=zero.grad_accum_dtype,
                          sub_group_size=zero.sub_group_size, offload_optimizer=resolved.job.offload.optimizer, offload_params=resolved.job.offload.params,
                          accumulating=resolved.job.parallel.num_microbatches > 1,
                          pin=False)  # pinned rounding is CUDA's
@@ -635,6 +641,40 @@ def test_stage_1_holds_every_gradient_until_the_boundary(measured, jobs, tag, st
     for rank in range(NPROC):
         first = measured[tag, stage, rank]["backward_ends"][0]
         assert first["param_grad_bytes"] == held == (978_120 if stage == 1 else 0)
+
+
+# -- Stage 1 with bf16 and fp32 gradient accumulation: BF16_Optimizer -------------------------
+
+def test_bf16_optimizer_at_stage_1_measured(measured, planned, jobs):
+    """ODDBF16 (ZeRO-1, bf16, data_types.grad_accum_dtype fp32, two microbatches) steps with
+    BF16_Optimizer (engine.py lines 2305-2310), measured on both ranks against the estimate's
+    terms: the flat bf16 copy padded to 2*dp (bf16_optimizer.py lines 165-171), the fp32
+    partition of 1/dp (lines 181-183) and AdamW's moments of that size, the accumulation buffer
+    of the whole flat size in fp32 (line 191), every parameter's bf16 gradient alive as the
+    optimizer steps; the master's gradient is a view of the fp32 buffer, not a cast (lines
+    414-418), so the step adds no buffer; the engine's all-reduce flattens the two groups' fp32
+    buffers into one copy after backward (engine.py lines 3828-3838)."""
+    from shardplan.core.timeline import BACKWARD_END, STEP
+
+    device = planned["oddbf16", 1]["device"]
+    memory = _stage3_memory(jobs["oddbf16"], 1)
+    copy = [t.bytes for t in memory.buffers_at[BACKWARD_END] if t.label.startswith("flattened gradient buffers")]
+    assert memory.buffers_at[STEP] == [] and len(copy) == 1
+    for rank in range(NPROC):
+        report = measured["oddbf16", 1, rank]
+        assert report["optimizer"] == "BF16_Optimizer"
+        assert report["bf16_groups_flat"][0] == BF16
+        assert sum(report["bf16_groups_flat"][1]) * BF16 == _term(device, "gpu.params", "flat bf16 parameters")
+        assert report["fp32_groups_flat_partition"][0] == 4
+        assert sum(report["fp32_groups_flat_partition"][1]) * 4 == _term(device, "gpu.optimizer", "fp32 master partition")
+        assert report["adam_moments_bytes"] == _term(device, "gpu.optimizer", "Adam moments")
+        assert report["fp32_groups_gradients_flat"][0] == 4
+        assert sum(report["fp32_groups_gradients_flat"][1]) * 4 == _term(
+            device, "gpu.grads", "gradient accumulation buffer (fp32_groups_gradients_flat, fp32)")
+        assert report["lp_grads_at_step_bytes"] == _term(device, "gpu.grads", "bf16 gradients of the parameters")
+        assert report["master_grads_at_step"] == [4, sum(report["fp32_groups_flat_partition"][1])]
+        assert report["master_grads_are_buffer_views"]
+        assert max(copied for copied, _ in report["copies"]) * 4 == copy[0]
 
 
 # -- Stage 0 with bf16 under a PipelineModule: BF16_Optimizer ----------------------------------

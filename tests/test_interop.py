@@ -178,6 +178,13 @@ DS_CONFIGS = {
         "zero_optimization": {"stage": 1},
         "tensor_parallel": {"autotp_size": 2},
     },
+    # BF16_Optimizer at stage 1 (DeepSpeed's data_types.grad_accum_dtype, runtime/config.py line
+    # 556) and overlap_comm, both carried as zero.grad_accum_dtype and zero.overlap_comm.
+    "zero1_bf16_fp32_accumulation": {
+        "train_batch_size": 32, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+        "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
+        "zero_optimization": {"stage": 1, "overlap_comm": True},
+    },
     "offload_unpinned": {
         "train_batch_size": 16, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
         "bf16": {"enabled": True},
@@ -186,8 +193,9 @@ DS_CONFIGS = {
     },
 }
 # DeepSpeed's config names no world size: these need --dp (the two that give all three batch
-# keys derive it, 64 / (2 * 4) = 8 and 16 / 1 = 16).
-DS_FLAGS = {"all_three": [], "zero2_fp16": ["--dp", "4"], "zero1_tp": ["--dp", "4"], "offload_unpinned": []}
+# keys derive it, 64 / (2 * 4) = 8, 32 / (2 * 2) = 8 and 16 / 1 = 16).
+DS_FLAGS = {"all_three": [], "zero2_fp16": ["--dp", "4"], "zero1_tp": ["--dp", "4"], "offload_unpinned": [],
+            "zero1_bf16_fp32_accumulation": []}
 
 
 @pytest.mark.parametrize("name", sorted(DS_CONFIGS))
@@ -301,12 +309,12 @@ def test_import_missing_file():
 def test_import_notes_unread_keys_with_lines(write):
     path = write("ds.json", json.dumps({"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10,
                                         "gradient_clipping": 1.0, "zero_optimization": {"stage": 2,
-                                                                                        "overlap_comm": True}},
+                                                                                        "round_robin_gradients": True}},
                                        indent=2))
     result = run_cli("import", path)
     assert result.code == 0
     assert f"import: {path}:3: steps_per_print: not read: shardplan has no setting for it" in result.err_lines
-    assert f"import: {path}:7: zero_optimization.overlap_comm: not read: shardplan has no setting for it" \
+    assert f"import: {path}:7: zero_optimization.round_robin_gradients: not read: shardplan has no setting for it" \
         in result.err_lines
     assert any("names no model" in line for line in result.err_lines)
 

@@ -63,6 +63,9 @@ def test_deepspeed_reads_the_exported_config(write, ds, plan):
     assert parsed.tensor_parallel_config.autotp_size == (par.tp if par.tp > 1 else 0)
     assert parsed.optimizer_name.lower() == ("sgd" if job.train.optimizer == "sgd" else "adamw")
     assert parsed.optimizer_params["lr"] == job.train.lr
+    assert parsed.grad_accum_dtype == zero.grad_accum_dtype  # None: DeepSpeed's default, the model's dtype
+    if zero.overlap_comm is not None:
+        assert parsed.zero_config.overlap_comm == zero.overlap_comm
 
 
 @pytest.mark.parametrize("plan", sorted(PLANS))
@@ -126,6 +129,8 @@ CITED = {
     "deepspeed/runtime/config.py:471": "self.world_size = dist.get_world_size()",
     "deepspeed/runtime/config.py:602": "assert train_batch == micro_batch * grad_acc * self.world_size",
 }
+OVERLAP_LINE = ("deepspeed/runtime/engine.py:2665",
+                "Pipeline parallelism does not support overlapped communication, will be disabled")
 
 
 def export_notes(write, job: str, *flags: str) -> tuple[dict, dict[str, str]]:
@@ -221,3 +226,87 @@ def test_zero2_in_a_pipeline_is_refused_too(write):
     assert config["zero_optimization"]["stage"] == 2 == ZeroStageEnum.gradients
     assert notes["zero.stage"].startswith("DeepSpeed refuses this config: with pp 2")
     assert "the config writes stage 2;" in notes["zero.stage"]
+
+
+def test_overlap_comm_in_a_pipeline_is_said_to_be_turned_off(write):
+    """DeepSpeed's engine turns overlap_comm off under a PipelineModule at stages 0-2 (the line
+    the note cites, read from the installed DeepSpeed): the export writes it as given and says
+    so, and the estimate plans the reduction after the backward, as DeepSpeed runs it."""
+    from pathlib import Path
+
+    job = PIPELINE_ZERO3.replace("stage = 3", "stage = 1").replace("[zero]\n", "[zero]\noverlap_comm = true\n")
+    assert "overlap_comm = true" in job
+    config, notes = export_notes(write, job)
+    assert config["zero_optimization"]["overlap_comm"] is True
+    where, text = OVERLAP_LINE
+    assert where in notes["zero.overlap_comm"] and text in notes["zero.overlap_comm"]
+    path, line = where.rsplit(":", 1)
+    assert text in (Path(deepspeed.__file__).parent.parent / path).read_text().splitlines()[int(line) - 1]
+
+
+class _Engine:
+    """What DeepSpeedEngine._do_optimizer_sanity_check reads of its engine, stood in for."""
+
+    global_rank = 0
+
+    def __init__(self, ds_config, stage: int, offload: bool, pipeline: bool):
+        self._config, self.stage, self.offload, self.pipeline_parallelism = ds_config, stage, offload, pipeline
+
+    def get_data_types(self):
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        return DeepSpeedEngine.get_data_types(self)
+
+    def fp16_enabled(self):
+        return self._config.float16_config.enabled
+
+    def bfloat16_enabled(self):
+        return self._config.bfloat16_config.enabled
+
+    def zero_optimization(self):
+        return self.stage > 0
+
+    def zero_optimization_stage(self):
+        return self.stage
+
+    def zero_cpu_offload(self):
+        return self.offload
+
+    def zero_compute_grad_norm(self):
+        return True
+
+    def zero_allow_untested_optimizer(self):
+        return True
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed", "fp32"])
+@pytest.mark.parametrize("grad_accum", [None, "fp32", "bf16", "fp16"])
+def test_the_optimizer_deepspeed_picks_is_the_one_planned(ds, precision, grad_accum):
+    """DeepSpeed's own choice (`DeepSpeedEngine._do_optimizer_sanity_check` on the config the
+    export writes, run on a stand-in engine) against core/deepspeed.py: BF16_Optimizer exactly
+    where `uses_bf16_optimizer` says, and NotImplementedError exactly where
+    `grad_accum_refused` says, over every stage, offload and pipeline."""
+    import torch
+    from deepspeed.runtime.constants import BFLOAT16
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from shardplan.core.deepspeed import grad_accum_refused, uses_bf16_optimizer
+
+    config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1}
+    config.update({"bf16-mixed": {"bf16": {"enabled": True}}, "fp16-mixed": {"fp16": {"enabled": True}}}.get(precision, {}))
+    if grad_accum:
+        config["data_types"] = {"grad_accum_dtype": grad_accum}
+    parsed = ds(config, 2)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    for stage in range(4):
+        for offload in (False, True):
+            for pipeline in (False, True):
+                engine = _Engine(parsed, stage, offload and stage > 0, pipeline)
+                case = (stage, offload, pipeline)
+                if grad_accum_refused(stage, precision, grad_accum):
+                    with pytest.raises(NotImplementedError, match="unsupported mix"):
+                        DeepSpeedEngine._do_optimizer_sanity_check(engine, optimizer)
+                    continue
+                chosen = DeepSpeedEngine._do_optimizer_sanity_check(engine, optimizer)
+                planned = uses_bf16_optimizer(stage, precision, pipeline, grad_accum, offload and stage > 0)
+                assert (chosen == BFLOAT16) == planned, case

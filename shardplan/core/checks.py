@@ -14,6 +14,7 @@ from ..spec.errors import PlanError, Problem
 from ..spec.job import JobSpec
 from ..spec.model import ModelShape
 from ..spec.units import format_bytes
+from .deepspeed import grad_accum_refused, model_dtype, uses_bf16_optimizer
 from .degrees import Degrees, missing_axes
 from .layout import layout_problems
 from .pipeline import describe_split, split_problem
@@ -255,7 +256,7 @@ def sharding_problems(job: JobSpec, nodes: int) -> list[Problem]:
 
 # DeepSpeed's own knobs (spec/job.py ZeroSpec): only the `deepspeed` accounting reads them.
 DEEPSPEED_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters",
-                  "param_persistence_threshold", "sub_group_size", "overlap_comm")
+                  "param_persistence_threshold", "sub_group_size", "overlap_comm", "grad_accum_dtype")
 
 
 def framework_key_problems(job: JobSpec) -> list[Problem]:
@@ -264,13 +265,39 @@ def framework_key_problems(job: JobSpec) -> list[Problem]:
     zero = job.zero
     written = zero.model_fields_set
     if zero.framework == "deepspeed":
+        problems = grad_accum_problems(job)
         if "min_num_params" in written and zero.min_num_params:
-            return [warning("zero.min_num_params", 'has no effect under zero.framework = "deepspeed", which shards '
-                            "every parameter (its stage 3 keeps small ones whole by zero.param_persistence_threshold)")]
-        return []
+            problems.append(warning("zero.min_num_params", 'has no effect under zero.framework = "deepspeed", which '
+                                    "shards every parameter (its stage 3 keeps small ones whole by "
+                                    "zero.param_persistence_threshold)"))
+        return problems
     return [warning(f"zero.{key}", f'is read only under zero.framework = "deepspeed" and by `export --to deepspeed`; '
                     f"the {zero.framework} estimate does not use it")
             for key in DEEPSPEED_KEYS if key in written]
+
+
+def grad_accum_problems(job: JobSpec) -> list[Problem]:
+    """zero.grad_accum_dtype as DeepSpeed reads it (`_do_optimizer_sanity_check`, engine.py
+    lines 2294-2323; core/deepspeed.py `uses_bf16_optimizer`): refused without ZeRO unless it is
+    the model's dtype; read at stage 1 with bf16 and no offload_optimizer (BF16_Optimizer);
+    ignored otherwise, by ZeRO's own optimizers."""
+    zero, precision = job.zero, job.train.precision
+    wanted = zero.grad_accum_dtype
+    if wanted is None or wanted == model_dtype(precision):
+        return []
+    if grad_accum_refused(zero.stage, precision, wanted):
+        return [error("zero.grad_accum_dtype", f"DeepSpeed without ZeRO accumulates gradients in the model's dtype "
+                                               f"({model_dtype(precision)}) only: it raises NotImplementedError for "
+                                               f"{wanted} (engine.py _do_optimizer_sanity_check); set zero.stage = 1 "
+                                               "or remove the key")]
+    if uses_bf16_optimizer(zero.stage, precision, job.parallel.pp > 1, wanted, job.offload.optimizer):
+        return []
+    if zero.stage == 1 and model_dtype(precision) == "bf16" and job.offload.optimizer:
+        why = "with offload.optimizer its ZeRO-Offload optimizer keeps fp32 gradient partitions anyway"
+    else:
+        why = (f"at stage {zero.stage} with {precision} it steps with its ZeRO optimizer, which does not read it "
+               "(only stage 1 with bf16 does, stepping with BF16_Optimizer)")
+    return [warning("zero.grad_accum_dtype", f"DeepSpeed ignores it: {why}")]
 
 
 def offload_problems(job: JobSpec) -> list[Problem]:

@@ -39,18 +39,21 @@ Sources, DeepSpeed 0.19.8, the release the `interop` extra installs (deepspeed/r
   and, as DDP_BFLOAT16, for bf16 at pp 1; engine.py lines 2294-2326, 2555-2631): a flat 16-bit copy the
   parameters view, an fp32 master copy and its Adam moments; the step casts every gradient to
   fp32 and concatenates them (lines 283-296), two fp32 copies at once.
-- Stage 0 with bf16 and pipeline parallelism, runtime/bf16_optimizer.py (BF16_Optimizer:
-  `_do_optimizer_sanity_check`, engine.py lines 2313-2320, takes it when the model dtype bf16
-  equals grad_accum_dtype, which defaults to it, lines 1806-1807, under a PipelineModule). Per group,
+- Stage 0 with bf16 and pipeline parallelism, and stage 1 with bf16 and fp32 gradient
+  accumulation, runtime/bf16_optimizer.py (BF16_Optimizer: `_do_optimizer_sanity_check`, engine.py
+  lines 2294-2323, takes it without ZeRO when the model dtype bf16 equals grad_accum_dtype, which
+  defaults to it, lines 1806-1807, under a PipelineModule; at stage 1 when grad_accum_dtype is
+  fp32 and the optimizer is not offloaded, pipeline or not). Per group,
   a flat bf16 copy padded to 2*dp that the parameters view (`bf16_groups_flat`, lines 165-171),
   an fp32 partition of 1/dp of it that the optimizer steps (`fp32_groups_flat_partition`, lines
   181-183, 225), so its moments are 1/dp too, and a gradient-accumulation buffer of the whole
-  flat size in grad_acc_dtype, bf16 here (`fp32_groups_gradients_flat`, line 191), allocated at
+  flat size in grad_acc_dtype, bf16 or fp32 (`fp32_groups_gradients_flat`, line 191), allocated at
   start. Each backward adds the parameters' own bf16 gradients into it (`update_hp_grads`, lines
-  508-539; pipe/engine.py lines 838-862), and the step's `zero_grad` frees them (lines 625-627,
-  engine.py line 3526). The pipeline engine all-reduces the buffers (`_bf16_reduce_grads`,
-  pipe/engine.py line 297), the step casts this rank's part of them to fp32
-  (`grad_partition.to`, lines 414-418) and drops the casts after it (lines 424-426), and the
+  508-539; pipe/engine.py lines 838-862; engine.py `_backward_epilogue`, lines 3153-3161), and the
+  step's `zero_grad` frees them (lines 625-627, engine.py line 3526). The engine all-reduces the
+  buffers (`_bf16_reduce_grads`, pipe/engine.py line 297; `allreduce_gradients`, engine.py line
+  3095), the step casts this rank's part of a bf16 buffer to fp32 (`grad_partition.to`, lines
+  414-418; an fp32 one is used as it is) and drops the casts after it (lines 424-426), and the
   updated bf16 partitions are all-gathered in place (`all_gather_into_tensor_dp_groups`,
   runtime/utils.py lines 1008-1016).
 
@@ -103,18 +106,25 @@ class DeepSpeedPlan:
     overlap_comm: bool | None = None  # None: DeepSpeed's default, true at stage 3 only
     accumulating: bool = False  # gradient accumulation or pipeline microbatches
     pipeline: bool = False  # pp > 1: the model is a PipelineModule (engine.py line 582)
+    grad_accum_dtype: str | None = None  # data_types.grad_accum_dtype; None: the model's dtype
 
     @property
     def overlap(self) -> bool:
-        return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
+        """overlap_comm as DeepSpeed runs it: its default is on at stage 3 only, and the pipeline
+        engine turns it off at stages 0-2 (engine.py lines 2663-2666)."""
+        return deepspeed_overlap(self.stage, self.overlap_comm, self.pipeline)
 
     @property
     def bf16_optimizer(self) -> bool:
-        """DeepSpeed steps with BF16_Optimizer: stage 0, bf16 (pure bf16 runs as bf16 mixed
-        precision), a PipelineModule (`_do_optimizer_sanity_check`, engine.py lines 2313-2320,
-        with grad_accum_dtype at its default, the model dtype: lines 1806-1807). Stage 1 takes it
-        only with grad_accum_dtype fp32 (lines 2303-2310), which no key of a job sets."""
-        return uses_bf16_optimizer(self.stage, self.precision, self.pipeline)
+        """DeepSpeed steps with BF16_Optimizer (`uses_bf16_optimizer`)."""
+        return uses_bf16_optimizer(self.stage, self.precision, self.pipeline, self.grad_accum_dtype,
+                                   self.offload_optimizer)
+
+    @property
+    def grad_accum_bytes(self) -> int:
+        """Bytes per element of BF16_Optimizer's gradient-accumulation buffer: grad_accum_dtype,
+        the model's dtype by default (engine.py lines 1806-1807)."""
+        return FP32 if accumulation_dtype(self.precision, self.grad_accum_dtype) == "fp32" else HALF
 
     @property
     def model_bytes(self) -> int:
@@ -136,9 +146,44 @@ class DeepSpeedPlan:
         return {"adamw": 2 * FP32, "adamw8bit": 2}.get(self.optimizer, 0)
 
 
-def uses_bf16_optimizer(stage: int, precision: str, pipeline: bool) -> bool:
-    """See `DeepSpeedPlan.bf16_optimizer`."""
-    return stage == 0 and precision in ("bf16-mixed", "bf16") and pipeline
+def deepspeed_overlap(stage: int, overlap_comm: bool | None, pipeline: bool) -> bool:
+    """See `DeepSpeedPlan.overlap`."""
+    if pipeline and stage <= 2:
+        return False
+    return stage == 3 if overlap_comm is None else overlap_comm
+
+
+def model_dtype(precision: str) -> str:
+    """DeepSpeed's model dtype (engine.py `get_data_types`, lines 1799-1804): fp16 when fp16 is
+    enabled, bf16 when bf16 is (pure bf16 runs as bf16 mixed precision), else fp32."""
+    return {"fp16-mixed": "fp16", "bf16-mixed": "bf16", "bf16": "bf16"}.get(precision, "fp32")
+
+
+def accumulation_dtype(precision: str, grad_accum_dtype: str | None) -> str:
+    """The dtype DeepSpeed accumulates gradients in: data_types.grad_accum_dtype, the model's
+    dtype when not given (engine.py lines 1806-1809)."""
+    return grad_accum_dtype or model_dtype(precision)
+
+
+def grad_accum_refused(stage: int, precision: str, grad_accum_dtype: str | None) -> bool:
+    """DeepSpeed raises NotImplementedError("unsupported mix of model_dtype and grad_accum_dtype")
+    without ZeRO when the two differ (`_do_optimizer_sanity_check`, engine.py lines 2313-2323)."""
+    return stage == 0 and accumulation_dtype(precision, grad_accum_dtype) != model_dtype(precision)
+
+
+def uses_bf16_optimizer(stage: int, precision: str, pipeline: bool, grad_accum_dtype: str | None = None,
+                        offload_optimizer: bool = False) -> bool:
+    """DeepSpeed steps with BF16_Optimizer (`_do_optimizer_sanity_check`, engine.py lines
+    2294-2323): at ZeRO stage 1 with a bf16 model, gradients accumulated in fp32 and no
+    offload_optimizer (lines 2305-2310); without ZeRO with a bf16 model under a PipelineModule,
+    gradients accumulated in bf16 (lines 2313-2320; the default, grad_accum_dtype being the model
+    dtype, lines 1806-1807). Pure bf16 runs as bf16 mixed precision."""
+    if model_dtype(precision) != "bf16":
+        return False
+    accumulated = accumulation_dtype(precision, grad_accum_dtype)
+    if stage == 1:
+        return accumulated == "fp32" and not offload_optimizer
+    return stage == 0 and pipeline and accumulated == "bf16"
 
 
 @dataclass
@@ -608,7 +653,8 @@ def stage3_sub_groups(rp: RankParams, degree: int, sub_group_size: int) -> list[
 
 
 def _bf16_optimizer(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
-    """Stage 0 with bf16 under a PipelineModule: runtime/bf16_optimizer.py (module docstring)."""
+    """BF16_Optimizer: stage 0 with bf16 under a PipelineModule, or stage 1 with bf16 and fp32
+    gradient accumulation; runtime/bf16_optimizer.py (module docstring)."""
     groups = flat_groups(rp, plan.degree, plan.index)
     model = plan.model_bytes
     padded = sum(g.padded for g in groups)
@@ -629,9 +675,11 @@ def _bf16_optimizer(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
                                       f"{plan.moments} B of moments per element of the partition"))
     # Line 191: `torch.zeros_like(bf16_groups_flat[i], dtype=grad_acc_dtype)`, the whole flat
     # size, allocated at start and only zeroed after each step (`clear_hp_grads`, lines 605-610).
-    # grad_acc_dtype is the model dtype by default (engine.py lines 1806-1807): bf16, 2 B.
-    accumulation = _term("gradient accumulation buffer (fp32_groups_gradients_flat, bf16)", padded, model,
-                         "the whole flat size, in grad_acc_dtype")
+    # grad_acc_dtype is data_types.grad_accum_dtype, the model dtype by default (engine.py lines
+    # 1806-1809): bf16, 2 B; fp32, 4 B, at stage 1.
+    acc = plan.grad_accum_bytes
+    accumulation = _term(f"gradient accumulation buffer (fp32_groups_gradients_flat, {'fp32' if acc == FP32 else 'bf16'})",
+                         padded, acc, "the whole flat size, in grad_acc_dtype")
     gpu["grads"].append(accumulation)
     for moment in moments:
         grads_at[moment].append(accumulation)
@@ -645,12 +693,14 @@ def _bf16_optimizer(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
     gpu["grads"].append(lp)
     for moment in (LOSS, BACKWARD, BACKWARD_END, STEP) + ((FORWARD,) if plan.accumulating else ()):
         grads_at[moment].append(lp)
-    # After the last backward the pipeline engine all-reduces the buffers (`_bf16_reduce_grads`,
-    # pipe/engine.py line 297: `buffered_allreduce_fallback` with 5e8 elements per list, engine.py
-    # lines 3921-3929 and 3828-3838), flattening a list of two or more into a new tensor (line 3796).
+    # After the last backward the engine all-reduces the buffers (the pipeline engine's
+    # `_bf16_reduce_grads`, pipe/engine.py line 297; at stage 1 `allreduce_gradients`, engine.py
+    # line 3095, since BF16_Optimizer has no `reduce_gradients`): `buffered_allreduce_fallback`
+    # with 5e8 elements per list (engine.py lines 3921-3929 and 3828-3838), flattening a list of
+    # two or more into a new tensor (line 3796).
     if copy := _allreduce_copy([g.padded for g in groups]):
         buffers_at[BACKWARD_END].append(_term("flattened gradient buffers being all-reduced (allreduce_bucket)",
-                                              copy, model, "a list of two or more flat buffers"))
+                                              copy, acc, "a list of two or more flat buffers"))
     # The step, two instants. First the global norm casts each parameter's gradient (a view of
     # the buffer) to fp32 one at a time (`get_global_norm_of_tensors`, runtime/utils.py line 950:
     # `tensor.detach().float().norm()`; bf16_optimizer.py lines 388-392); clipping multiplies in
@@ -658,13 +708,15 @@ def _bf16_optimizer(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
     # master's gradient (lines 414-418), all groups before `optimizer.step()`, dropped after it
     # when grad_acc_dtype is not fp32 (lines 424-426). The updated bf16 partitions are
     # all-gathered into the flat copy itself (`all_gather_into_tensor_dp_groups`, runtime/utils.py
-    # lines 1008-1016): no further buffer. The larger of the two instants is counted.
+    # lines 1008-1016): no further buffer. The larger of the two instants is counted. Gradients
+    # accumulated in fp32 need neither cast: `.float()` of an fp32 tensor is the tensor itself,
+    # and the partition becomes the master's gradient as it is (lines 414-418).
     largest = max((p.numel for p in rp.layer + rp.root), default=0)
-    if partition >= largest:
+    if acc != FP32 and partition >= largest:
         buffers_at[STEP].append(_term("fp32 gradient partition (grad_partition.to(float32))", partition, FP32,
                                       "this rank's part of the buffer, cast (more than the norm's cast of the "
                                       "largest tensor)"))
-    else:
+    elif acc != FP32:
         buffers_at[STEP].append(_term("fp32 copy of the largest gradient (the global norm's .float())", largest,
                                       FP32, "the largest local tensor, cast for its norm (more than the cast "
                                       "partition)"))
@@ -685,8 +737,6 @@ def _allreduce_copy(sizes: list[int]) -> int:
 
 
 def _stage0(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
-    if plan.bf16_optimizer:
-        return _bf16_optimizer(rp, plan)
     model = plan.model_bytes
     numel = rp.numel
     moments = (FORWARD, LOSS, BACKWARD, BACKWARD_END, STEP)
@@ -716,6 +766,8 @@ def deepspeed_memory(rp: RankParams, plan: DeepSpeedPlan) -> DeepSpeedMemory:
     """One rank's memory under DeepSpeed at `plan.stage`."""
     if plan.stage == 3:
         return _stage3(rp, plan)
+    if plan.bf16_optimizer:
+        return _bf16_optimizer(rp, plan)
     if plan.stage in (1, 2):
         return _stage12(rp, plan)
     return _stage0(rp, plan)

@@ -365,7 +365,7 @@ def _deepspeed(inputs: EstimateInputs, rp: RankParams, degree: int, index: int) 
         pin=inputs.pin_memory and inputs.on_gpu, reduce_bucket_size=inputs.reduce_bucket_size,
         prefetch_bucket_size=inputs.prefetch_bucket_size, max_live_parameters=inputs.max_live_parameters,
         persistence_threshold=inputs.param_persistence_threshold, sub_group_size=inputs.sub_group_size,
-        overlap_comm=inputs.overlap_comm,
+        overlap_comm=inputs.overlap_comm, grad_accum_dtype=inputs.grad_accum_dtype,
         accumulating=inputs.num_microbatches > 1, pipeline=inputs.degrees.pp > 1,
     )
     ds = _deepspeed_cached(rp, plan)

@@ -50,6 +50,7 @@ class EstimateInputs:
     param_persistence_threshold: int = 100_000
     sub_group_size: int = 1_000_000_000
     overlap_comm: bool | None = None  # None: DeepSpeed's default (true at stage 3)
+    grad_accum_dtype: str | None = None  # None: the model's dtype (DeepSpeed's default)
     # the step
     precision: str = "bf16-mixed"
     optimizer: str = "adamw"
@@ -136,6 +137,7 @@ def inputs_from_job(job: JobSpec, shape: ModelShape | None, limits_known: bool) 
         param_persistence_threshold=zero.param_persistence_threshold,
         sub_group_size=zero.sub_group_size,
         overlap_comm=zero.overlap_comm,
+        grad_accum_dtype=zero.grad_accum_dtype,
         precision=train.precision,
         optimizer=train.optimizer,
         seq_len=train.seq_len,

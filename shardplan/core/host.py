@@ -185,7 +185,8 @@ def checkpoint_staging(inputs: EstimateInputs, rp: RankParams, degree: int) -> l
     the largest single fp32 state tensor bounds it."""
     if not inputs.checkpointing or rp.numel == 0:
         return []
-    bf16_optimizer = uses_bf16_optimizer(inputs.zero_stage, inputs.precision, inputs.degrees.pp > 1)
+    bf16_optimizer = uses_bf16_optimizer(inputs.zero_stage, inputs.precision, inputs.degrees.pp > 1,
+                                         inputs.grad_accum_dtype, inputs.offload_optimizer)
     if inputs.framework == "deepspeed" and (inputs.zero_stage in (1, 2) or bf16_optimizer):
         # One flat fp32 partition per group: ZeRO-1/2's single_partition_of_fp32_groups, or
         # BF16_Optimizer's fp32_groups_flat_partition (bf16_optimizer.py lines 181-183).

@@ -143,6 +143,13 @@ class ZeroSpec(Table):
         None, description="DeepSpeed overlap_comm: reduce gradients during backward in two alternating "
         "buckets; default DeepSpeed's (true at stage 3, false below)"
     )
+    grad_accum_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = Field(
+        # DeepSpeed 0.19.8 runtime/config.py line 556: data_types.grad_accum_dtype, default None,
+        # the model's dtype (engine.py `get_data_types`, lines 1799-1810).
+        None, description="DeepSpeed data_types.grad_accum_dtype: the dtype gradients accumulate in; "
+        "default the model's. fp32 with bf16 at stage 1 makes DeepSpeed step with BF16_Optimizer "
+        "(an fp32 gradient buffer of the whole model); without ZeRO it must be the model's dtype"
+    )
     framework: Literal["fsdp2", "deepspeed", "zero-paper"] = Field(
         "fsdp2", description="whose memory accounting: fsdp2 (what `shardplan run` executes), deepspeed "
         "(what DeepSpeed's code allocates) or zero-paper (the ZeRO paper's formulas)"

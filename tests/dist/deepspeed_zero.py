@@ -16,6 +16,10 @@ the first records the module trace and releases even persistent parameters):
 - the optimizer's buffers: the 16-bit and fp32 partitions (one per sub-group), the gradient
   partitions' flat buffer, the IPG bucket(s) and AdamW's moments.
 
+BF16_Optimizer (stage 1 with bf16 and data_types.grad_accum_dtype fp32): its flat bf16
+parameters, fp32 partitions, AdamW's moments, the fp32 gradient-accumulation buffers, what
+gradients are alive as the optimizer steps, and the copies of the engine's all-reduce.
+
 ZeRO-1/2 (the model built plainly; one step): each group's flat 16-bit buffer (padded), this
 rank's fp32 master partitions, AdamW's moments, and when backward ends `grads_in_partition`
 and the IPG bucket buffers; with offload_optimizer, ZeRO-Offload's host buffers.
@@ -322,6 +326,49 @@ def stage12(resolved, config: dict, rank: int) -> dict:
     }
 
 
+def bf16_optimizer(resolved, config: dict, rank: int) -> dict:
+    """BF16_Optimizer (stage 1, bf16, data_types.grad_accum_dtype fp32): its flat buffers, the
+    gradients alive when the step starts, and the copies the engine's all-reduce makes."""
+    model = Transformer(resolved.shape, dropout=resolved.job.model.dropout, attention=resolved.job.train.attention)
+    optimizer = torch.optim.AdamW(weight_decay_groups(model), lr=resolved.job.train.lr)
+    engine, bf16, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    inputs, targets = batch(resolved, rank)
+    engine.flatten = Copies.flatten(engine.flatten)
+    seen = {}
+    real_step = bf16.optimizer.step
+
+    def step(*args, **kwargs):
+        masters = [p for g in bf16.optimizer.param_groups for p in g["params"]]
+        buffers = {t.untyped_storage().data_ptr() for t in bf16.fp32_groups_gradients_flat}
+        seen["master_grads_at_step"] = [masters[0].grad.element_size(), sum(p.grad.numel() for p in masters)]
+        seen["master_grads_are_buffer_views"] = all(p.grad.untyped_storage().data_ptr() in buffers for p in masters)
+        seen["lp_grads_at_step_bytes"] = sum(p.grad.numel() * p.grad.element_size()
+                                             for p in model.parameters() if p.grad is not None)
+        return real_step(*args, **kwargs)
+
+    bf16.optimizer.step = step
+    copies = []
+    for _ in range(config["gradient_accumulation_steps"]):  # engine.step() steps at the boundary
+        logits = engine(inputs)
+        Copies.calls = []
+        engine.backward(loss_fn(logits, targets))
+        copies += Copies.calls
+        engine.step()
+    state = bf16.optimizer.state
+    return {
+        "optimizer": type(bf16).__name__,
+        "copies": copies,
+        "bf16_groups_flat": [bf16.bf16_groups_flat[0].element_size(), numels(bf16.bf16_groups_flat)],
+        "fp32_groups_flat_partition": [bf16.fp32_groups_flat_partition[0].element_size(),
+                                       numels(bf16.fp32_groups_flat_partition)],
+        "adam_moments_bytes": sum(v.numel() * v.element_size() for s in state.values() for k, v in s.items()
+                                  if k in ("exp_avg", "exp_avg_sq")),
+        "fp32_groups_gradients_flat": [bf16.fp32_groups_gradients_flat[0].element_size(),
+                                       numels(bf16.fp32_groups_gradients_flat)],
+        **seen,
+    }
+
+
 def stage0(resolved, config: dict, rank: int) -> dict:
     """No ZeRO: the engine all-reduces every gradient after backward (`allreduce_gradients`)."""
     model = Transformer(resolved.shape, dropout=resolved.job.model.dropout, attention=resolved.job.train.attention)
@@ -349,6 +396,8 @@ def main() -> None:
             config = exported_config(run["job"], stage)
             config["zero_optimization"].update(run.get("zero_optimization", {}))
             run_stage = stage3 if stage == 3 else stage12 if stage else stage0
+            if stage == 1 and config.get("data_types", {}).get("grad_accum_dtype") == "fp32" and "bf16" in config:
+                run_stage = bf16_optimizer
             report = run_stage(resolved, config, rank)
             report["world"], report["config"] = world, config
             path = os.path.join(out_dir, f"{run['tag']}_stage{stage}_rank{rank}.json")

@@ -46,6 +46,13 @@ PIPELINE_MPU_RULE = "deepspeed/__init__.py:583"  # mpu = model.mpu(): dp from th
 BATCH_RULE = ("train_batch_size == train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp "
               "(deepspeed/runtime/config.py:602)")
 REFUSES = "DeepSpeed refuses this config"
+OVERLAP_PIPELINE_RULE = ("DeepSpeed's pipeline engine turns overlap_comm off at ZeRO stages 0-2 (\"Pipeline "
+                         "parallelism does not support overlapped communication, will be disabled\", "
+                         "deepspeed/runtime/engine.py:2665)")
+# data_types.grad_accum_dtype as DeepSpeed spells it (runtime/config.py `DtypeEnum`, lines 144-149).
+_DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
+           "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+           "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16"}
 DEEPSPEED_PLANS = "`shardplan plan --framework deepspeed` searches only the plans DeepSpeed runs"
 FIT_PLANS = "`shardplan plan --framework deepspeed` finds the plans that fit as DeepSpeed allocates them"
 
@@ -57,7 +64,7 @@ def _applies(key: str, stage: int) -> bool:
 # Job keys this format carries (everything else that differs from its default gets a note).
 COVERED = (
     "parallel.dp", "parallel.tp", "parallel.pp", "parallel.micro_batch_size", "parallel.num_microbatches",
-    "zero.stage", "zero.hybrid", *(f"zero.{k}" for k in _BUCKETS),
+    "zero.stage", "zero.hybrid", "zero.overlap_comm", "zero.grad_accum_dtype", *(f"zero.{k}" for k in _BUCKETS),
     "offload.params", "offload.grads", "offload.optimizer", "offload.pin_memory", "offload.gpu_param_budget",
     "train.precision", "train.optimizer", "train.lr", "train.global_batch_size", "train.activation_checkpointing",
 )
@@ -119,12 +126,18 @@ def to_deepspeed(plan: Plan) -> Exported:
                 notes.append(Note("offload.gpu_param_budget",
                                   "deepspeed's offload_param offloads every parameter; "
                                   f"the plan keeps {off.gpu_param_budget} bytes of layers on the GPU"))
+    if zero.overlap_comm is not None:
+        zero_config["overlap_comm"] = zero.overlap_comm
+        if zero.overlap_comm and par.pp > 1 and stage <= 2:
+            notes.append(Note("zero.overlap_comm", f"{OVERLAP_PIPELINE_RULE}: written as given, planned without it"))
     if zero.hybrid:
         # MiCS (mics_shard_size) sharded inside groups and replicated across them; DeepSpeed
         # 0.19 removed it and rejects the key (runtime/config.py, _REMOVED_ZERO_CONFIG_KEYS).
         notes.append(Note("zero.hybrid", "deepspeed 0.19 has no hybrid sharding (MiCS was removed); "
                                          "written as sharding over every data-parallel rank"))
     config["zero_optimization"] = zero_config
+    if zero.grad_accum_dtype is not None:
+        config["data_types"] = {"grad_accum_dtype": zero.grad_accum_dtype}
     if par.tp > 1:
         config["tensor_parallel"] = {"autotp_size": par.tp}
     if train.activation_checkpointing != "none":
@@ -281,6 +294,7 @@ def from_deepspeed(data: dict, dp: int | None = None, dp_said: str = "", hidden_
         out.note(given, "the data-parallel degree is not in the config (DeepSpeed takes it from the launch): "
                         "planned as dp 1; give --dp N or --world N")
     _zero(top, out, hidden_size)
+    _data_types(top, out)
     _precision(top, out, given)
     _optimizer(top, out)
     tensor = top.table("tensor_parallel")
@@ -504,7 +518,28 @@ def _zero(top: Reader, out: Imported, hidden_size: int | None = None) -> None:
         out.set("offload.pin_memory", pins[0][0], pins[0][1])
         if len({pin for pin, _ in pins}) > 1:
             out.note(pins[1][1], f"differs from {pins[0][1]}; shardplan has one pin_memory, read from the first")
+    if zero.has("overlap_comm"):
+        overlap = zero.bool("overlap_comm")
+        if overlap is not None:
+            out.set("zero.overlap_comm", overlap, zero.key("overlap_comm"))
     zero.unread()
+
+
+def _data_types(top: Reader, out: Imported) -> None:
+    """data_types.grad_accum_dtype (runtime/config.py line 556): zero.grad_accum_dtype."""
+    section = top.table("data_types") if top.has("data_types") else None
+    if section is None:
+        return
+    reader = Reader(section, "data_types", out)
+    if reader.has("grad_accum_dtype"):
+        raw = reader.raw("grad_accum_dtype")
+        name = _DTYPES.get(raw.strip().lower()) if isinstance(raw, str) else None
+        if raw is not None and name is None:  # None is DeepSpeed's default: the model's dtype
+            out.problem(reader.key("grad_accum_dtype"), f"must be one of {', '.join(repr(k) for k in _DTYPES)} "
+                                                        f"(got {raw!r}; DeepSpeed's DtypeEnum, runtime/config.py)")
+        elif name is not None:
+            out.set("zero.grad_accum_dtype", name, reader.key("grad_accum_dtype"))
+    reader.unread()
 
 
 def _precision(top: Reader, out: Imported, given: Collection[str] = ()) -> None:
