@@ -129,7 +129,8 @@ def test_a_reader_that_leaves_is_no_failure(argv):
 @pytest.mark.parametrize("argv", [["validate", "llama-3-8b-h100"], ["estimate", "llama-3-8b-h100", "--json"]])
 def test_output_that_cannot_be_written_fails_in_one_line(argv, unbuffered):
     # A full disk: written in the command (unbuffered, or a document larger than the buffer) or
-    # at the final flush (cli/app.py `_end_process`), the command fails with exit 3 and one line.
+    # at the final flush (cli/app.py `_end_process`), the command fails with exit 2 and one line
+    # (3 is `run`'s, CONTRACT.md).
     environment = dict(os.environ, PYTHONPATH=str(ROOT))
     environment.pop("WORLD_SIZE", None)
     environment.pop("PYTHONUNBUFFERED", None)
@@ -138,7 +139,7 @@ def test_output_that_cannot_be_written_fails_in_one_line(argv, unbuffered):
     with open("/dev/full", "w") as full:
         proc = subprocess.run([sys.executable, "-m", "shardplan", *argv], cwd=ROOT, env=environment, stdout=full,
                               stderr=subprocess.PIPE, text=True, timeout=120)
-    assert proc.returncode == 3, proc.stderr
+    assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines()[-1] == "shardplan: could not write the output: [Errno 28] No space left on device"
     assert "Traceback" not in proc.stderr
 

@@ -128,6 +128,7 @@ CITED = {
     "deepspeed/__init__.py:583": "mpu = model.mpu()",
     "deepspeed/runtime/config.py:471": "self.world_size = dist.get_world_size()",
     "deepspeed/runtime/config.py:602": "assert train_batch == micro_batch * grad_acc * self.world_size",
+    "deepspeed/runtime/pipe/module.py:133": "partition_method='parameters'",
 }
 OVERLAP_LINE = ("deepspeed/runtime/engine.py:2665",
                 "Pipeline parallelism does not support overlapped communication, will be disabled")
@@ -172,10 +173,10 @@ def test_a_pipeline_plan_with_zero3_says_deepspeed_refuses_it(write, monkeypatch
     pp = notes["parallel.pp"]
     assert "PipelineModule(num_stages=2)" in pp and "the batch keys are written for dp = world 8 / (pp 2) = 4" in pp
     assert "cannot express" not in pp
-    assert pp.endswith("DeepSpeed refuses this config without a PipelineModule: the 2 stages' ranks then join data "
-                       "parallel, dp = world 8 (deepspeed/runtime/config.py:471), and train_batch_size == "
-                       "train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp "
-                       "(deepspeed/runtime/config.py:602) fails: 512 != 1 * 128 * 8")
+    assert ("DeepSpeed refuses this config without a PipelineModule: the 2 stages' ranks then join data "
+            "parallel, dp = world 8 (deepspeed/runtime/config.py:471), and train_batch_size == "
+            "train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp "
+            "(deepspeed/runtime/config.py:602) fails: 512 != 1 * 128 * 8. The plan puts") in pp
     monkeypatch.setattr(ds_config.dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(ds_config.dist, "get_world_size", lambda group=None: 8)
     with pytest.raises(AssertionError, match=r"512 != 1 \* 128 \* 8"):
@@ -206,9 +207,9 @@ def test_a_model_parallel_pipeline_names_the_rule_without_figures(write):
     _, notes = export_notes(write, plans["pp4_interleaved"])
     pp = notes["parallel.pp"]
     assert "dp = world 64 / (tp 8 * pp 4) = 2" in pp
-    assert pp.endswith("the 4 stages' ranks then join data parallel, and train_batch_size == "
-                       "train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp "
-                       "(deepspeed/runtime/config.py:602) fails")
+    assert ("the 4 stages' ranks then join data parallel, and train_batch_size == "
+            "train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp "
+            "(deepspeed/runtime/config.py:602) fails. The plan puts") in pp
     assert "zero.stage" not in notes  # ZeRO-0
 
 
@@ -310,3 +311,16 @@ def test_the_optimizer_deepspeed_picks_is_the_one_planned(ds, precision, grad_ac
                 chosen = DeepSpeedEngine._do_optimizer_sanity_check(engine, optimizer)
                 planned = uses_bf16_optimizer(stage, precision, pipeline, grad_accum, offload and stage > 0)
                 assert (chosen == BFLOAT16) == planned, case
+
+
+def test_a_pipeline_export_says_how_to_cut_the_stages(write):
+    """PipelineModule's default partition_method, 'parameters' (pipe/module.py:133, balanced by
+    parameter counts at lines 409-411), is not the plan's split of blocks: the note gives the
+    split and the partition method that keeps an even one, and says an uneven one is cut in code."""
+    _, notes = export_notes(write, PIPELINE_ZERO3.replace("stage = 3", "stage = 1"))
+    assert ("The plan puts 16 blocks on each of its 2 stages: partition_method='type:<the block class>'"
+            in notes["parallel.pp"])
+    _, notes = export_notes(write, PIPELINE_ZERO3.replace("stage = 3", "stage = 1").replace(
+        "pp = 2\n", "pp = 2\nfirst_stage_layers = 15\n"))
+    assert "The plan puts blocks 15/17 on its 2 stages" in notes["parallel.pp"]
+    assert "build the stages' layer lists in code" in notes["parallel.pp"]

@@ -904,3 +904,21 @@ def test_export_of_a_qlora_plan_says_what_the_config_trains(target):
     assert lora == [f"{target} has no LoRA setting: the adapters are not exported; unless the training script adds "
                     "them (peft), a run of this config trains every parameter (a full fine-tune, its weights not in "
                     "NF4), which needs far more memory than this plan's estimate"]
+
+
+@pytest.mark.parametrize("name, text, said", [
+    ("ds.json", '{"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}',
+     "a DeepSpeed config, not a shardplan job: `shardplan import {path} -o job.toml` turns it into one"),
+    ("titan.toml", '[job]\ndump_folder = "out"\n[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\n'
+                   'data_parallel_shard_degree = 8\n',
+     "a torchtitan config, not a shardplan job: `shardplan import {path} -o job.toml` turns it into one"),
+    ("acc.yaml", "distributed_type: FSDP\nnum_processes: 8\n",
+     "a YAML file, not a shardplan job (TOML): `shardplan import {path} -o job.toml` reads an accelerate config"),
+])
+@pytest.mark.parametrize("command", [("export", "--to", "deepspeed"), ("estimate",), ("validate",)])
+def test_another_frameworks_config_where_a_job_goes_points_to_import(write, name, text, said, command):
+    """A config `import` reads (io/interop/source.py `detect`), given where a job file goes, is
+    one line naming its framework and the import, not each of its keys called unknown."""
+    path = write(name, text)
+    result = run_cli(command[0], path, *command[1:])
+    assert result.code == 2 and result.err_lines == [f"{path}: {said.format(path=path)}"], result.err

@@ -55,14 +55,55 @@ def test_arguments_parse_as_megatrons(write, plan):
     assert len(set(a for a in args if a.startswith("--"))) == sum(a.startswith("--") for a in args)
 
 
-def test_the_rotary_base_is_said_not_exported():
-    """shardplan keeps no rotary base, and Megatron-LM's --rotary-base defaults to 10000
-    (megatron/training/arguments.py), not Llama 3's 500000: a note says so; GPT-2's learned
-    positions have none."""
-    notes = run_cli("export", "llama-3-8b-h100", "--to", "megatron", "--json").json["notes"]
-    assert any(n["path"] == "model.position_embedding" and "--rotary-base" in n["message"] for n in notes)
-    gpt2 = run_cli("export", "tiny-gpt2-cpu", "--to", "megatron", "--json").json["notes"]
-    assert not any("--rotary-base" in n["message"] for n in gpt2)
+# Each model's rope_theta as its Hugging Face config.json publishes it (Llama 2's gives none:
+# LlamaConfig's default, 10000.0); Megatron-LM's --rotary-base is an int defaulting to 10000
+# (megatron/training/arguments.py:2418 at the recorded commit).
+ROTARY_BASES = {
+    "llama-3-8b": 500000,    # meta-llama/Meta-Llama-3-8B config.json
+    "llama-2-7b": 10000,     # meta-llama/Llama-2-7b-hf config.json (LlamaConfig's default)
+    "mixtral-8x7b": 1000000,  # mistralai/Mixtral-8x7B-v0.1 config.json
+    "qwen2.5-7b": 1000000,    # Qwen/Qwen2.5-7B config.json
+}
+
+
+@pytest.mark.parametrize("preset", sorted(ROTARY_BASES))
+def test_the_rotary_base_is_exported(preset):
+    """A rope model's base is written as Megatron takes it (an integer); no note asks for it."""
+    result = run_cli("export", "llama-3-8b-h100", "--to", "megatron", "--json", "--set", f"model.preset={preset}")
+    assert result.code == 0, result.err
+    args = result.json["config"]["args"]
+    assert args[args.index("--rotary-base") + 1] == str(ROTARY_BASES[preset])
+    assert not any("rotary" in n["message"] for n in result.json["notes"])
+
+
+def test_learned_positions_have_no_rotary_base():
+    result = run_cli("export", "tiny-gpt2-cpu", "--to", "megatron", "--json")
+    args = result.json["config"]["args"]
+    assert "--rotary-base" not in args
+    assert not any("rotary" in n["message"] for n in result.json["notes"])
+
+
+def test_a_rope_model_without_a_base_is_said(write):
+    """An inline rope shape that gives no rope_theta: Megatron would run its 10000, so a note
+    asks for the base; with rope_theta the flag is written."""
+    shape = ('[model]\nfamily = "llama"\nnum_layers = 2\nhidden_size = 64\nnum_heads = 4\n'
+             'ffn_hidden_size = 128\nvocab_size = 1000\n')
+    bare = run_cli("export", write("bare.toml", shape), "--to", "megatron", "--json").json
+    assert any(n["path"] == "model.rope_theta" and "--rotary-base" in n["message"] for n in bare["notes"])
+    given = run_cli("export", write("given.toml", shape + "rope_theta = 500000.0\n"), "--to", "megatron")
+    assert given.code == 0, given.err
+    assert "--rotary-base 500000" in given.out
+
+
+def test_a_base_megatron_cannot_take_is_said(write):
+    """--rotary-base is `type=int`: a fractional base is not written (Megatron would refuse
+    it), and a note says so."""
+    shape = ('[model]\nfamily = "llama"\nnum_layers = 2\nhidden_size = 64\nnum_heads = 4\n'
+             'ffn_hidden_size = 128\nvocab_size = 1000\nrope_theta = 10000.5\n')
+    result = run_cli("export", write("job.toml", shape), "--to", "megatron", "--json").json
+    args = result["config"]["args"]
+    assert "--rotary-base" not in args
+    assert any(n["path"] == "model.rope_theta" and "10000.5" in n["message"] for n in result["notes"])
 
 
 def test_interleaved_microbatches_megatron_does_not_take_are_said(write):

@@ -408,8 +408,8 @@ def test_write_path_checked_before_the_search(job, tmp_path, monkeypatch, where)
 
 
 def test_write_failing_midway_keeps_the_old_file(job, tmp_path, monkeypatch):
-    """A full disk during `--write`: exit 3 naming the file, the old file as it was, no
-    temporary file left, and with --json one document."""
+    """A full disk during `--write`: exit 2 naming the flag and the file, the old file as it
+    was, no temporary file left, and with --json one document."""
     import errno
 
     import shardplan.io.writing as writing
@@ -423,10 +423,10 @@ def test_write_failing_midway_keeps_the_old_file(job, tmp_path, monkeypatch):
     monkeypatch.setattr(writing, "os", _OsWith(write=full))
     for extra in ((), ("--json",)):
         result = run_cli("plan", job, *ARGS, "--write", str(out), *extra)
-        assert result.code == 3, result.err
-        assert result.err_lines == [f"shardplan: could not write {out}: [Errno 28] No space left on device"]
+        assert result.code == 2, result.err
+        assert result.err_lines == [f"--write: cannot write '{out}': No space left on device"]
         if extra:
-            assert json.loads(result.out)["error"]["exit_code"] == 3
+            assert json.loads(result.out)["error"]["exit_code"] == 2
         assert out.read_text() == "old\n"
         assert sorted(p.name for p in tmp_path.iterdir()) == ["best.toml", "job.toml"]
 
@@ -753,3 +753,16 @@ def test_nothing_fits_with_offload_written_and_no_strategy(write):
     assert len(notes) == 1, result.json["notes"]
     node = notes[0].split("--set cluster.cpu_memory_per_node=")[1].split()[0]
     assert run_cli("plan", job, "--set", f"cluster.cpu_memory_per_node={node}", "--top", "1").code == 0
+
+
+def test_a_fixed_degree_the_model_refuses_is_named_before_the_world(write):
+    """tp 3 on 8 GPUs: 3 divides no count of Llama-3 8B's 32 heads, so no number of GPUs plans
+    it; the message names the head rule (core/search.py `model_refusal`), not "plan for a
+    multiple of 3 GPUs", which `--gpus 24` would then refuse for the heads."""
+    job = write("job.toml", JOB)
+    for gpus in ("8", "24"):
+        result = run_cli("plan", job, "--gpus", gpus, "--global-batch", "64", "--tp", "3")
+        assert result.code == 2 and len(result.err_lines) == 1, result.err
+        assert result.err.startswith("--tp 3: parallel.tp: the job fixes parallel.tp = 3, which no plan of "
+                                     f"{gpus} GPUs keeps: 3 does not divide model.num_heads (32)"), result.err
+        assert "multiple of" not in result.err

@@ -84,3 +84,15 @@ def test_large_tensors_are_drawn_in_chunks_alike_on_any_thread_count():
     large = torch.empty(shape)
     init_parameter(large, "layers.0.mlp.up_proj.weight", 3)
     assert torch.equal(large, _drawn_in_chunks(shape, _name_seed(3, "layers.0.mlp.up_proj.weight")))
+
+
+def test_rotary_tables_take_the_models_base():
+    """The rotary tables are the model's `rope_theta` (Su et al. 2021: inv_freq = theta^(-2i/d)),
+    10,000 when it gives none: position 1's angle on channel pair i is theta^(-2i/d)."""
+    for theta in (None, 500000.0):
+        _, model = build({**FAMILIES["llama"], "rope_theta": theta})
+        rope = next(m for m in model.modules() if m.__class__.__name__ == "RotaryEmbedding")
+        head_dim = TINY["hidden_size"] // TINY["num_heads"]
+        base = theta or 10000.0
+        expected = torch.tensor([base ** (-2 * i / head_dim) for i in range(head_dim // 2)])
+        assert torch.allclose(rope.cos[1], expected.cos(), atol=1e-6), theta

@@ -293,3 +293,16 @@ def test_sharding_over_context_parallel_ranks_is_not_called_empty(write):
     assert result.code == 0 and "shards nothing" not in result.err, result.err
     result = run_cli("validate", write("one.toml", job))
     assert "stage 3 with dp = 1 shards nothing" in result.err
+
+
+def test_stage_3_at_dp_1_says_what_it_is_for(write):
+    """`plan` writes stage 3 at dp 1 when its offload strategy keeps parameters on the CPU,
+    which needs stage 3 (core/checks.py `sharding_problems`): the warning says so, and not
+    under the conservative strategy, which offloads nothing itself."""
+    job = '[model]\npreset = "llama-3-8b"\n[zero]\nstage = 3\n'
+    result = run_cli("validate", write("one.toml", job))
+    assert result.code == 0
+    assert ("stage 3 with dp = 1 shards nothing; it lets the balanced offload strategy keep parameters on the "
+            "CPU, which needs stage 3") in result.err
+    result = run_cli("validate", write("cons.toml", job + '[offload]\nstrategy = "conservative"\n'))
+    assert result.err_lines[-1].endswith("stage 3 with dp = 1 shards nothing"), result.err

@@ -1,6 +1,6 @@
 """Files the commands write (`export -o`, `import -o`, `schedule --svg`; `plan --write` in
 test_plan_cli.py): written whole or not at all. A full disk or a file-size limit mid-way is
-exit 3 naming the file, the old file stays as it was and no temporary file is left; a target
+exit 2 naming the flag and the file, the old file stays as it was and no temporary file is left; a target
 that is not a regular file (/dev/full) is written directly and fails the same way."""
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ def test_a_file_size_limit_mid_way_keeps_the_old_file(tmp_path, command):
             "schedule": (*SCHEDULE, "--svg", str(out)),
             "import": ("import", str(config), "-o", str(out), "--set", "model.preset=llama-3-8b")}[command]
     result = _cli(*args, limit=40)
-    assert result.returncode == 3, result.stderr
-    assert result.stderr.splitlines() == [f"shardplan: could not write {out}: [Errno 27] File too large"]
+    flag = "--svg" if command == "schedule" else "--output"
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [f"{flag}: cannot write '{out}': File too large"]
     assert out.read_text() == "the user's file\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json", "job.toml", "out.txt"]
     # Without the limit the same command replaces the file.
@@ -56,16 +57,17 @@ def test_a_file_size_limit_mid_way_keeps_the_old_file(tmp_path, command):
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 @pytest.mark.parametrize("args", [(*SCHEDULE, "--svg", "/dev/full"), ("export", "JOB", "--to", "deepspeed", "-o", "/dev/full")])
-def test_dev_full_is_exit_3(write, args):
+def test_dev_full_is_exit_2(write, args):
     args = tuple(write("job.toml", JOB) if a == "JOB" else a for a in args)
+    flag = "--svg" if "--svg" in args else "--output"
     for extra in ((), ("--json",)):
         result = run_cli(*args, *extra)
-        assert result.code == 3, result.err
-        assert result.err_lines == ["shardplan: could not write /dev/full: [Errno 28] No space left on device"]
+        assert result.code == 2, result.err
+        assert result.err_lines == [f"{flag}: cannot write '/dev/full': No space left on device"]
         if extra:
             import json
 
-            assert json.loads(result.out)["error"]["exit_code"] == 3
+            assert json.loads(result.out)["error"]["exit_code"] == 2
 
 
 def test_permissions_and_links_kept(tmp_path):

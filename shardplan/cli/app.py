@@ -170,7 +170,7 @@ def _command_path(exc, argv: list[str]) -> str:
 def _main(argv: list[str]) -> int:
     end = argv.index("--") if "--" in argv else len(argv)
     json_out = "--json" in argv[:end]  # after `--` it is an argument: a file named --json
-    from ..spec.errors import EXIT_BAD_INPUT, EXIT_RUNTIME, InputError, ShardplanError
+    from ..spec.errors import EXIT_BAD_INPUT, InputError, ShardplanError
 
     import typer
 
@@ -217,7 +217,7 @@ def _main(argv: list[str]) -> int:
         if exc.errno not in WRITE_FAILURES:
             return _internal_error(exc, json_out)
         _quiet_stdout()  # the output is lost: only stderr can say so
-        return _fail([_lost_output(exc)], EXIT_RUNTIME, False)
+        return _fail([_lost_output(exc)], _lost_output_code(argv), False)
     except Exception as exc:  # an internal error: say so in one line, never a traceback
         return _internal_error(exc, json_out)
     return result if isinstance(result, int) else 0
@@ -225,6 +225,15 @@ def _main(argv: list[str]) -> int:
 
 def _lost_output(exc: OSError) -> str:
     return f"shardplan: could not write the output: {exc}"
+
+
+def _lost_output_code(argv: list[str]) -> int:
+    """The exit code of an output that cannot be written (a full disk): 2, as a file named by
+    `--write` or `-o` that cannot be written (io/writing.py); under `run`, whose failures are
+    exit 3 (CONTRACT), 3."""
+    from ..spec.errors import EXIT_BAD_INPUT, EXIT_RUNTIME
+
+    return EXIT_BAD_INPUT if _plans_only(argv) else EXIT_RUNTIME
 
 
 def _internal_error(exc: Exception, json_out: bool) -> int:
@@ -268,9 +277,9 @@ def _end_process(code: int) -> None:
             pass
         except OSError as exc:  # the output is lost
             if stream is sys.stdout:
-                from ..spec.errors import EXIT_RUNTIME
+                from ..spec.errors import EXIT_BAD_INPUT
 
-                code = EXIT_RUNTIME
+                code = EXIT_BAD_INPUT  # only planning commands end here: as `_lost_output_code`
                 try:
                     sys.stderr.write(_lost_output(exc) + "\n")
                     sys.stderr.flush()

@@ -45,6 +45,27 @@ def _model_value(overrides: list[tuple[str, object]], preset: str | None, key: s
     return value if isinstance(value, int) else None
 
 
+def check_degrees(overrides: list[tuple[str, object]], labels: dict[str, str]) -> None:
+    """The parallel degrees given on the command line (`--dp 0`, `--set parallel.tp=x`), checked
+    before an importer compares them with the config: a bad one is the flag's fault, named as
+    the job's own validation names it (`--dp 0: parallel.dp: must be >= 1 (got 0)`), not the
+    config's key it disagrees with. (--world is checked by its option: at least 1.)"""
+    from pydantic import ValidationError
+
+    from ..io.problems import problems_from_validation
+    from ..spec.job import JobSpec
+
+    given = dict(overrides)  # the last of a key given twice, as apply_overrides keeps it
+    degrees = {key: given[f"parallel.{key}"] for key in ("dp", "tp", "pp", "cp") if f"parallel.{key}" in given}
+    if not degrees:
+        return
+    try:
+        JobSpec.model_validate({"parallel": degrees})
+    except ValidationError as exc:
+        problems = problems_from_validation(JobSpec, exc)
+        raise InputError([p.at(labels.get(p.path, "--set")) for p in problems]) from None
+
+
 def convert(fmt: str, data: dict, overrides: list[tuple[str, object]], world: int | None = None,
             referenced: dict[str, Referenced] | None = None) -> Imported:
     """Run the importer of `fmt` with what the command line already decides. Without --dp,
@@ -106,6 +127,7 @@ def import_config(
     output = output_target(output, "--output")
     fmt, doc = read_source(file)
     overrides = flags.overrides()
+    check_degrees(overrides, flags.labels())
     imported = convert(fmt, doc.data, overrides, world, read_referenced(fmt, doc))
 
     def located(problem: Problem) -> Problem:  # in the source, unless it names a referenced file

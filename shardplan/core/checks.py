@@ -226,7 +226,11 @@ def sharding_problems(job: JobSpec, nodes: int) -> list[Problem]:
     # ZeRO shards over the data-parallel and context-parallel ranks together (core/layout.py
     # `shard_group_size`): cp 8 at dp 1 shards over 8.
     if zero.stage > 0 and job.parallel.dp * job.parallel.cp == 1 and not offloading:
-        problems.append(warning("zero.stage", f"stage {zero.stage} with dp = 1 shards nothing"))
+        # At stage 3 the offload strategy may keep parameters on the CPU, which needs stage 3
+        # (core/memory.py): `plan` writes such jobs with the strategy deciding.
+        problems.append(warning("zero.stage", f"stage {zero.stage} with dp = 1 shards nothing" + (
+            f"; it lets the {off.strategy} offload strategy keep parameters on the CPU, which needs stage 3"
+            if zero.stage == 3 and off.strategy != "conservative" else "")))
     if zero.framework != "fsdp2" and job.parallel.pp > 1 and zero.stage >= 2:
         # DeepSpeed's PipelineEngine supports ZeRO stage 0 and 1 only.
         problems.append(error(

@@ -167,9 +167,16 @@ def degree_refusal(shape: ModelShape, space: Space, name: str, value: int, seq_l
     `run`, is at most them), pp at most the layers, cp splits the sequence into 2*cp chunks;
     `run` executes no context parallel, and QLoRA and models with tied embeddings without
     tensor parallelism (runtime/capabilities.py)."""
-    world, heads, kv = space.world, shape.num_heads, shape.num_kv_heads
-    if world % value:
-        return f"{value} does not divide the {world:,} GPUs"
+    if space.world % value:
+        return f"{value} does not divide the {space.world:,} GPUs"
+    return model_refusal(shape, space, name, value, seq_len, lora)
+
+
+def model_refusal(shape: ModelShape, space: Space, name: str, value: int, seq_len: int,
+                  lora: LoraPlan | None = None) -> str | None:
+    """The rules of `degree_refusal` that hold whatever the number of GPUs: the model's heads,
+    layers and sequence, and what `run` executes."""
+    heads, kv = shape.num_heads, shape.num_kv_heads
     if name == "tp":
         if heads % value:
             return f"{value} does not divide model.num_heads ({heads})"

@@ -1,7 +1,7 @@
 """Reading job files (TOML or JSON) into plain dicts, with the line of every key.
 
-Every failure becomes an `InputError` naming the file: missing, a directory, unreadable,
-not text, too large, malformed.
+Every failure becomes an `InputError` naming the file: missing, a directory, a pipe or
+another thing that is no regular file, unreadable, not text, too large, malformed.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +73,22 @@ def toml_key_lines(text: str) -> dict[str, int]:
     return lines
 
 
+def _not_readable_kind(mode: int) -> str | None:
+    """What a file of `mode` is when it is none that an input may be, else None. A regular
+    file is read, and a character device too (`/dev/null`, `/dev/zero`: the read is bounded);
+    a FIFO is not, as open() waits for a writer that may never come, nor a socket or a
+    block device (a disk is no job file)."""
+    if stat.S_ISREG(mode) or stat.S_ISCHR(mode):
+        return None
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    return "an unknown kind of file"  # a door or an event port (Solaris): nothing a job can be
+
+
 def _read_text(path: Path, shown: str) -> str:
     def fail(message: str) -> InputError:
         return InputError(Problem("", message, file=shown))
@@ -81,7 +98,11 @@ def _read_text(path: Path, shown: str) -> str:
             raise fail("is a directory, not a file")
         if not path.exists():
             raise fail("no such file")
-        size = path.stat().st_size
+        status = path.stat()  # before open(): a FIFO's open() blocks until a writer comes
+        kind = _not_readable_kind(status.st_mode)
+        if kind:
+            raise fail(f"is {kind}, not a regular file")
+        size = status.st_size
         if size > MAX_FILE_BYTES:
             raise fail(f"is {size} bytes: too large for a job file")
         with path.open("rb") as stream:  # a device (/dev/zero) states no size and never ends

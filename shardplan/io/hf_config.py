@@ -11,6 +11,7 @@ in notes (`config_notes`), not silently dropped.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import NamedTuple
 
@@ -93,6 +94,14 @@ HF_DEFAULTS: dict[str, ConfigDefaults] = {
         vocab_size=32064, intermediate_size=8192, num_key_value_heads=DERIVED, head_dim=DERIVED,
         max_position_embeddings=4096, tie_word_embeddings=False,
     )),
+}
+
+# The RoPE base where config.json gives none: the class attribute `default_theta` of the same
+# configuration classes (transformers 5.23.0), which PreTrainedConfig.convert_rope_params_to_dict
+# (modeling_rope_utils.py) falls back to. GPT-2 has learned positions and no base.
+DEFAULT_ROPE_THETA: dict[str, float] = {
+    "llama": 10000.0, "mistral": 10000.0, "mixtral": 1000000.0, "qwen2": 10000.0, "gemma": 10000.0,
+    "gemma2": 10000.0, "falcon": 10000.0, "phi3": 10000.0,
 }
 
 # The model_types read: those whose family the job file's `[model]` knows (spec/model.py
@@ -197,6 +206,27 @@ class _Reader:
     def flag(self, key: str) -> bool | None:
         return self.get(key, kind=bool)
 
+    def rope_theta(self) -> float | None:
+        """The RoPE base as transformers takes it (convert_rope_params_to_dict): the
+        `rope_theta` of `rope_scaling` (which replaces `rope_parameters` when given) or of
+        `rope_parameters`, else the top-level `rope_theta` (the key before transformers 5),
+        else the class's `default_theta`."""
+        for table in ("rope_scaling", "rope_parameters"):
+            inner = self.config.get(table)
+            if isinstance(inner, dict) and inner:
+                if inner.get("rope_theta") is not None:
+                    return self._theta(inner["rope_theta"], f"{table}.rope_theta")
+                break  # rope_scaling, when given, stands for rope_parameters
+        if self.config.get("rope_theta") is not None:
+            return self._theta(self.config["rope_theta"], "rope_theta")
+        return DEFAULT_ROPE_THETA[self.model_type]
+
+    def _theta(self, value: object, key: str) -> float | None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            self.problems.append(Problem(key, f"expected a positive number, got {shown_value(value)}", file=self.file))
+            return None
+        return float(value)
+
 
 def shape_from_hf_config(config: dict, file: str) -> dict:
     """The inline `[model]` table (family and sizes) equivalent to a config.json; keys it
@@ -226,6 +256,7 @@ def shape_from_hf_config(config: dict, file: str) -> dict:
             vocab_size=r.get("vocab_size"),
             max_seq_len=r.get("max_position_embeddings"),
             tie_embeddings=r.flag("tie_word_embeddings"),
+            rope_theta=r.rope_theta(),
         )
         if model_type in ("llama", "gemma", "gemma2"):
             # attention_bias puts biases on q, k, v and o (LlamaAttention, GemmaAttention,
@@ -291,6 +322,7 @@ def _falcon(r: _Reader) -> dict:
         kv_heads = 1
     else:
         kv_heads = heads
+    alibi = r.flag("alibi")
     bias = r.flag("bias")
     parallel = r.flag("parallel_attn")
     # FalconDecoderLayer: input and post-attention norms when attention and MLP run in
@@ -309,7 +341,8 @@ def _falcon(r: _Reader) -> dict:
         vocab_size=r.get("vocab_size"),
         max_seq_len=r.get("max_position_embeddings"),
         tie_embeddings=r.flag("tie_word_embeddings"),
-        position_embedding="alibi" if r.flag("alibi") else "rope",
+        position_embedding="alibi" if alibi else "rope",
+        rope_theta=None if alibi else r.rope_theta(),
         qkv_bias=bias,
         out_bias=bias,
         mlp_bias=bias,

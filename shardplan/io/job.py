@@ -84,12 +84,42 @@ def open_job_source(source: str | None) -> Document:
     path = Path(source)
     looks_like_path = path.suffix in (".toml", ".json") or os.sep in source or "/" in source
     if looks_like_path or _why_not_a_file(path) != "no such file":  # read_document says what is wrong
+        if _why_not_a_file(path) is None:
+            _yaml_hint(path)
         return read_document(path)
     try:
         preset = find_preset(source, "jobs")
     except InputError:
         raise InputError(Problem("", "no such file or job preset" + _preset_hint(source), file=source)) from None
     return read_document(preset.path)
+
+
+FRAMEWORK_NAMES = {"deepspeed": "a DeepSpeed config", "torchtitan": "a torchtitan config",
+                   "accelerate": "an accelerate config"}
+
+
+def _foreign_config(doc: Document) -> list[Problem]:
+    """Another framework's config given where a job goes (io/interop/source.py `detect`): one
+    line pointing to `shardplan import`, instead of every one of its keys called unknown."""
+    if not doc.path:
+        return []
+    from .interop.source import TORCHTITAN_TABLES, detect
+
+    kind = "json" if doc.path.lower().endswith(".json") else "toml"
+    framework = detect(doc, kind)
+    # A job has tables torchtitan's config has too ([model], [checkpoint]): one of torchtitan's own.
+    if framework is None or (framework == "torchtitan"
+                             and not set(doc.data) & (TORCHTITAN_TABLES - set(JobSpec.model_fields))):
+        return []
+    return [Problem("", f"{FRAMEWORK_NAMES[framework]}, not a shardplan job: `shardplan import {doc.path} -o "
+                        "job.toml` turns it into one", file=doc.path)]
+
+
+def _yaml_hint(path: Path) -> None:
+    """A YAML file (an accelerate config) given where a job goes: TOML would call it invalid."""
+    if path.suffix.lower() in (".yaml", ".yml"):
+        raise InputError(Problem("", f"a YAML file, not a shardplan job (TOML): `shardplan import {path} -o job.toml` "
+                                     "reads an accelerate config", file=str(path)))
 
 
 def _preset_hint(name: str) -> str:
@@ -322,6 +352,9 @@ def resolve_document(
     try:
         job = JobSpec.model_validate(data)
     except ValidationError as exc:  # the tables must be valid before any rule relates them
+        foreign = _foreign_config(doc)
+        if foreign:
+            raise InputError(foreign) from None
         found = unknown_cluster + _unknown_model_preset(data) + problems_from_validation(JobSpec, exc)
         raise InputError(notes + _locate(found, doc, flagged)) from None
     folders = job_folders(doc.path, overrides, config_as_job=bool(notes))

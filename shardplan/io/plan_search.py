@@ -23,7 +23,7 @@ from ..core.memory import (HOST_WITHOUT_LIMIT, Estimate, cpu_limit, estimate_mem
                            resolve_offload, strategy_capacity)
 from ..core.pipeline import split_label
 from ..core.search import (Fixed, Group, Miss, SearchResult, Space, candidates, degree_options, degree_refusal,
-                           next_split_batch, schedule_options, search)
+                           model_refusal, next_split_batch, schedule_options, search)
 from ..spec.common import MAX_WORLD_SIZE
 from ..spec.errors import InputError, Problem
 from ..spec.names import AUTO
@@ -182,11 +182,19 @@ def auto_flags(paths) -> str:
     return " ".join(f"--set {path}={AUTO}" for path in paths)
 
 
-def _check_fixed(fixed: Fixed, world: int, batch: int) -> None:
+def _check_fixed(fixed: Fixed, world: int, batch: int, base: EstimateInputs, space: Space,
+                 locate: Callable[[list[Problem]], list[Problem]]) -> None:
     """Keys the job fixes that no plan of this world and batch can keep: say which, and how to
-    let the search choose them, rather than search nothing."""
+    let the search choose them, rather than search nothing. A degree the model refuses at any
+    number of GPUs (its heads, its layers) is named first, as `_blame_fixed` names it: more
+    GPUs would not help it."""
     degrees = {key: value for key, value in (("dp", fixed.dp), ("tp", fixed.tp), ("pp", fixed.pp), ("cp", fixed.cp))
                if value is not None}
+    for key, value in degrees.items():
+        why = model_refusal(base.shape, space, key, value, base.seq_len, base.lora) if key != "dp" else None
+        if why:
+            raise InputError(locate([Problem(f"parallel.{key}", _fixed_refused(
+                f"parallel.{key} = {value}", world, why, "it", [f"parallel.{key}"]))]))
     product = 1
     for value in degrees.values():
         product *= value
@@ -250,16 +258,20 @@ def _blame_fixed(base: EstimateInputs, space: Space, fixed: Fixed, timer, rankin
     # A degree alone can say why: the rule of the search's degrees that refuses it.
     why = [reason for name in culprits if name in ("tp", "pp", "cp") and base.shape is not None
            for reason in [degree_refusal(base.shape, space, name, given[name], base.seq_len, base.lora)] if reason]
-    if why:
-        said = f"the job fixes {text}, which no plan of {counted(space.world, 'GPU')} keeps: {'; '.join(why)}"
-    else:
-        said = (f"the job fixes {text}, which no plan of {counted(space.world, 'GPU')} keeps (among {what}, for "
-                "this model and batch)")
+    reason = '; '.join(why) if why else None
     problem = Problem(FIXED_KEYS[culprits[0]] if len(culprits) == 1 else "",
-                      f"{said}: leave {either} out of the job and the command line to let the plan choose "
-                      f"({auto_flags(FIXED_KEYS[name] for name in culprits)})")
+                      _fixed_refused(text, space.world, reason, either, [FIXED_KEYS[name] for name in culprits], what))
     # At the key's flag or file line when one key is to blame; keys from several places stay unplaced.
     raise InputError(locate([problem]) if len(culprits) == 1 else [problem])
+
+
+def _fixed_refused(text: str, world: int, why: str | None, either: str, keys: list[str], what: str = "") -> str:
+    """The message for keys the job fixes that no plan keeps: the rule that refuses them, or
+    the space searched."""
+    said = (f"the job fixes {text}, which no plan of {counted(world, 'GPU')} keeps: {why}" if why else
+            f"the job fixes {text}, which no plan of {counted(world, 'GPU')} keeps (among {what}, for this model "
+            "and batch)")
+    return f"{said}: leave {either} out of the job and the command line to let the plan choose ({auto_flags(keys)})"
 
 
 def _chosen(name: str, inputs: EstimateInputs, batch: int) -> str:
@@ -377,11 +389,11 @@ def _run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None,
     fixed = fixed_keys(job)
     world = _world(resolved, gpus, nodes, fixed)
     batch = _global_batch(resolved, global_batch, fixed)
-    _check_fixed(fixed, world, batch)
     lora = lora_of(job.lora)
     base = inputs_from_job(job, shape, True).with_(degrees=Degrees(dp=world))
     space = Space(world=world, global_batch=batch, runnable=job.zero.framework == "fsdp2",
                   deepspeed=job.zero.framework == "deepspeed")
+    _check_fixed(fixed, world, batch, base, space, resolved.locate)
 
     timer, ranking = search_ranking(hardware, lora)
     bar = _Progress(progress)

@@ -4,10 +4,11 @@ path checked before the work, and a write that never leaves a file half-written.
 A regular file (or a new one) is written to a temporary file beside it, then renamed over
 it: a failed write leaves the old file as it was and no temporary file behind. A target that
 is not a regular file (`/dev/stdout`, a pipe, `/dev/full`) is written directly. A path that
-cannot be written (no such folder, a folder, no permission) is bad input, exit 2; a write
-that fails on the way (a full disk, a quota, a file too large) is exit 3, as an output to
-stdout that cannot be written is (cli/app.py). `-` names stdout, as in most command-line
-tools, where the command has stdout free for the file (`output_target`).
+cannot be written (no such folder, a folder, no permission) and a write that fails on the
+way (a full disk, a quota, a file too large) are both exit 2 in one line naming the flag
+(`--write: cannot write 'best.toml': No space left on device`): the CONTRACT keeps exit 3 for
+`run`. `-` names stdout, as in most command-line tools, where the command has stdout free for
+the file (`output_target`).
 
 A job file written somewhere else than the file it comes from keeps naming the same files:
 `relocate_job_paths` rewrites its relative paths for the folder it is written to."""
@@ -20,10 +21,10 @@ import secrets
 import stat
 from typing import Sequence
 
-from ..spec.errors import EXIT_RUNTIME, InputError, Problem, ShardplanError
+from ..spec.errors import InputError, Problem
 
 # What a write raises when the output cannot be kept, as against a path that cannot be
-# written at all (the same errors cli/app.py reads as a lost stdout).
+# written at all (cli/app.py reads these as a lost stdout).
 WRITE_FAILURES = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
 
 
@@ -38,22 +39,12 @@ JOB_PATH_KEYS = (("model", "hf_config"), ("data", "path"))
 _STREAMS = ("/dev/", "/proc/")
 
 
-class WriteFailure(ShardplanError):
-    """The output file could not be written to the end: exit 3, in one line."""
-
-    exit_code = EXIT_RUNTIME
-
-    def __init__(self, path: str, exc: OSError):
-        super().__init__(f"shardplan: could not write {path}: {exc}")
-
-
 def _unwritable(path: str, flag: str, reason: str) -> InputError:
     return InputError(Problem(flag, f"cannot write {path!r}: {reason}"))
 
 
-def _failed(path: str, flag: str, exc: OSError) -> ShardplanError:
-    if exc.errno in WRITE_FAILURES:
-        return WriteFailure(path, exc)
+def _failed(path: str, flag: str, exc: OSError) -> InputError:
+    """A write that failed, before or on the way (a full disk: WRITE_FAILURES): exit 2."""
     return _unwritable(path, flag, exc.strerror or str(exc))
 
 

@@ -26,18 +26,18 @@ INIT_STD = 0.02
 # Tensors above this many elements are drawn a chunk at a time, in parallel (`_drawn_in_chunks`);
 # every tensor of the tiny CPU models is below it.
 DRAW_CHUNK = 1 << 22
-ROPE_THETA = 10000.0  # RoPE base frequency (Su et al. 2021); no parameters depend on it
+ROPE_THETA = 10000.0  # RoPE base frequency (Su et al. 2021) when the model gives none; no parameter depends on it
 NORM_EPS = 1e-5
 
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables of rotary position embeddings (non-persistent buffers, not parameters)."""
 
-    def __init__(self, head_dim: int, max_seq_len: int):
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float = ROPE_THETA):
         super().__init__()
         # Real tables even when the model is built on the meta device (they are small and no
         # parameter depends on them).
-        inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
         angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device="cpu"), inv_freq)
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
@@ -62,7 +62,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, shape.num_kv_heads * d, bias=shape.qkv_bias)
         self.o_proj = nn.Linear(shape.num_heads * d, h, bias=shape.out_bias)
         self.resid_dropout = nn.Dropout(dropout)
-        self.rope = RotaryEmbedding(d, shape.max_seq_len or 8192) if shape.position_embedding == "rope" else None
+        self.rope = (RotaryEmbedding(d, shape.max_seq_len or 8192, shape.rope_theta or ROPE_THETA)
+                     if shape.position_embedding == "rope" else None)
         self.core = AttentionCore(d, dropout, self.eager)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ Presets and config.json files are resolved to an inline shape by `shardplan.io`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Literal, Optional
 
@@ -102,6 +103,10 @@ class ModelSpec(Table):
     )
     num_experts: Optional[Dim] = Field(None, le=MAX_EXPERTS, description="MoE experts per layer; 1 is a dense MLP")
     experts_per_token: Optional[Dim] = Field(None, description="MoE top-k: experts each token uses")
+    rope_theta: Optional[float] = Field(
+        None, gt=0,
+        description="base of the rotary position embeddings (Hugging Face rope_theta); rope models only",
+    )
     dropout: float = Field(
         0.0, ge=0.0, lt=1.0, description="dropout probability; > 0 keeps masks for backward"
     )
@@ -111,6 +116,15 @@ class ModelSpec(Table):
     def _names_a_file(cls, value: str | None) -> str | None:
         if value is not None and not value.strip():
             raise ValueError("names no file: give the path of a config.json (relative to this file)")
+        return value
+
+    @field_validator("rope_theta", mode="before")
+    @classmethod
+    def _finite_base(cls, value: object) -> object:
+        # TOML writes inf and nan (and reads 1e400 as inf); pydantic's own words for them
+        # would be the only message here not in the house style.
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"must be a finite number > 0 (got {value})")
         return value
 
     @field_validator("params")
@@ -187,6 +201,9 @@ class ModelShape:
     num_experts: int
     experts_per_token: int
     name: str = ""
+    # The RoPE base: moves no byte and no FLOP, but exporters write it (Megatron's
+    # --rotary-base defaults to 10000, not what every model trains with). None: not given.
+    rope_theta: float | None = None
 
     __hash__ = cached_hash  # planner caches key on this frozen value
 
@@ -226,6 +243,11 @@ def resolve_shape(table: dict, where: str = "model") -> tuple[ModelShape | None,
         need("num_experts")
     if values.get("position_embedding") == "learned":
         need("max_seq_len")
+    if values.get("rope_theta") is not None and values.get("position_embedding") != "rope":
+        problems.append(Problem(
+            at("rope_theta"),
+            f"only rotary position embeddings have a base; this model's are {values.get('position_embedding')!r}",
+        ))
     if problems:
         return None, problems
 
@@ -274,5 +296,11 @@ def resolve_shape(table: dict, where: str = "model") -> tuple[ModelShape | None,
         shared_layer_norm=bool(values.get("shared_layer_norm", False)),
         num_experts=num_experts,
         experts_per_token=top_k if num_experts > 1 else 1,
+        rope_theta=_as_float(values.get("rope_theta")),
     )
     return shape, []
+
+
+def _as_float(value: float | int | None) -> float | None:
+    """A TOML integer base (`rope_theta = 500000`) and its float are one model."""
+    return None if value is None else float(value)

@@ -17,6 +17,7 @@ import json
 import math
 from typing import Collection
 
+from ...core.pipeline import split_label, split_layers
 from ...spec.job import ZeroSpec
 from .common import AUTO, Exported, Imported, Note, Plan, Reader, offload_as_written, unexpressed
 from .offload import Offload, fit_of, same, way_out
@@ -46,6 +47,7 @@ PIPELINE_MPU_RULE = "deepspeed/__init__.py:583"  # mpu = model.mpu(): dp from th
 BATCH_RULE = ("train_batch_size == train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp "
               "(deepspeed/runtime/config.py:602)")
 REFUSES = "DeepSpeed refuses this config"
+PARTITION_RULE = "deepspeed/runtime/pipe/module.py:133"
 OVERLAP_PIPELINE_RULE = ("DeepSpeed's pipeline engine turns overlap_comm off at ZeRO stages 0-2 (\"Pipeline "
                          "parallelism does not support overlapped communication, will be disabled\", "
                          "deepspeed/runtime/engine.py:2665)")
@@ -178,8 +180,28 @@ def _pipeline_notes(plan: Plan, stage: int) -> list[Note]:
     notes.append(Note("parallel.pp", f"deepspeed's config has no pipeline degree: the training script's "
                                      f"PipelineModule(num_stages={par.pp}) sets it, and DeepSpeed takes the "
                                      f"data-parallel size from its topology ({PIPELINE_MPU_RULE}); the batch keys are "
-                                     f"written for dp = world {plan.world} / ({dims}) = {par.dp}. {without}"))
+                                     f"written for dp = world {plan.world} / ({dims}) = {par.dp}. {without}"
+                                     + (f". {_partition_note(plan)}" if plan.shape is not None else "")))
     return notes
+
+
+def _partition_note(plan: Plan) -> str:
+    """Which layers the plan puts on each stage, and how PipelineModule is told: its default
+    partition_method, 'parameters', balances parameter counts (pipe/module.py:133, 409-411),
+    which moves blocks off the stages that hold the embedding and the head."""
+    par = plan.job.parallel
+    layers = plan.shape.num_layers
+    counts = split_layers(layers, par.pp, par.first_stage_layers, par.last_stage_layers)
+    split = split_label(layers, par.pp, par.first_stage_layers, par.last_stage_layers) or (
+        f"{counts[0]} blocks on each of" if len(set(counts)) == 1 else "blocks " + "/".join(map(str, counts)) + " on")
+    split = split.replace("layers ", "blocks ") + (" on" if split.startswith("layers") else "")
+    even = counts == split_layers(layers, par.pp)
+    how = ("partition_method='type:<the block class>' (or 'uniform' over the blocks alone) gives it" if even else
+           "partition_method='type:<the block class>' splits the blocks evenly instead, and PipelineModule takes no "
+           "count per stage: build the stages' layer lists in code")
+    return (f"The plan puts {split} its {par.pp} stages: {how}; PipelineModule's default, "
+            f"partition_method='parameters' ({PARTITION_RULE}), balances parameter counts and gives the stages with "
+            "the embedding and the head fewer blocks")
 
 
 def _stage_note(stage: int, written: int, dp: int) -> Note:

@@ -226,11 +226,7 @@ def _model(plan: Plan, add, notes: list[Note]) -> None:
     if shape.position_embedding in _POSITIONS:
         add("--position-embedding-type", _POSITIONS[shape.position_embedding])
         if shape.position_embedding == "rope":
-            # shardplan's model keeps no rotary base (it moves no byte and no FLOP); Megatron's
-            # --rotary-base defaults to 10000 (arguments.py), which few current models use.
-            notes.append(Note("model.position_embedding", "the rotary base is not exported: give --rotary-base as "
-                                                          "the model's config says (rope_theta; Megatron's default "
-                                                          "is 10000, Llama 3's 500000)"))
+            _rotary_base(shape.rope_theta, add, notes)
     else:
         notes.append(Note("model.position_embedding", f"megatron has no {shape.position_embedding} positions"))
     if not shape.tie_embeddings:
@@ -255,6 +251,21 @@ def _model(plan: Plan, add, notes: list[Note]) -> None:
     add("--hidden-dropout", dropout)
     notes.append(Note("model.vocab_size", f"megatron takes the vocabulary ({shape.vocab_size}) from the tokenizer "
                                           "(--tokenizer-type ...) and pads it to --make-vocab-size-divisible-by"))
+
+
+def _rotary_base(theta: float | None, add, notes: list[Note]) -> None:
+    """--rotary-base, an integer in Megatron (arguments.py: `type=int`, default 10000, which
+    few current models use: Llama 3's is 500000): written when the model gives its base and
+    it is a whole number, else a note says what to give."""
+    if theta is not None and theta.is_integer():
+        add("--rotary-base", int(theta))
+    elif theta is not None:
+        notes.append(Note("model.rope_theta", f"megatron's --rotary-base takes an integer; {theta} is not exported "
+                                              "(megatron would run its default, 10000)"))
+    else:
+        notes.append(Note("model.rope_theta", "the model gives no rotary base: give --rotary-base as its config "
+                                              "says (rope_theta; megatron's default is 10000, Llama 3's 500000), "
+                                              "or set model.rope_theta"))
 
 
 def dumps(args: list[str]) -> str:
