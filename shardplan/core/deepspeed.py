@@ -71,10 +71,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from typing import TYPE_CHECKING
+
 from .precision import FP32, HALF
 from .stages import LocalParam, RankParams
 from .terms import Term
 from .timeline import BACKWARD, BACKWARD_END, FORWARD, LOSS, STEP
+
+if TYPE_CHECKING:
+    from .estimate_inputs import EstimateInputs
 
 ALIGNMENT_FACTOR = 2  # nccl_start_alignment_factor (stage_1_and_2.py): flat buffers pad to 2*dp
 BACKWARD_MOMENTS = (LOSS, BACKWARD)
@@ -124,7 +129,7 @@ class DeepSpeedPlan:
     def grad_accum_bytes(self) -> int:
         """Bytes per element of BF16_Optimizer's gradient-accumulation buffer: grad_accum_dtype,
         the model's dtype by default (engine.py lines 1806-1807)."""
-        return FP32 if accumulation_dtype(self.precision, self.grad_accum_dtype) == "fp32" else HALF
+        return accumulation_bytes(self.precision, self.grad_accum_dtype)
 
     @property
     def model_bytes(self) -> int:
@@ -165,6 +170,11 @@ def accumulation_dtype(precision: str, grad_accum_dtype: str | None) -> str:
     return grad_accum_dtype or model_dtype(precision)
 
 
+def accumulation_bytes(precision: str, grad_accum_dtype: str | None) -> int:
+    """Bytes per element of BF16_Optimizer's accumulation buffer (`accumulation_dtype`)."""
+    return FP32 if accumulation_dtype(precision, grad_accum_dtype) == "fp32" else HALF
+
+
 def grad_accum_refused(stage: int, precision: str, grad_accum_dtype: str | None) -> bool:
     """DeepSpeed raises NotImplementedError("unsupported mix of model_dtype and grad_accum_dtype")
     without ZeRO when the two differ (`_do_optimizer_sanity_check`, engine.py lines 2313-2323)."""
@@ -184,6 +194,12 @@ def uses_bf16_optimizer(stage: int, precision: str, pipeline: bool, grad_accum_d
     if stage == 1:
         return accumulated == "fp32" and not offload_optimizer
     return stage == 0 and pipeline and accumulated == "bf16"
+
+
+def steps_with_bf16_optimizer(inputs: EstimateInputs) -> bool:
+    """`uses_bf16_optimizer` of an estimate's plan under `framework = "deepspeed"`."""
+    return inputs.framework == "deepspeed" and uses_bf16_optimizer(
+        inputs.zero_stage, inputs.precision, inputs.degrees.pp > 1, inputs.grad_accum_dtype, inputs.offload_optimizer)
 
 
 @dataclass

@@ -18,7 +18,7 @@ node adds its ranks up and needs the larger moment.
 from __future__ import annotations
 
 from ..spec.units import counted
-from .deepspeed import flat_groups, pinned_bytes, stage3_sub_groups, uses_bf16_optimizer
+from .deepspeed import flat_groups, pinned_bytes, stage3_sub_groups, steps_with_bf16_optimizer
 from .estimate_inputs import EstimateInputs
 from .offload import (CODE_BYTES, CODEC_CHUNK, INT8_BLOCK, MOMENTS, ROUNDING_CHUNKS, frees_device_grads,
                       rounding_elements)
@@ -185,9 +185,7 @@ def checkpoint_staging(inputs: EstimateInputs, rp: RankParams, degree: int) -> l
     the largest single fp32 state tensor bounds it."""
     if not inputs.checkpointing or rp.numel == 0:
         return []
-    bf16_optimizer = uses_bf16_optimizer(inputs.zero_stage, inputs.precision, inputs.degrees.pp > 1,
-                                         inputs.grad_accum_dtype, inputs.offload_optimizer)
-    if inputs.framework == "deepspeed" and (inputs.zero_stage in (1, 2) or bf16_optimizer):
+    if (inputs.framework == "deepspeed" and inputs.zero_stage in (1, 2)) or steps_with_bf16_optimizer(inputs):
         # One flat fp32 partition per group: ZeRO-1/2's single_partition_of_fp32_groups, or
         # BF16_Optimizer's fp32_groups_flat_partition (bf16_optimizer.py lines 181-183).
         largest = max(g.partition for g in flat_groups(rp, degree, 0))

@@ -12,7 +12,8 @@ from .kernels import Work
 from .layer_time import LayerCosts
 from .pipeline_time import PipelineRun
 from .stage_time import CATEGORIES, EdgeCosts, StageCost
-from .time_plan import Tail, TimePlan, bf16_accumulation_bytes, bf16_optimizer, cpu_step_bytes
+from .deepspeed import accumulation_dtype, steps_with_bf16_optimizer
+from .time_plan import Tail, TimePlan, cpu_step_bytes
 
 
 def _three_digits(value: float) -> str:
@@ -164,9 +165,9 @@ def _tail_terms(plan: TimePlan, tails: list[Tail], critical: int) -> list:
     reduce = {0: "all-reduce of the gradients", 1: "reduce-scatter of the gradients"}.get(inputs.zero_stage)
     if inputs.zero_stage == 1 and inputs.framework == "fsdp2":
         reduce = "all-reduce of the gradients (DDP)"
-    if bf16_optimizer(inputs):
-        reduce = (f"all-reduce of BF16_Optimizer's {'fp32' if bf16_accumulation_bytes(inputs) == 4 else 'bf16'} "
-                  "gradient buffers")
+    if steps_with_bf16_optimizer(inputs):
+        dtype = accumulation_dtype(inputs.precision, inputs.grad_accum_dtype)
+        reduce = f"all-reduce of BF16_Optimizer's {dtype} gradient buffers"
     if inputs.hybrid and inputs.zero_stage >= 2:
         reduce = "all-reduce of the gradient shard across the replicas"
     overlap = "overlapping the last backward" if plan.overlap else "after the backward, not overlapped"

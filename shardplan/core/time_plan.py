@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from ..spec.model import ModelShape
 from .collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Link, collective_seconds
-from .deepspeed import accumulation_dtype, deepspeed_overlap, uses_bf16_optimizer
+from .deepspeed import accumulation_bytes, deepspeed_overlap, steps_with_bf16_optimizer
 from .estimate_inputs import EstimateInputs, defers_to_step_end
 from .hardware import Hardware, TimeConstants
 from .layer_time import LayerCosts, LayerWork, local_linears, layer_costs
@@ -225,19 +225,8 @@ def offloaded_share(plan: TimePlan, pp_rank: int) -> float:
 def optimizer_elements(plan: TimePlan, trained: int) -> int:
     """Elements this rank's optimizer updates: its shard from ZeRO stage 1 on, and under
     DeepSpeed's BF16_Optimizer, which partitions the fp32 master over dp even without ZeRO."""
-    sharded = plan.inputs.zero_stage >= 1 or bf16_optimizer(plan.inputs)
+    sharded = plan.inputs.zero_stage >= 1 or steps_with_bf16_optimizer(plan.inputs)
     return -(-trained // plan.degree) if sharded else trained
-
-
-def bf16_optimizer(inputs: EstimateInputs) -> bool:
-    """DeepSpeed steps this plan with BF16_Optimizer (core/deepspeed.py `uses_bf16_optimizer`)."""
-    return inputs.framework == "deepspeed" and uses_bf16_optimizer(
-        inputs.zero_stage, inputs.precision, inputs.degrees.pp > 1, inputs.grad_accum_dtype, inputs.offload_optimizer)
-
-
-def bf16_accumulation_bytes(inputs: EstimateInputs) -> int:
-    """Bytes per element of BF16_Optimizer's accumulation buffer (grad_accum_dtype)."""
-    return 4 if accumulation_dtype(inputs.precision, inputs.grad_accum_dtype) == "fp32" else 2
 
 
 def cpu_optimizer_elements(plan: TimePlan, trained: int, share: float, layers_trained: int) -> int:
@@ -326,9 +315,11 @@ def optimizer_traffic(plan: TimePlan) -> float:
     norm clipping), every optimizer state read and written, the parameter read and written
     (or, with a separate fp32 master in the states, the 16-bit copy written)."""
     eb, c = plan.eb, plan.c
-    grad_bytes = bf16_accumulation_bytes(plan.inputs) if bf16_optimizer(plan.inputs) else eb.grads
+    inputs = plan.inputs
+    grad_bytes = (accumulation_bytes(inputs.precision, inputs.grad_accum_dtype) if steps_with_bf16_optimizer(inputs)
+                  else eb.grads)
     grads = grad_bytes * (1 + c.optimizer_extra_grad_reads)
-    master_in_states = plan.inputs.framework != "fsdp2" and plan.inputs.precision in MIXED
+    master_in_states = inputs.framework != "fsdp2" and inputs.precision in MIXED
     params = eb.params if master_in_states else 2 * eb.params
     return grads + 2 * eb.optimizer + params
 
@@ -368,12 +359,13 @@ def tail(plan: TimePlan, pp_rank: int, elements: list[int], last_backward: float
     grads = trained * eb.grads
     reduce = gather = 0.0
     ddp = inputs.framework == "fsdp2" and stage == 1  # DDP and ZeroRedundancyOptimizer (runtime/parallel.py)
-    if bf16_optimizer(inputs):
+    if steps_with_bf16_optimizer(inputs):
         # DeepSpeed's BF16_Optimizer (core/deepspeed.py): the engine all-reduces the whole
         # accumulation buffers, in grad_accum_dtype (engine.py `buffered_allreduce_fallback`);
         # each rank steps its 1/dp partition and all-gathers the updated bf16 partitions
         # (`all_gather_dp_groups`, bf16_optimizer.py `step`).
-        reduce = collective_seconds(ALL_REDUCE, trained * bf16_accumulation_bytes(inputs), n, link)
+        reduce = collective_seconds(ALL_REDUCE, trained * accumulation_bytes(inputs.precision, inputs.grad_accum_dtype),
+                                    n, link)
         gather = collective_seconds(ALL_GATHER, trained * eb.compute, n, link)
     elif stage == 0 and not reduces_every_microbatch(plan):
         reduce = collective_seconds(ALL_REDUCE, grads, n, link)

@@ -105,9 +105,9 @@ def _foreign_config(doc: Document) -> list[Problem]:
         return []
     from .interop.source import TORCHTITAN_TABLES, detect
 
-    kind = "json" if doc.path.lower().endswith(".json") else "toml"
-    framework = detect(doc, kind)
-    # A job has tables torchtitan's config has too ([model], [checkpoint]): one of torchtitan's own.
+    framework = detect(doc, "json" if doc.path.lower().endswith(".json") else "toml")
+    # `import` takes a lone [model] table as torchtitan's; where a job goes it is the job's own
+    # [model] (or [checkpoint]): only a table torchtitan alone has makes it torchtitan's.
     if framework is None or (framework == "torchtitan"
                              and not set(doc.data) & (TORCHTITAN_TABLES - set(JobSpec.model_fields))):
         return []

@@ -192,9 +192,10 @@ def _partition_note(plan: Plan) -> str:
     par = plan.job.parallel
     layers = plan.shape.num_layers
     counts = split_layers(layers, par.pp, par.first_stage_layers, par.last_stage_layers)
-    split = split_label(layers, par.pp, par.first_stage_layers, par.last_stage_layers) or (
-        f"{counts[0]} blocks on each of" if len(set(counts)) == 1 else "blocks " + "/".join(map(str, counts)) + " on")
-    split = split.replace("layers ", "blocks ") + (" on" if split.startswith("layers") else "")
+    # split_label compresses a long uneven split and leaves the even one to us.
+    shown = split_label(layers, par.pp, par.first_stage_layers, par.last_stage_layers).removeprefix("layers ")
+    split = (f"{counts[0]} blocks on each of" if len(set(counts)) == 1
+             else f"blocks {shown or '/'.join(map(str, counts))} on")
     even = counts == split_layers(layers, par.pp)
     how = ("partition_method='type:<the block class>' (or 'uniform' over the blocks alone) gives it" if even else
            "partition_method='type:<the block class>' splits the blocks evenly instead, and PipelineModule takes no "
