@@ -68,6 +68,11 @@ FILE_CASES = [
     ("unknown_flag", "", ["--dpp", "2"], "No such option"),
     ("world_too_big", "[parallel]\ndp = 1048576\ntp = 2\n", [], "exceeds the largest supported world (1048576)"),
     ("zero_gpu_memory", "[cluster]\ngpu_memory = 0\n", [], "cluster.gpu_memory: must be > 0"),
+    # A bare number is bytes (CONTRACT); one no device is that small is a unit left out.
+    ("bare_gpu_memory", "[cluster]\ngpu_memory = 24\n", [],
+     "cluster.gpu_memory: 24 is read as 24 bytes (a bare number is bytes), less than any device has: "
+     "write '24GiB' if gibibytes were meant"),
+    ("bare_host_memory", "", ["--set", "cluster.cpu_memory_per_node=512"], "write '512GiB' if gibibytes were meant"),
     ("fractional_size", '[cluster]\ngpu_memory = "1.5B"\n', [], "is not a whole number of bytes"),
     ("fractional_count", '[model]\nparams = "1.5"\n', [], "is not a whole number of elements"),
     ("hybrid_contradiction", '[zero]\nstage = "hybrid_shard"\nhybrid = false\n', [],
@@ -331,3 +336,26 @@ def test_own_argument_corpus_json(argv, needle):
                                      "2", "--schedule", "gpipe"]], ids=lambda c: c[0])
 def test_commands_without_a_job_give_the_error_document(command):
     _check_json([*command, "--no-such-flag"], "No such option: --no-such-flag")
+
+
+def test_validate_warns_of_the_plan_keys_run_refuses():
+    """The shipped llama-2-70b-3d (fsdp2 accounting, ZeRO-1 under tp 8) was valid without a
+    word, and `run` then refused it. `validate` now says what `run` refuses of an fsdp2 job's
+    plan, at the key's line, in `run`'s own words (runtime/capabilities.py); a job written for
+    DeepSpeed is not meant for `run`, and a model `run` does not build is no plan to change."""
+    result = run_cli("validate", "llama-2-70b-3d")
+    assert result.code == 0, result.err
+    (line,) = result.err_lines
+    refused = run_cli("run", "llama-2-70b-3d")
+    assert refused.code == 2 and "zero.stage: stage 1 runs under DDP" in refused.err, refused.err
+    reason = refused.err_lines[0].split("zero.stage: ", 1)[1]
+    assert line.endswith(f"llama-2-70b-3d.toml:17: warning: zero.stage: `shardplan run` would refuse it: {reason}")
+    # From the command line, at its flag; --json lists it among the file's problems.
+    result = run_cli("validate", "tiny-gpt2-cpu", "--set", "train.precision=fp16-mixed", "--json")
+    (problem,) = result.json["files"][0]["problems"]
+    assert result.code == 0 and problem["severity"] == "warning" and problem["path"] == "train.precision"
+    assert "would refuse it: fp16-mixed needs loss scaling" in problem["message"]
+    for quiet in (("llama-2-70b-3d", "--set", "zero.framework=deepspeed"), ("mixtral-8x7b-h100",)):
+        result = run_cli("validate", *quiet)
+        assert result.code == 0 and "would refuse" not in result.err, result.err
+    assert run_cli("run", "mixtral-8x7b-h100").code == 2

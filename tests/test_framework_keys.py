@@ -51,7 +51,9 @@ def test_min_num_params_under_deepspeed_warns(write):
     found = _warnings(write, BASE + 'framework = "deepspeed"\nmin_num_params = 1000\n')
     assert [w["path"] for w in found] == ["zero.min_num_params"]
     assert "param_persistence_threshold" in found[0]["message"]
-    assert _warnings(write, BASE + "min_num_params = 1000\n") == []  # fsdp2 reads it
+    # fsdp2's accounting reads it; only `run`, which shards every parameter, refuses it.
+    (refusal,) = _warnings(write, BASE + "min_num_params = 1000\n")
+    assert refusal["path"] == "zero.min_num_params" and "`shardplan run` would refuse it" in refusal["message"]
 
 
 def test_a_set_flag_counts_as_written(write):

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import run_cli
+from conftest import ROOT, run_cli
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -922,3 +922,28 @@ def test_another_frameworks_config_where_a_job_goes_points_to_import(write, name
     path = write(name, text)
     result = run_cli(command[0], path, *command[1:])
     assert result.code == 2 and result.err_lines == [f"{path}: {said.format(path=path)}"], result.err
+
+
+def test_strict_export_exits_1_when_a_note_says_the_config_fails(tmp_path):
+    """`export` writes the config it was asked for and exits 0 whatever its notes say; with
+    --strict a script gets exit 1 when a note says a run of the written config fails: the
+    target refuses it outright (DeepSpeed's pipeline engine at ZeRO 2, tests/test_interop_deepspeed.py
+    checks the rule against DeepSpeed's code) or it runs out of memory as written (torchtitan
+    cannot offload on one data-parallel rank, docs/interop.md). The file is written either way;
+    a note that asks something of the training script (a PipelineModule) is no failure."""
+    qlora = str(ROOT / "presets/jobs/llama-3-70b-qlora.toml")
+    one_gpu = ("--dp", "1", "--set", "cluster.gpus_per_node=1", "--set", "lora.base_dtype=bf16")
+    out = tmp_path / "tt.toml"
+    for strict, code in (((), 0), (("--strict",), 1)):
+        out.unlink(missing_ok=True)
+        result = run_cli("export", qlora, *one_gpu, "--to", "torchtitan", "-o", str(out), *strict)
+        assert result.code == code and out.exists(), (strict, result.err)
+        assert "as written, a run stops out of memory" in result.err
+    fits = run_cli("export", qlora, *one_gpu, "--to", "deepspeed", "-o", str(tmp_path / "ds.json"), "--strict")
+    assert fits.code == 0, fits.err
+    result = run_cli("export", "llama-2-70b-3d", "--to", "deepspeed", "--set", "zero.stage=2", "--strict", "--json")
+    assert result.code == 1
+    failing = {n["path"]: n["fails"] for n in result.json["notes"]}
+    assert failing["zero.stage"] is True and failing["parallel.pp"] is False, failing
+    assert sum(failing.values()) == 1
+    assert run_cli("export", "llama-2-70b-3d", "--to", "deepspeed", "--strict").code == 0

@@ -49,6 +49,20 @@ def test_an_unsupported_config_json_says_what_it_was_read_as(write):
     assert "model_type: 'bert' is not supported" in result.err_lines[1]
 
 
+@pytest.mark.parametrize("value, message", [
+    ("5", "model_type: 5 is not supported"),
+    ('["llama"]', "model_type: ['llama'] is not supported"),
+    ("null", "model_type: required"),
+])
+def test_a_config_json_with_an_odd_model_type_is_still_a_config(write, value, message):
+    """A config.json whose model_type is no string was read as a job (every key unknown);
+    the key marks a config whatever its value, and the value is what is said wrong."""
+    config = write("config.json", f'{{"model_type": {value}, "hidden_size": 8}}')
+    result = run_cli("validate", config)
+    assert result.code == 2 and "note: a Hugging Face config.json" in result.err_lines[0], result.err
+    assert message in result.err_lines[1] and "unknown key" not in result.err
+
+
 def test_a_json_job_is_not_taken_for_a_config(write):
     job = write("job.json", '{"parallel": {"dp": 2}, "model_type": "llama"}')
     result = run_cli("validate", job)

@@ -766,3 +766,52 @@ def test_a_fixed_degree_the_model_refuses_is_named_before_the_world(write):
         assert result.err.startswith("--tp 3: parallel.tp: the job fixes parallel.tp = 3, which no plan of "
                                      f"{gpus} GPUs keeps: 3 does not divide model.num_heads (32)"), result.err
         assert "multiple of" not in result.err
+
+
+# Llama-2 70B QLoRA on two 24 GB GPUs as AnswerDotAI/fsdp_qlora's README runs it ("Finetune
+# Llama-2 70B on Dual 24GB GPUs": --batch_size 2 --context_length 2048 --precision bf16
+# --train_type qlora --use_gradient_checkpointing true --use_cpu_offload true), with train.py's
+# defaults (commit 05ed9f2: lora_rank 64, lora_alpha 16, lora_target_modules "all" = k, q, v,
+# up, down and gate projections, gradient_accumulation_steps 1, sharding_strategy full_shard,
+# CPUOffload(offload_params=True)): global batch 2 x 2 GPUs = 4.
+FSDP_QLORA_70B = """\
+[model]
+preset = "llama-2-70b"
+[train]
+seq_len = 2048
+precision = "bf16"
+activation_checkpointing = "full"
+[lora]
+rank = 64
+alpha = 16
+targets = ["k_proj", "q_proj", "v_proj", "up_proj", "down_proj", "gate_proj"]
+base_dtype = "nf4"
+[cluster]
+gpu = "rtx-4090"
+gpus_per_node = 2
+"""
+
+
+def test_qlora_that_fits_only_with_nf4_weights_offloaded_is_named(write):
+    """`run` does not offload NF4 weights, so its space holds no plan of the published run;
+    nothing fits, and the search names the plan that fits with them offloaded, as the
+    published run holds them: FSDP (ZeRO 3) over both GPUs, micro batch 2, no accumulation.
+    The flags it gives make `estimate` show that plan, at the same step time, fitting, its
+    parameters offloaded, with `run`'s refusal as a warning."""
+    job = write("qlora70b.toml", FSDP_QLORA_70B)
+    result = run_cli("plan", job, "--gpus", "2", "--global-batch", "4", "--json")
+    assert result.code == 1, result.err
+    (note,) = [n for n in result.json["notes"] if n.startswith("outside the plans `run` executes")]
+    assert "a plan fits 2 GPUs: dp 2 tp 1 pp 1, ZeRO 3" in note, note
+    flags = note.split("shows it with: ", 1)[1].split()
+    assert flags == ["--set", "parallel.dp=2", "--set", "parallel.micro_batch_size=2", "--set", "zero.stage=3",
+                     "--set", "train.activation_checkpointing=full", "--set", "train.global_batch_size=4"], flags
+    seconds = float(note.split("ZeRO 3, ", 1)[1].split(" s per step")[0])
+    estimate = run_cli("estimate", job, *flags, "--json")
+    assert estimate.code == 0 and estimate.json["fits"], estimate.err
+    assert round(estimate.json["time"]["step_seconds"], 1) == pytest.approx(seconds, rel=0.01)
+    assert any(d.startswith("offload the parameters of ") for d in estimate.json["decisions"]), estimate.json
+    assert "`run` does not offload NF4 weights" in estimate.err
+    # A bf16 base, whose weights `run` offloads, fits in its space with them offloaded.
+    bf16 = run_cli("plan", job, "--gpus", "2", "--global-batch", "4", "--set", "lora.base_dtype=bf16", "--json")
+    assert bf16.code == 0 and bf16.json["offloaded"] and not bf16.json["notes"], bf16.out

@@ -199,3 +199,27 @@ def test_data_path_is_opened_from_the_job_files_folder(tmp_path, monkeypatch):
     (other / "tokens.bin").write_bytes(bytes(64))
     given = load_job(str(tmp_path / "sub" / "job.toml"), [("data.path", "tokens.bin")], env={})
     assert os.path.samefile(given.data_file, other / "tokens.bin")
+
+
+def test_an_output_onto_the_input_is_refused_and_the_input_kept(config, write, tmp_path, monkeypatch):
+    """`import ds.json -o ds.json` replaced the DeepSpeed config with the job it gave, silently;
+    `plan config.json --write config.json` the model's config.json with a job. Every output
+    flag that names its command's input, by any name (here a link), is bad input and the file
+    is left as it was."""
+    monkeypatch.chdir(tmp_path)
+    ds = write("ds.json", json.dumps(DEEPSPEED))
+    (tmp_path / "also-ds.json").symlink_to(ds)
+    result = run_cli("import", "ds.json", "-o", "also-ds.json", "--set", "model.preset=llama-3-8b")
+    assert result.code == 2 and result.err_lines == [
+        "--output: 'also-ds.json' is the input file: writing the job file there would replace it; name another file"]
+    assert json.loads(Path(ds).read_text()) == DEEPSPEED
+    result = run_cli("plan", "config.json", *PLAN_ARGS, "--write", str(config), "--json")
+    assert result.code == 2 and result.json["error"]["problems"][0]["path"] == "--write", result.out
+    assert json.loads(Path(config).read_text()) == LLAMA_CONFIG
+    job = write("job.toml", '[model]\npreset = "llama-3-8b"\n[parallel]\ndp = 8\n')
+    before = Path(job).read_text()
+    result = run_cli("export", "./job.toml", "--to", "deepspeed", "-o", "job.toml")
+    assert result.code == 2 and "writing the deepspeed config there would replace it" in result.err
+    assert Path(job).read_text() == before
+    # Another file is written as before.
+    assert run_cli("import", "ds.json", "-o", "job2.toml", "--world", "8", "--set", "model.preset=llama-3-8b").code == 0

@@ -171,6 +171,26 @@ def test_token_file_check_reads_a_bounded_head(tmp_path):
     assert check(str(tmp_path), "t", "auto", 512, 128).startswith("t: cannot read: ")  # an unreadable path
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
+def test_a_named_pipe_as_token_file_is_refused_before_it_is_opened(tmp_path):
+    """open() of a FIFO waits for a writer: `run` hung there. The kind of file is looked at
+    first, by validate, by the launcher's check and by each rank (under a torchrun of the
+    user's own), each time bad input."""
+    from shardplan.runtime.data import FileTokens
+    from shardplan.runtime.token_file import check
+    from shardplan.spec.errors import InputError
+
+    fifo = tmp_path / "tokens.fifo"
+    os.mkfifo(fifo)
+    said = f"'{fifo}': is a named pipe (FIFO), not a file of token ids"
+    for command in ("validate", "run"):
+        result = run_cli(command, "tiny-gpt2-cpu", "--set", f"data.path={fifo}")
+        assert result.code == 2 and result.err_lines == [f"--set: data.path: {said}"], (command, result.err)
+    assert check(str(fifo), "t", "auto", 512, 128) == "t: is a named pipe (FIFO), not a file of token ids"
+    with pytest.raises(InputError, match=r"is a named pipe \(FIFO\)"):
+        FileTokens(str(fifo), "auto", 512, 128, seed=0)
+
+
 def test_the_ranks_refuse_a_bad_token_file_as_bad_input(tmp_path):
     """Under a torchrun of the user's own the launcher's check does not run: each rank's is
     the same, and bad input too (exit 2)."""

@@ -18,9 +18,9 @@ from ..io.interop.common import Plan
 from ..io.interop.offload import decided_offload
 from ..io.job import ResolvedJob
 from ..io.problems import did_you_mean
-from ..io.writing import output_target, write_text
+from ..io.writing import output_target, refuse_overwriting_input, write_text
 from ..render.output import emit_diagnostics, emit_json
-from ..spec.errors import InputError, PlanError, Problem
+from ..spec.errors import EXIT_INFEASIBLE, InputError, PlanError, Problem
 from .estimate_cmd import limits_known
 from .options import JsonFlag, PlanFlags, plan_flags
 
@@ -48,6 +48,8 @@ def export(
     file: Annotated[Optional[str], typer.Argument(help="job file (TOML/JSON) or job preset name")] = None,
     to: Annotated[str, typer.Option("--to", help=f"target format (required): {', '.join(TARGETS)}")] = "",
     output: Annotated[Optional[str], typer.Option("-o", "--output", help="write the config here (default, or -: stdout)")] = None,
+    strict: Annotated[bool, typer.Option("--strict", help="exit 1 when a note says a run of the written config fails "
+                                                          "(the target refuses it, or it runs out of memory)")] = False,
     json_out: JsonFlag = False,
     *,
     flags: PlanFlags,
@@ -65,6 +67,7 @@ def export(
         raise InputError(Problem("--to", f"must be one of {', '.join(TARGETS)} (got {to!r}){did_you_mean(target, TARGETS)}"))
     output = output_target(output, "--output")
     resolved = flags.load(file)
+    refuse_overwriting_input(output, resolved.file, "--output", f"the {target} config")
     emit_diagnostics(resolved.warnings)
     module = importlib.import_module(f"..io.interop.{target}", __package__)
     exported = getattr(module, f"to_{target}")(plan_of(resolved))
@@ -74,10 +77,12 @@ def export(
     if json_out:
         config = {"args": exported.config} if isinstance(exported.config, list) else exported.config
         emit_json({"target": target, "file": output, "config": config,
-                   "notes": [{"path": n.path, "message": n.message} for n in exported.notes]})
+                   "notes": [{"path": n.path, "message": n.message, "fails": n.fails} for n in exported.notes]})
     elif not output:
         sys.stdout.write(text)
     emit_diagnostics(f"export: {n.path}: {n.message}" for n in exported.notes)
+    if strict and any(n.fails for n in exported.notes):
+        raise typer.Exit(EXIT_INFEASIBLE)
 
 
 def register(app: typer.Typer) -> None:

@@ -16,7 +16,7 @@ from ..io.interop.source import FORMATS, Referenced, read_referenced, read_sourc
 from ..io.job import resolve_document
 from ..io.overrides import apply_overrides
 from ..io.presets import find_preset
-from ..io.writing import job_folders, output_target, relocate_job_paths, write_text
+from ..io.writing import job_folders, output_target, refuse_overwriting_input, relocate_job_paths, write_text
 from ..render.output import emit_diagnostics, emit_json
 from ..spec.errors import InputError, Problem
 from ..spec.model import SHAPE_KEYS, SOURCE_KEYS
@@ -125,6 +125,7 @@ def import_config(
     are not read are named on stderr, one line each.
     """
     output = output_target(output, "--output")
+    refuse_overwriting_input(output, file, "--output", "the job file")
     fmt, doc = read_source(file)
     overrides = flags.overrides()
     check_degrees(overrides, flags.labels())

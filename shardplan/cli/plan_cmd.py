@@ -39,7 +39,7 @@ def plan(
     """Search the plans that fit, fastest first: degrees, sharding, recomputation, micro
     batches, schedule and offload; keys the job gives stay fixed."""
     from ..io.plan_search import run_plan_search
-    from ..io.writing import output_target
+    from ..io.writing import output_target, refuse_overwriting_input
     from ..render.output import emit_diagnostics, emit_json, stdout_console
     from ..render.plan import plan_document, print_plans
 
@@ -51,6 +51,7 @@ def plan(
         resolved = flags.load(file, warn_only=_searched)
     except InputError as exc:  # the warnings about keys the search sets are not the user's
         raise InputError([p for p in exc.problems if p.severity == "error" or not _searched(p)]) from None
+    refuse_overwriting_input(write, resolved.file, "--write", "the best plan")
     emit_diagnostics(p for p in resolved.warnings if not _searched(p))
     outcome = run_plan_search(resolved, gpus=gpus, nodes=nodes, global_batch=global_batch, top=top,
                               progress=not json_out, overrides=flags.overrides())

@@ -12,6 +12,7 @@ from ..core.params import count_params
 from ..io.job import ResolvedJob
 from ..render.output import emit_diagnostics, emit_json, emit_line, error_document
 from ..render.summary import job_summary_line
+from ..runtime.capabilities import refusal_warnings
 from ..spec.errors import EXIT_BAD_INPUT, InputError
 from .options import JsonFlag, PlanFlags, WorldOption, plan_flags
 
@@ -52,10 +53,11 @@ def validate(
             emit_diagnostics(exc.lines())
             reports.append({"file": file, "valid": False, "problems": [p.to_json() for p in exc.problems]})
             continue
-        emit_diagnostics(resolved.warnings)
+        warnings = resolved.warnings + refusal_warnings(resolved)
+        emit_diagnostics(warnings)
         summary = _summary(resolved)
         reports.append({
-            "file": file, "valid": True, "problems": [p.to_json() for p in resolved.warnings], **summary,
+            "file": file, "valid": True, "problems": [p.to_json() for p in warnings], **summary,
         })
         if not json_out:
             emit_line(job_summary_line(file, summary))

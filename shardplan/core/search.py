@@ -88,6 +88,9 @@ class Space:
     # them: 1F1B (its TrainSchedule) over evenly split layers, at ZeRO 0 or 1
     # (`sharding_options`). Keys the job sets stay as set.
     deepspeed: bool = False
+    # With `runnable`: let the offload strategy move NF4 weights to the CPU, as FSDP+QLoRA
+    # trainers do and `run` does not (io/plan_search.py says what fits that way).
+    nf4_offload: bool = False
 
 
 @dataclass(frozen=True)
@@ -483,10 +486,11 @@ NF4_OFFLOAD = "it would offload NF4 weights, which `run` does not"
 TWIN = "the same plan and step at another ZeRO stage with less memory (one rank per shard group shards nothing)"
 
 
-def unrunnable_offload(plan: EstimateInputs) -> str | None:
+def unrunnable_offload(plan: EstimateInputs, nf4_offload: bool = False) -> str | None:
     """Why `run` would refuse the offload the strategy decided for `plan`, or None
-    (runtime/capabilities.py refuses the same before any process starts)."""
-    if plan.lora is not None and plan.lora.nf4 and plan.offload_params:
+    (runtime/capabilities.py refuses the same before any process starts); `nf4_offload`
+    lets NF4 weights go to the CPU."""
+    if plan.lora is not None and plan.lora.nf4 and plan.offload_params and not nf4_offload:
         return NF4_OFFLOAD
     if (plan.offload_optimizer or plan.offload_params) and plan.optimizer not in ENGINE_OPTIMIZERS:
         return f"it would offload {plan.optimizer} states, which the offload engine does not step"
@@ -882,7 +886,7 @@ def search(base: EstimateInputs, space: Space, fixed: Fixed, timer: Callable[[Es
                 else:
                     asked = _with_offload(inputs, base.strategy)
                     plan = resolve(asked) if resolve is not None else asked
-                    refused = unrunnable_offload(plan) if space.runnable else None
+                    refused = unrunnable_offload(plan, space.nf4_offload) if space.runnable else None
                     if refused:
                         offloaded[key] = (False, 0, 0, refused, plan, asked)
                     else:

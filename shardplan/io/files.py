@@ -73,7 +73,7 @@ def toml_key_lines(text: str) -> dict[str, int]:
     return lines
 
 
-def _not_readable_kind(mode: int) -> str | None:
+def unreadable_kind(mode: int) -> str | None:
     """What a file of `mode` is when it is none that an input may be, else None. A regular
     file is read, and a character device too (`/dev/null`, `/dev/zero`: the read is bounded);
     a FIFO is not, as open() waits for a writer that may never come, nor a socket or a
@@ -99,7 +99,7 @@ def _read_text(path: Path, shown: str) -> str:
         if not path.exists():
             raise fail("no such file")
         status = path.stat()  # before open(): a FIFO's open() blocks until a writer comes
-        kind = _not_readable_kind(status.st_mode)
+        kind = unreadable_kind(status.st_mode)
         if kind:
             raise fail(f"is {kind}, not a regular file")
         size = status.st_size

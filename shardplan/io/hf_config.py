@@ -133,7 +133,9 @@ def looks_like_hf_config(data: dict) -> bool:
     writes it) or `architectures`, and none of the job file's tables."""
     from ..spec.job import TABLES
 
-    marked = isinstance(data.get("model_type"), str) or isinstance(data.get("architectures"), list)
+    # Any `model_type` marks one (a job file has no such key), so an odd value is said as the
+    # config's, not as an unknown key of a job.
+    marked = "model_type" in data or isinstance(data.get("architectures"), list)
     return marked and not any(isinstance(data.get(table), dict) for table in TABLES)
 
 
@@ -221,6 +223,51 @@ class _Reader:
             return self._theta(self.config["rope_theta"], "rope_theta")
         return DEFAULT_ROPE_THETA[self.model_type]
 
+    def rope_scaling(self) -> dict | None:
+        """The RoPE scaling as transformers takes it: `rope_scaling` when given, else
+        `rope_parameters` (convert_rope_params_to_dict); its `rope_type`, else the older
+        `type`, else "default" (no scaling), and a llama3 scaling's
+        original_max_position_embeddings, else max_position_embeddings
+        (standardize_rope_params). The `[model] rope_scaling` table, or None."""
+        for table in ("rope_scaling", "rope_parameters"):
+            inner = self.config.get(table)
+            if inner is None or inner == {}:
+                continue
+            if not isinstance(inner, dict):
+                self.problems.append(Problem(table, f"expected a table, got {shown_value(inner)}", file=self.file))
+                return None
+            break
+        else:
+            return None
+        type_key = "rope_type" if "rope_type" in inner else "type"
+        rope_type = inner.get(type_key, "default")
+        if rope_type == "default":
+            return None
+        if rope_type != "llama3":
+            self.problems.append(Problem(f"{table}.{type_key}", f"{shown_value(rope_type)} is not supported "
+                                                                "(supported: 'default', 'llama3')", file=self.file))
+            return None
+        values: dict[str, object] = {"rope_type": "llama3"}
+        for key in ("factor", "low_freq_factor", "high_freq_factor"):
+            if inner.get(key) is None:
+                self.problems.append(Problem(f"{table}.{key}", "required for rope_type 'llama3'", file=self.file))
+            else:
+                values[key] = self._theta(inner[key], f"{table}.{key}")
+        if inner.get("original_max_position_embeddings") is not None:
+            key = f"{table}.original_max_position_embeddings"
+            value = inner["original_max_position_embeddings"]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                self.problems.append(Problem(key, f"expected a positive integer, got {shown_value(value)}",
+                                             file=self.file))
+            values["original_max_position_embeddings"] = value
+        else:
+            values["original_max_position_embeddings"] = self.get("max_position_embeddings")
+        low, high = values.get("low_freq_factor"), values.get("high_freq_factor")
+        if low is not None and high is not None and high <= low:
+            self.problems.append(Problem(f"{table}.high_freq_factor", f"must exceed low_freq_factor ({low}) "
+                                                                      f"(got {high})", file=self.file))
+        return values
+
     def _theta(self, value: object, key: str) -> float | None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
             self.problems.append(Problem(key, f"expected a positive number, got {shown_value(value)}", file=self.file))
@@ -257,6 +304,7 @@ def shape_from_hf_config(config: dict, file: str) -> dict:
             max_seq_len=r.get("max_position_embeddings"),
             tie_embeddings=r.flag("tie_word_embeddings"),
             rope_theta=r.rope_theta(),
+            rope_scaling=r.rope_scaling(),
         )
         if model_type in ("llama", "gemma", "gemma2"):
             # attention_bias puts biases on q, k, v and o (LlamaAttention, GemmaAttention,
@@ -343,6 +391,7 @@ def _falcon(r: _Reader) -> dict:
         tie_embeddings=r.flag("tie_word_embeddings"),
         position_embedding="alibi" if alibi else "rope",
         rope_theta=None if alibi else r.rope_theta(),
+        rope_scaling=None if alibi else r.rope_scaling(),
         qkv_bias=bias,
         out_bias=bias,
         mlp_bias=bias,

@@ -26,6 +26,7 @@ from ..core.search import (Fixed, Group, Miss, SearchResult, Space, candidates, 
                            model_refusal, next_split_batch, schedule_options, search)
 from ..spec.common import MAX_WORLD_SIZE
 from ..spec.errors import InputError, Problem
+from ..spec.job import JobSpec
 from ..spec.names import AUTO
 from ..spec.units import GIB, counted, format_bytes
 from .files import Document, read_document
@@ -435,6 +436,31 @@ def _refused_by_run(resolved: ResolvedJob, tables: dict[str, dict[str, object]])
     return [f"{p.path}: `shardplan run` would refuse these plans: {p.message}" for p in unsupported(planned)]
 
 
+def _with_nf4_offload(base: EstimateInputs, space: Space, fixed: Fixed, timer, ranking: dict) -> list[str]:
+    """QLoRA that fits nowhere in `run`'s space: the fastest plan of these GPUs with its NF4
+    weights offloaded to the CPU, which `run` does not execute and FSDP+QLoRA trainers do
+    (Answer.AI's fsdp_qlora, `--use_cpu_offload`: Llama-2 70B on two 24 GB GPUs), as the flags
+    that make `estimate` show it."""
+    if not (space.runnable and space.offload and fixed.offload is None and base.lora is not None and base.lora.nf4):
+        return []
+    asked = base.with_(strategy="balanced") if base.strategy == "conservative" else base
+    found = search(asked, replace(space, nf4_offload=True), fixed, timer, top_k=1, **ranking).plans
+    if not found:
+        return []
+    best = found[0]
+    tables = plan_tables(best.asked, space.global_batch)
+    if asked is not base:
+        tables.setdefault("offload", {})["strategy"] = "balanced"
+    defaults = JobSpec()  # keys at their default need no flag
+    flags = " ".join(f"--set {table}.{key}={_value(value).strip(chr(34))}"
+                     for table, keys in tables.items() for key, value in keys.items()
+                     if getattr(getattr(defaults, table, None), key, None) != value)
+    d = best.inputs.degrees
+    return [f"outside the plans `run` executes, with NF4 weights offloaded to the CPU as FSDP+QLoRA trainers do "
+            f"(fsdp_qlora's --use_cpu_offload), a plan fits {counted(space.world, 'GPU')}: dp {d.dp} tp {d.tp} pp {d.pp}, "
+            f"ZeRO {best.inputs.zero_stage}, {best.seconds:.3g} s per step; `shardplan estimate` shows it with: {flags}"]
+
+
 # Batches `_batch_that_splits` tries with a search of the structures, at most: each costs no
 # more than the search that found no split.
 SPLIT_TRIES = 16
@@ -540,6 +566,7 @@ def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer,
                 notes.append(f"with {format_bytes(need)} of host memory per node for the offload (it may use "
                              f"{format_bytes(cpu_limit(base))} now) a plan fits {counted(space.world, 'GPU')}: "
                              + " ".join(f"--set {key}={value}" for key, value in keys.items()))
+    notes += _with_nf4_offload(base, space, fixed, timer, ranking)
     # A key the job fixes (other than the degrees, which more GPUs relax below): a plan of these
     # GPUs that fits once the search may choose it.
     for name, value in vars(fixed).items():

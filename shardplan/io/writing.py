@@ -94,6 +94,21 @@ def output_target(path: str | None, flag: str, stdout_holds: str | None = None) 
     return path
 
 
+def refuse_overwriting_input(path: str | None, source: str, flag: str, written: str) -> None:
+    """Bad input when the output flag names the file the command reads (`import ds.json -o
+    ds.json`): the write would replace it with another kind of file. Any name of it counts (a
+    link, another path), as the file system sees it."""
+    if not path or not source:
+        return
+    try:
+        same = os.path.samefile(path, source)
+    except (OSError, ValueError):  # the output does not exist yet, or a name no file can have
+        return
+    if same:
+        raise InputError(Problem(flag, f"{path!r} is the input file: writing {written} there would replace it; "
+                                       "name another file"))
+
+
 def job_folders(source: str, overrides: Sequence[tuple[str, object]] = (),
                 config_as_job: bool = False) -> dict[tuple[str, str], str]:
     """The folder each of JOB_PATH_KEYS is meant from, as the loader (io/job.py

@@ -37,8 +37,8 @@ def require_library(compression: str) -> str | None:
 
 
 def unsupported(resolved: ResolvedJob) -> list[Problem]:
+    """Everything of the job `run` cannot execute: the model, then the plan's keys."""
     job, shape = resolved.job, resolved.shape
-    par, zero, off = job.parallel, job.zero, job.offload
     found: list[tuple[str, str]] = []
     if shape is None:
         what = "not a bare parameter count" if job.model.params is not None else "and the job names no model"
@@ -46,6 +46,29 @@ def unsupported(resolved: ResolvedJob) -> list[Problem]:
     elif unbuildable(shape):
         found.append(("model", f"`run` builds GPT-2 and Llama-style models, not {unbuildable(shape)} "
                                f"(model {shape.name or shape.family})"))
+    return [Problem(path, message) for path, message in found + _plan_refusals(resolved, libraries=True)]
+
+
+def refusal_warnings(resolved: ResolvedJob) -> list[Problem]:
+    """`validate`'s warnings for an fsdp2 job whose plan `run` would refuse (the shipped
+    llama-2-70b-3d: ZeRO-1 under tensor parallel), at the key's file line. Only the plan's
+    keys: a model `run` does not build is no plan to change (docs/run.md lists what it
+    builds), a library this machine lacks is not the job's business, and a job for another
+    framework is not meant for `run` at all."""
+    if resolved.job.zero.framework != "fsdp2":
+        return []
+    found = [Problem(path, f"`shardplan run` would refuse it: {message}", severity="warning")
+             for path, message in _plan_refusals(resolved, libraries=False)]
+    return resolved.locate(found)
+
+
+def _plan_refusals(resolved: ResolvedJob, libraries: bool) -> list[tuple[str, str]]:
+    """What `run` cannot execute of the job's plan keys (parallelism, sharding, offload,
+    recomputation, precision, LoRA); with `libraries`, also an offload library this machine
+    lacks."""
+    job, shape = resolved.job, resolved.shape
+    par, zero, off = job.parallel, job.zero, job.offload
+    found: list[tuple[str, str]] = []
     if job.train.activation_checkpointing == "op":
         found.append(("train.activation_checkpointing", "torchtitan's operator policy (op) is estimated, not executed "
                                                         "by `run`: use none, selective or full"))
@@ -58,9 +81,9 @@ def unsupported(resolved: ResolvedJob) -> list[Problem]:
         found.append(("zero.min_num_params", "FSDP2 shards every parameter; `run` cannot keep small ones whole"))
     if zero.framework != "fsdp2":
         found.append(("zero.framework", "`run` executes the fsdp2 accounting; set zero.framework = \"fsdp2\""))
-    found += _offload_unsupported(job, off.optimizer, off.params, None)
+    found += _offload_unsupported(job, off.optimizer, off.params, None, libraries)
     if not (off.optimizer or off.params):  # what the job leaves to the offload strategy
-        found += _decided_unsupported(resolved)
+        found += _decided_unsupported(resolved, libraries)
     for key in ("async_prefetch", "overlap"):
         if not getattr(off, key):
             found.append((f"offload.{key}", "FSDP2 always prefetches on its own stream, overlapped with compute; "
@@ -83,7 +106,7 @@ def unsupported(resolved: ResolvedJob) -> list[Problem]:
     found += _lora_unsupported(resolved)
     if job.train.precision == "fp16-mixed":
         found.append(("train.precision", "fp16-mixed needs loss scaling, which `run` does not implement: use bf16-mixed"))
-    return [Problem(path, message) for path, message in found]
+    return found
 
 
 def _lora_unsupported(resolved: ResolvedJob) -> list[tuple[str, str]]:
@@ -140,12 +163,12 @@ def _offload_unsupported(job: JobSpec, optimizer: bool, params: bool, strategy: 
     return found
 
 
-def _decided_unsupported(resolved: ResolvedJob) -> list[tuple[str, str]]:
+def _decided_unsupported(resolved: ResolvedJob, libraries: bool = True) -> list[tuple[str, str]]:
     """`_offload_unsupported` of the offload the job's strategy decides, computed only where
     such an offload could be refused (the estimate it takes is the one `run`'s workers take,
     runtime/worker.py)."""
     job = resolved.job
-    risky = (job.train.optimizer not in ENGINE_OPTIMIZERS or require_library(job.offload.cpu_compression)
+    risky = (job.train.optimizer not in ENGINE_OPTIMIZERS or (libraries and require_library(job.offload.cpu_compression))
              or (job.lora is not None and job.lora.base_dtype == "nf4"))
     if not risky or resolved.shape is None or "gpu_memory" not in job.cluster.model_fields_set:
         return []
@@ -153,7 +176,7 @@ def _decided_unsupported(resolved: ResolvedJob) -> list[tuple[str, str]]:
     from ..core.memory import estimate_memory
 
     decided = estimate_memory(inputs_from_job(job, resolved.shape, True)).inputs
-    return decided_offload_unsupported(job, decided.offload_optimizer, decided.offload_params)
+    return decided_offload_unsupported(job, decided.offload_optimizer, decided.offload_params, libraries)
 
 
 def decided_offload_unsupported(job: JobSpec, optimizer: bool, params: bool,

@@ -62,6 +62,9 @@ class FileTokens:
         self.vocab, self.seq_len, self.seed = vocab_size, seq_len, seed
         dtype = token_file.token_dtype(dtype, vocab_size)
         self.width = token_file.WIDTHS[dtype]
+        problem = token_file.kind_problem(path, path)
+        if problem:
+            raise InputError(Problem("data.path", problem))
         try:
             with Path(path).open("rb") as handle:
                 size = os.fstat(handle.fileno()).st_size

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..spec.model import ModelShape
+from ..spec.model import ModelShape, RopeScaling
 from .capabilities import unbuildable
 
 # Weight initialisation of GPT-2 / Megatron-LM: normal(0, 0.02), biases zero, norms one.
@@ -33,11 +33,14 @@ NORM_EPS = 1e-5
 class RotaryEmbedding(nn.Module):
     """cos/sin tables of rotary position embeddings (non-persistent buffers, not parameters)."""
 
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float = ROPE_THETA):
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float = ROPE_THETA,
+                 scaling: RopeScaling | None = None):
         super().__init__()
         # Real tables even when the model is built on the meta device (they are small and no
         # parameter depends on them).
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
+        if scaling is not None:
+            inv_freq = llama3_inv_freq(inv_freq, scaling)
         angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device="cpu"), inv_freq)
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
@@ -52,6 +55,25 @@ class RotaryEmbedding(nn.Module):
         return rotated.flatten(-2)
 
 
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's scaled inverse frequencies (radians per position), as transformers'
+    `_compute_llama3_parameters` (modeling_rope_utils.py) computes them, step for step: a
+    frequency whose wavelength 2*pi/f exceeds original_max_position_embeddings /
+    low_freq_factor is divided by `factor`, one whose wavelength is below
+    original_max_position_embeddings / high_freq_factor is kept, and one in between is
+    blended, with weight s = (original_max_position_embeddings / wavelength - low_freq_factor)
+    / (high_freq_factor - low_freq_factor) on the kept frequency."""
+    factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+    old_context_len = scaling.original_max_position_embeddings
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
 class Attention(nn.Module):
     def __init__(self, shape: ModelShape, dropout: float, attention: str):
         super().__init__()
@@ -62,7 +84,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, shape.num_kv_heads * d, bias=shape.qkv_bias)
         self.o_proj = nn.Linear(shape.num_heads * d, h, bias=shape.out_bias)
         self.resid_dropout = nn.Dropout(dropout)
-        self.rope = (RotaryEmbedding(d, shape.max_seq_len or 8192, shape.rope_theta or ROPE_THETA)
+        self.rope = (RotaryEmbedding(d, shape.max_seq_len or 8192, shape.rope_theta or ROPE_THETA, shape.rope_scaling)
                      if shape.position_embedding == "rope" else None)
         self.core = AttentionCore(d, dropout, self.eager)
 

@@ -8,6 +8,9 @@ the same tests as it opens the file (runtime/data.py `FileTokens`).
 from __future__ import annotations
 
 import os
+import stat
+
+from ..io.files import unreadable_kind
 
 WIDTHS = {"uint16": 2, "uint32": 4}  # bytes per token id
 # The launcher reads at most this much of the file for ids outside the vocabulary: a file
@@ -36,6 +39,18 @@ def size_problem(shown: str, size: int, dtype: str, seq_len: int) -> str | None:
     return None
 
 
+def kind_problem(path: str, shown: str) -> str | None:
+    """Why `path` is no file of tokens, said before it is opened (None: a file, a directory or
+    a path that does not exist, whose open() says what is wrong): a named pipe blocks open()
+    until a writer comes, and a socket or a disk is no token file."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    kind = None if stat.S_ISDIR(mode) else unreadable_kind(mode)
+    return f"{shown}: is {kind}, not a file of token ids" if kind else None
+
+
 def vocabulary_problem(shown: str, token: int, position: int, vocab_size: int) -> str:
     return (f"{shown}: token {token} at position {position} is outside the vocabulary ({vocab_size}); "
             "is data.dtype right?")
@@ -50,6 +65,9 @@ def check(path: str, shown: str, dtype: str, vocab_size: int, seq_len: int, scan
     dtype = token_dtype(dtype, vocab_size)
     width = WIDTHS[dtype]
     ids_type = np.dtype(dtype).newbyteorder("<")
+    problem = kind_problem(path, shown)
+    if problem:
+        return problem
     try:
         with open(path, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size

@@ -22,20 +22,34 @@ class Table(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, validate_default=False)
 
 
-Size = Annotated[
-    int,
-    BeforeValidator(parse_size),
-    Field(ge=0, le=MAX_BYTES),
-    WithJsonSchema(
-        {
-            "anyOf": [
-                {"type": "integer", "minimum": 0},
-                {"type": "string", "pattern": r"^\s*[0-9.eE+-]+\s*([KkMmGgTtPp][Ii]?)?[Bb]?\s*$"},
-            ],
-            "description": "bytes: an integer, or a string such as '80GiB', '80GB', '512MiB'",
-        }
-    ),
-]
+_SIZE_SCHEMA = WithJsonSchema(
+    {
+        "anyOf": [
+            {"type": "integer", "minimum": 0},
+            {"type": "string", "pattern": r"^\s*[0-9.eE+-]+\s*([KkMmGgTtPp][Ii]?)?[Bb]?\s*$"},
+        ],
+        "description": "bytes: an integer, or a string such as '80GiB', '80GB', '512MiB'",
+    }
+)
+
+Size = Annotated[int, BeforeValidator(parse_size), Field(ge=0, le=MAX_BYTES), _SIZE_SCHEMA]
+
+# A memory capacity (a GPU's, a node's) given as a bare number below this is a unit left out
+# (`gpu_memory = 24` for 24 GiB): no GPU or host has less than a mebibyte.
+_LEAST_CAPACITY = 2**20
+
+
+def parse_capacity(value: object) -> int:
+    """`parse_size`, refusing a bare number of bytes too small to be any device's memory."""
+    size = parse_size(value)
+    bare = isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit())
+    if bare and 0 < size < _LEAST_CAPACITY:
+        raise ValueError(f"{size} is read as {size} bytes (a bare number is bytes), less than any device has: "
+                         f"write '{size}GiB' if gibibytes were meant")
+    return size
+
+
+Capacity = Annotated[int, BeforeValidator(parse_capacity), Field(ge=0, le=MAX_BYTES), _SIZE_SCHEMA]
 
 Count = Annotated[
     int,

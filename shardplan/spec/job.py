@@ -11,7 +11,7 @@ from typing import Annotated, Literal, Optional
 
 from pydantic import BeforeValidator, Field, WithJsonSchema, field_validator, model_validator
 
-from .common import Bandwidth, Count, Degree, Dim, Size, Table
+from .common import Bandwidth, Capacity, Count, Degree, Dim, Size, Table
 from .model import MAX_LAYERS, ModelShape, ModelSpec
 from .names import AXES, DEFAULT_ORDER, SCHEDULES, parse_order  # noqa: F401 (re-exported)
 from .names import ALL_LINEAR, LAYER_LINEARS, target_hint
@@ -321,11 +321,11 @@ class ClusterSpec(Table):
         "(default: as many as dp*tp*pp*cp needs)"
     )
     gpus_per_node: Degree = Field(8, description="GPUs (ranks) per node")
-    gpu_memory: Size = Field(
+    gpu_memory: Capacity = Field(
         80 * 2**30, gt=0, description="memory of one GPU; `estimate` checks the fit only when the job states it "
         "(here or through a cluster preset)", json_schema_extra=_derived_default
     )
-    cpu_memory_per_node: Size = Field(2**40, gt=0, description="CPU RAM of one node")
+    cpu_memory_per_node: Capacity = Field(2**40, gt=0, description="CPU RAM of one node")
     gpu: Optional[str] = Field(
         None, description="GPU hardware preset for the time model (`shardplan presets`: h100-sxm, a100-sxm-80gb, ...)"
     )

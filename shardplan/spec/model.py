@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Literal, Optional
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from .common import Count, Dim, Table
 from .errors import Problem
@@ -21,6 +21,8 @@ Family = Literal["gpt2", "llama", "mistral", "mixtral", "qwen2", "gemma", "gemma
 Norm = Literal["layernorm", "rmsnorm"]
 Activation = Literal["gelu", "swiglu", "geglu"]
 PositionEmbedding = Literal["learned", "rope", "alibi"]
+# RoPE frequency scalings read: Llama 3.1's, and Hugging Face's "default" (none).
+RopeType = Literal["default", "llama3"]
 
 FAMILIES: tuple[str, ...] = Family.__args__  # type: ignore[attr-defined]
 
@@ -60,6 +62,40 @@ FFN_MULTIPLIER_DEFAULT = {"gpt2": 4, "falcon": 4}
 # layer), low enough that planning stays interactive.
 MAX_LAYERS = 100_000
 MAX_EXPERTS = 4096
+
+# The keys of a llama3 `rope_scaling`: those transformers requires of it besides rope_type
+# and rope_theta (modeling_rope_utils.py, `_validate_llama3_rope_parameters`).
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+class RopeScalingSpec(Table):
+    """`[model] rope_scaling`: RoPE frequency scaling, as Hugging Face's config.json writes it
+    (`rope_scaling`, transformers 5's `rope_parameters`). Llama 3.1's llama3 type divides the
+    inverse frequencies whose wavelength exceeds original_max_position_embeddings /
+    low_freq_factor by `factor`, keeps those below original_max_position_embeddings /
+    high_freq_factor, and blends in between (transformers `_compute_llama3_parameters`)."""
+
+    rope_type: RopeType = Field(description="llama3 (Llama 3.1's scaling) or default (no scaling)")
+    factor: Optional[float] = Field(
+        None, gt=0, description="llama3: the low frequencies are divided by it (Llama 3.1: 8.0)",
+    )
+    low_freq_factor: Optional[float] = Field(
+        None, gt=0, description="llama3: wavelengths above original_max_position_embeddings / this are scaled (1.0)",
+    )
+    high_freq_factor: Optional[float] = Field(
+        None, gt=0, description="llama3: wavelengths below original_max_position_embeddings / this are kept (4.0)",
+    )
+    original_max_position_embeddings: Optional[Dim] = Field(
+        None, description="llama3: the context length (tokens) the model was pretrained at (8192)",
+    )
+
+    @field_validator("factor", "low_freq_factor", "high_freq_factor", mode="before")
+    @classmethod
+    def _finite(cls, value: object) -> object:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"must be a finite number > 0 (got {value})")
+        return value
+
 
 class ModelSpec(Table):
     """The model to plan for: a preset, a Hugging Face config.json, a parameter count, or a shape."""
@@ -106,6 +142,11 @@ class ModelSpec(Table):
     rope_theta: Optional[float] = Field(
         None, gt=0,
         description="base of the rotary position embeddings (Hugging Face rope_theta); rope models only",
+    )
+    rope_scaling: Optional[RopeScalingSpec] = Field(
+        None,
+        description="RoPE frequency scaling (Hugging Face rope_scaling): rope_type llama3 with factor, "
+                    "low_freq_factor, high_freq_factor, original_max_position_embeddings; rope models only",
     )
     dropout: float = Field(
         0.0, ge=0.0, lt=1.0, description="dropout probability; > 0 keeps masks for backward"
@@ -157,8 +198,9 @@ class ModelSpec(Table):
         return None
 
     def shape_table(self) -> dict:
-        """The inline shape keys that are set, as a plain dict."""
-        return {k: getattr(self, k) for k in ("name", *SHAPE_KEYS) if getattr(self, k) is not None}
+        """The inline shape keys that are set, as a plain dict (a nested table as a dict)."""
+        table = {k: getattr(self, k) for k in ("name", *SHAPE_KEYS) if getattr(self, k) is not None}
+        return {k: v.model_dump(exclude_none=True) if isinstance(v, BaseModel) else v for k, v in table.items()}
 
 
 def cached_hash(self) -> int:
@@ -175,6 +217,18 @@ def cached_hash(self) -> int:
         cached = hash(tuple(map(values.__getitem__, names)))
         values["_hash"] = cached
     return cached
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (rope_type "llama3"), resolved: every value given.
+    Lengths are in tokens (positions); the factors are dimensionless."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+    rope_type: str = "llama3"  # the only scaling kept; written back as the key that selects it
 
 
 @dataclass(frozen=True)
@@ -204,6 +258,9 @@ class ModelShape:
     # The RoPE base: moves no byte and no FLOP, but exporters write it (Megatron's
     # --rotary-base defaults to 10000, not what every model trains with). None: not given.
     rope_theta: float | None = None
+    # Llama 3.1's RoPE frequency scaling: like the base, no byte and no FLOP; exporters and
+    # `run` use it. None: the plain frequencies.
+    rope_scaling: RopeScaling | None = None
 
     __hash__ = cached_hash  # planner caches key on this frozen value
 
@@ -248,6 +305,8 @@ def resolve_shape(table: dict, where: str = "model") -> tuple[ModelShape | None,
             at("rope_theta"),
             f"only rotary position embeddings have a base; this model's are {values.get('position_embedding')!r}",
         ))
+    scaling, scaling_problems = _rope_scaling(values.get("rope_scaling"), values.get("position_embedding"), at)
+    problems += scaling_problems
     if problems:
         return None, problems
 
@@ -297,8 +356,36 @@ def resolve_shape(table: dict, where: str = "model") -> tuple[ModelShape | None,
         num_experts=num_experts,
         experts_per_token=top_k if num_experts > 1 else 1,
         rope_theta=_as_float(values.get("rope_theta")),
+        rope_scaling=scaling,
     )
     return shape, []
+
+
+def _rope_scaling(table: dict | None, positions: object, at) -> tuple[RopeScaling | None, list[Problem]]:
+    """The resolved scaling of a `rope_scaling` table (its types and bounds already checked
+    by RopeScalingSpec): None for rope_type "default"; a llama3 scaling needs all its keys, as
+    transformers' `_validate_llama3_rope_parameters` requires them, and a high_freq_factor
+    above the low one (else the blend between them divides by zero or turns over)."""
+    if table is None:
+        return None, []
+    if positions != "rope":
+        return None, [Problem(at("rope_scaling"), "only rotary position embeddings are scaled; "
+                                                  f"this model's are {positions!r}")]
+    given = [key for key in LLAMA3_KEYS if table.get(key) is not None]
+    if table.get("rope_type") == "default":
+        return None, [Problem(at(f"rope_scaling.{key}"), "rope_type 'default' scales nothing: "
+                                                         "remove it or set rope_type = 'llama3'") for key in given]
+    missing = [key for key in LLAMA3_KEYS if key not in given]
+    if missing:
+        return None, [Problem(at(f"rope_scaling.{key}"), "required for rope_type 'llama3'") for key in missing]
+    low, high = table["low_freq_factor"], table["high_freq_factor"]
+    if high <= low:
+        return None, [Problem(at("rope_scaling.high_freq_factor"),
+                              f"must exceed low_freq_factor ({low}) (got {high})")]
+    return RopeScaling(
+        factor=float(table["factor"]), low_freq_factor=float(low), high_freq_factor=float(high),
+        original_max_position_embeddings=table["original_max_position_embeddings"],
+    ), []
 
 
 def _as_float(value: float | int | None) -> float | None:

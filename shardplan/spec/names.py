@@ -15,7 +15,7 @@ SHAPE_KEYS = (
     "family", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
     "ffn_hidden_size", "vocab_size", "max_seq_len", "tie_embeddings", "norm", "activation",
     "position_embedding", "qkv_bias", "out_bias", "mlp_bias", "shared_layer_norm",
-    "num_experts", "experts_per_token", "rope_theta",
+    "num_experts", "experts_per_token", "rope_theta", "rope_scaling",
 )
 SOURCE_KEYS = ("preset", "hf_config", "params")
 

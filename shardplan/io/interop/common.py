@@ -16,7 +16,14 @@ from ...spec.errors import Problem
 from ...spec.job import TABLES, JobSpec
 from ...spec.model import ModelShape
 from ...spec.units import format_bytes
-from .offload import OffloadDecision, decided_offload
+from .offload import DOES_NOT_FIT, OffloadDecision, decided_offload
+
+
+# How an export note says the target refuses the config whatever the training script does
+# (deepspeed.py: "DeepSpeed refuses this config: ..."); one that refuses it only without
+# something the script provides ("... refuses this config without a PipelineModule") is no
+# failure of the config.
+REFUSED = "refuses this config:"
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,12 @@ class Note:
     message: str
     file: str | None = None
     line: int | None = None
+
+    @property
+    def fails(self) -> bool:
+        """Whether the note says a run of the exported config fails as written: the target
+        refuses it outright, or it runs out of memory (`export --strict` exits 1 on one)."""
+        return REFUSED in self.message or f"{DOES_NOT_FIT} (" in self.message
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import shlex
 from dataclasses import replace
 
 from ...spec.job import parse_order
+from ...spec.model import RopeScaling
 from .common import Exported, Note, Plan, unexpressed
 from .offload import Offload, fit_of, same, way_out
 
@@ -30,6 +31,12 @@ _DEFAULT_ORDER = ("tp", "cp", "dp", "pp")
 _TP_PP_DP_ORDER = ("tp", "cp", "pp", "dp")
 _NORMS = {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}
 _POSITIONS = {"rope": "rope", "learned": "learned_absolute"}
+# What Megatron-LM's llama3 RoPE scaling fixes: only the factor is an argument
+# (--rope-scaling-factor, arguments.py); the rest are the keyword defaults of
+# RotaryEmbedding._apply_scaling (megatron/core/models/common/embeddings/rotary_pos_embedding.py
+# at the commit in tests/data/interop/megatron_arguments.json), which RotaryEmbedding.__init__
+# calls with the factor alone. The values are Llama 3.1's (its config.json rope_scaling).
+_MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 COVERED = (
     "parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.order", "parallel.sequence_parallel",
@@ -227,6 +234,7 @@ def _model(plan: Plan, add, notes: list[Note]) -> None:
         add("--position-embedding-type", _POSITIONS[shape.position_embedding])
         if shape.position_embedding == "rope":
             _rotary_base(shape.rope_theta, add, notes)
+            _rope_scaling(shape.rope_scaling, add, notes)
     else:
         notes.append(Note("model.position_embedding", f"megatron has no {shape.position_embedding} positions"))
     if not shape.tie_embeddings:
@@ -266,6 +274,22 @@ def _rotary_base(theta: float | None, add, notes: list[Note]) -> None:
         notes.append(Note("model.rope_theta", "the model gives no rotary base: give --rotary-base as its config "
                                               "says (rope_theta; megatron's default is 10000, Llama 3's 500000), "
                                               "or set model.rope_theta"))
+
+
+def _rope_scaling(scaling: RopeScaling | None, add, notes: list[Note]) -> None:
+    """Llama 3.1's scaling as Megatron takes it: --use-rope-scaling and --rope-scaling-factor
+    (a float; default 8.0). Megatron hard-codes the other three values (`_MEGATRON_LLAMA3`);
+    a model whose values differ gets a note, since no argument can say them."""
+    if scaling is None:
+        return
+    add("--use-rope-scaling")
+    add("--rope-scaling-factor", scaling.factor)
+    differing = [f"{key} {getattr(scaling, key)} (megatron: {fixed})" for key, fixed in _MEGATRON_LLAMA3.items()
+                 if getattr(scaling, key) != fixed]
+    if differing:
+        notes.append(Note("model.rope_scaling", f"megatron fixes what --rope-scaling-factor leaves out; this model's "
+                                                f"{', '.join(differing)} cannot be exported "
+                                                "(RotaryEmbedding._apply_scaling, rotary_pos_embedding.py)"))
 
 
 def dumps(args: list[str]) -> str:

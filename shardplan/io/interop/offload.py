@@ -106,6 +106,10 @@ def decided_offload(job: JobSpec, estimate: Estimate | None) -> OffloadDecision:
     return OffloadDecision(offload, off.strategy, True, decided, layers)
 
 
+# How a note says that the config as written runs out of memory (io/interop/common.py `Note.fails`).
+DOES_NOT_FIT = "which does not fit"
+
+
 @dataclass(frozen=True)
 class Fit:
     """A written setting estimated again: whether it fits, and the figures that say so."""
@@ -128,7 +132,7 @@ class Fit:
         over = [peak] if self.peak_gpu_bytes > self.gpu_memory else []
         if self.host_bytes > self.host_limit:
             over.append(host)
-        return f"which does not fit ({self.framework} accounting: {', '.join(over)})"
+        return f"{DOES_NOT_FIT} ({self.framework} accounting: {', '.join(over)})"
 
 
 def fit_of(decision: OffloadDecision, written: Offload, framework: str | None = None) -> Fit:

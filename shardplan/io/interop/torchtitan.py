@@ -15,6 +15,7 @@ import posixpath
 
 from ...core.pipeline import split_layers
 from ...spec.job import CheckpointSpec
+from ...spec.model import RopeScaling
 from .common import Exported, Note, Plan, unexpressed
 from .offload import whole_model_offload
 from .torchtitan_common import CHUNKED, DEFAULTS, FLAVORS, NO_FSDP, SCHEDULES, fsdp_applied
@@ -56,6 +57,28 @@ def stage_fqns(layer_counts: list[int]) -> list[list[str]]:
     return parts
 
 
+# The RoPE scaling of every llama3 flavor: torchtitan 0.2.2's RoPEScalingArgs defaults
+# (torchtitan/models/llama3/model/args.py), Llama 3.1's, which TransformerModelArgs applies to
+# every flavor (8B and 70B too, whose presets are Llama 3.0's, without scaling).
+_FLAVOR_ROPE_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                   original_max_position_embeddings=8192)
+
+
+def _rope_scaling_note(plan: Plan) -> list[Note]:
+    """A flavor fixes its RoPE scaling: a note when the model's differs (no memory or time
+    figure depends on it; the positions a run encodes do)."""
+    if plan.shape is None or plan.shape.rope_scaling == _FLAVOR_ROPE_SCALING:
+        return []
+    own = plan.shape.rope_scaling
+    model = "has none" if own is None else (
+        f"has factor {own.factor}, low_freq_factor {own.low_freq_factor}, high_freq_factor "
+        f"{own.high_freq_factor}, original {own.original_max_position_embeddings} positions")
+    return [Note("model.rope_scaling", "torchtitan's llama3 flavors all scale RoPE as Llama 3.1 does (factor 8.0, "
+                                       "low_freq_factor 1.0, high_freq_factor 4.0, original 8192 positions: "
+                                       f"RoPEScalingArgs, models/llama3/model/args.py); this model {model}, which the "
+                                       "config cannot say: a run of it encodes positions differently")]
+
+
 def to_torchtitan(plan: Plan) -> Exported:
     job = plan.job
     par, train, ckpt = job.parallel, job.train, job.checkpoint
@@ -64,6 +87,7 @@ def to_torchtitan(plan: Plan) -> Exported:
     flavor = _PRESET_FLAVORS.get(job.model.preset or "")
     if flavor:
         config["model"] = {"name": flavor[0], "flavor": flavor[1]}
+        notes += _rope_scaling_note(plan)
     elif job.model.source is not None:
         notes.append(Note("model", "torchtitan names a model by flavor (llama3 8B, 70B, 405B match shardplan "
                                    "presets); this model has none, so [model] is left to you"))
