@@ -155,7 +155,8 @@ BAD_JOB_SCALINGS = {
     "missing-factor": (dict(factor=None), "model.rope_scaling.factor: required for rope_type 'llama3'"),
     "high-not-above-low": (dict(high_freq_factor=1.0),
                            "model.rope_scaling.high_freq_factor: must exceed low_freq_factor (1.0) (got 1.0)"),
-    "unknown-key": (dict(beta_fast=32), "model.rope_scaling.beta_fast: unknown key"),  # yarn's, not llama3's
+    "unknown-key": (dict(beta_fast=32), "model.rope_scaling.beta_fast: unknown key (known: rope_type, factor, "
+                                        "low_freq_factor, high_freq_factor, original_max_position_embeddings)"),  # yarn's
 }
 
 
@@ -375,3 +376,16 @@ def test_torchtitan_flavors_scale_rope_as_the_export_says():
     assert "this model has none" in note["message"] and not note["fails"]
     quiet = run_cli("export", "llama-3-8b-h100", "--to", "torchtitan", "--set", "model.preset=llama-3.1-405b", "--json")
     assert quiet.code == 0 and not [n for n in quiet.json["notes"] if n["path"] == "model.rope_scaling"]
+
+
+def test_an_unknown_key_of_the_scaling_table_is_named_with_its_table(write):
+    """A key of `[model.rope_scaling]` that is not one of its own gets the table's keys or
+    the nearest of them, as every table's unknown key does (io/problems.py)."""
+    table = ('[model]\npreset = "llama-3.1-405b"\n[model.rope_scaling]\nrope_type = "llama3"\nfactor = 8.0\n'
+             'low_freq_factor = 1.0\nhigh_freq_factor = 4.0\noriginal_max_position_embeddings = 8192\n')
+    result = run_cli("validate", write("job.toml", table + "factr = 8.0\n"))
+    assert result.code == 2 and result.err_lines[0].endswith(
+        "model.rope_scaling.factr: unknown key (did you mean 'factor'?)"), result.err
+    result = run_cli("validate", write("job2.toml", table + "beta_fast = 32\n"))
+    assert result.err_lines[0].endswith("model.rope_scaling.beta_fast: unknown key (known: rope_type, factor, "
+                                        "low_freq_factor, high_freq_factor, original_max_position_embeddings)")

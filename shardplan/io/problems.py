@@ -76,9 +76,12 @@ def _model_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     for part in loc[:-1]:
         field = model.model_fields.get(str(part))
         annotation = field.annotation if field else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        # An optional table (`Optional[RopeScalingSpec]`) is the table inside.
+        tables = [c for c in (annotation, *typing.get_args(annotation))
+                  if isinstance(c, type) and issubclass(c, BaseModel)]
+        if not tables:
             return None
-        model = annotation
+        model = tables[0]
     return model
 
 
