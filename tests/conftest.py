@@ -88,3 +88,13 @@ def deepspeed_parse(monkeypatch):
     ds_config = pytest.importorskip("deepspeed.runtime.config", reason="DeepSpeed is in the `interop` extra")
     monkeypatch.setattr(ds_config.dist, "get_rank", lambda group=None: 0)
     return lambda config, dp: ds_config.DeepSpeedConfig(json.loads(json.dumps(config)), mpu=DataParallelUnit(dp))
+
+
+class OsWith:
+    """The os module with some functions replaced, for io/writing.py alone."""
+
+    def __init__(self, **replaced):
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name):
+        return getattr(os, name)

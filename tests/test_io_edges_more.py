@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, OsWith, run_cli
 
 JOB = '[model]\npreset = "llama-3-8b"\n[parallel]\ndp = 8\n'
 PLAN_JOB = ('[model]\npreset = "llama-3-8b"\n[cluster]\npreset = "h100-80gb"\nnodes = 1\n'
@@ -117,16 +117,6 @@ def test_a_full_device_is_bad_output_exit_2(write, kind):
         {"file": None, "line": None, "path": FLAGS[kind], "message": "cannot write '/dev/full': No space left on device"}]}}
 
 
-class _OsWith:
-    """The os module with some functions replaced, for io/writing.py alone."""
-
-    def __init__(self, **replaced):
-        self.__dict__.update(replaced)
-
-    def __getattr__(self, name):
-        return getattr(os, name)
-
-
 @pytest.mark.parametrize("kind", ["plan", "export", "import", "schedule"])
 def test_a_disk_full_mid_way_keeps_the_old_file(write, tmp_path, monkeypatch, kind):
     import shardplan.io.writing as writing
@@ -139,7 +129,7 @@ def test_a_disk_full_mid_way_keeps_the_old_file(write, tmp_path, monkeypatch, ki
     def full(fd, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(writing, "os", _OsWith(write=full))
+    monkeypatch.setattr(writing, "os", OsWith(write=full))
     for extra in ((), ("--json",)):
         result = run_cli(*args, *extra)
         assert result.code == 2, result.err

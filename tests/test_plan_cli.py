@@ -19,7 +19,7 @@ else:  # pragma: no cover
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, OsWith, run_cli
 
 JOB = """
 [model]
@@ -378,16 +378,6 @@ def test_what_it_would_take_stays_in_the_supported_world(write, monkeypatch):
     assert "not even 32 GPUs (the most that can be planned: 32 at most)" in result.err
 
 
-class _OsWith:
-    """The os module with some functions replaced, for io/writing.py alone."""
-
-    def __init__(self, **replaced):
-        self.__dict__.update(replaced)
-
-    def __getattr__(self, name):
-        return getattr(os, name)
-
-
 @pytest.mark.parametrize("where", ["missing", "folder", "empty", "read-only"])
 def test_write_path_checked_before_the_search(job, tmp_path, monkeypatch, where):
     """`--write` to a path that cannot be written: exit 2 in one line before the search, and
@@ -398,7 +388,7 @@ def test_write_path_checked_before_the_search(job, tmp_path, monkeypatch, where)
     target = {"missing": str(tmp_path / "no" / "best.toml"), "folder": str(tmp_path), "empty": "",
               "read-only": str(tmp_path / "best.toml")}[where]
     if where == "read-only":  # root writes anywhere: the check asks os.access
-        monkeypatch.setattr(writing, "os", _OsWith(access=lambda path, mode: False))
+        monkeypatch.setattr(writing, "os", OsWith(access=lambda path, mode: False))
     monkeypatch.setattr(plan_search, "run_plan_search", lambda *a, **k: pytest.fail("searched"))
     result = run_cli("plan", job, *ARGS, "--write", target)
     assert result.code == 2, result.err
@@ -420,7 +410,7 @@ def test_write_failing_midway_keeps_the_old_file(job, tmp_path, monkeypatch):
     def full(fd, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(writing, "os", _OsWith(write=full))
+    monkeypatch.setattr(writing, "os", OsWith(write=full))
     for extra in ((), ("--json",)):
         result = run_cli("plan", job, *ARGS, "--write", str(out), *extra)
         assert result.code == 2, result.err

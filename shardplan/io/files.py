@@ -89,6 +89,16 @@ def unreadable_kind(mode: int) -> str | None:
     return "an unknown kind of file"  # a door or an event port (Solaris): nothing a job can be
 
 
+def unreadable_path_kind(path: str | Path) -> str | None:
+    """`unreadable_kind` of what `path` names, looked at without opening it; None for a
+    directory or a path that cannot be looked at (their open() says what is wrong)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    return None if stat.S_ISDIR(mode) else unreadable_kind(mode)
+
+
 def _read_text(path: Path, shown: str) -> str:
     def fail(message: str) -> InputError:
         return InputError(Problem("", message, file=shown))

@@ -21,7 +21,7 @@ from ..spec.errors import InputError, Problem
 from ..spec.job import JobSpec
 from ..spec.model import ModelShape, ModelSpec, resolve_shape
 from ..spec.units import counted, quoted
-from .files import Document, read_document, unreadable_kind
+from .files import Document, read_document, unreadable_path_kind
 from .hf_config import config_key, looks_like_hf_config, model_kind, read_hf_config
 from .overrides import Override, apply_overrides
 from .presets import find_preset, list_presets
@@ -73,16 +73,6 @@ def _why_not_a_file(path: Path) -> str | None:
         return None if path.exists() else "no such file"
     except OSError as exc:
         return f"cannot read: {exc.strerror or exc}"
-
-
-def _why_no_data_file(path: Path) -> str | None:
-    """Why an existing path that is no directory is still no file of tokens: a named pipe
-    (whose open() would wait for a writer), a socket or a disk (io/files.py)."""
-    try:
-        kind = unreadable_kind(path.stat().st_mode)
-    except OSError as exc:
-        return f"cannot read: {exc.strerror or exc}"
-    return f"is {kind}, not a file of token ids" if kind else None
 
 
 def open_job_source(source: str | None) -> Document:
@@ -390,7 +380,8 @@ def resolve_document(
         if not data_path.is_absolute():
             data_path = Path(folders["data", "path"]) / data_path
         data_file = str(data_path)
-        why = _why_not_a_file(data_path) or _why_no_data_file(data_path)
+        kind = unreadable_path_kind(data_path)  # a named pipe's open() would wait for a writer
+        why = _why_not_a_file(data_path) or (f"is {kind}, not a file of token ids" if kind else None)
         if why:
             problems.append(Problem(
                 "data.path", f"{job.data.path!r}: " + ("is a directory, not a file" if why == "is a directory" else why),

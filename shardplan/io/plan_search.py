@@ -33,6 +33,7 @@ from .files import Document, read_document
 from .job import ResolvedJob, hf_config_as_job
 from .overrides import apply_overrides
 from .plan_job import FIXED_KEYS, fixed_keys, plan_tables, written_job
+from .to_fit import set_flags
 from .writing import job_folders, relocate_job_paths, write_text
 
 PROGRESS_AFTER = 0.3  # seconds before a search shows its progress bar
@@ -448,17 +449,16 @@ def _with_nf4_offload(base: EstimateInputs, space: Space, fixed: Fixed, timer, r
     if not found:
         return []
     best = found[0]
-    tables = plan_tables(best.asked, space.global_batch)
-    if asked is not base:
-        tables.setdefault("offload", {})["strategy"] = "balanced"
     defaults = JobSpec()  # keys at their default need no flag
-    flags = " ".join(f"--set {table}.{key}={_value(value).strip(chr(34))}"
-                     for table, keys in tables.items() for key, value in keys.items()
-                     if getattr(getattr(defaults, table, None), key, None) != value)
+    settings = {f"{table}.{key}": value for table, keys in plan_tables(best.asked, space.global_batch).items()
+                for key, value in keys.items() if getattr(getattr(defaults, table, None), key, None) != value}
+    if asked is not base:
+        settings["offload.strategy"] = "balanced"
     d = best.inputs.degrees
     return [f"outside the plans `run` executes, with NF4 weights offloaded to the CPU as FSDP+QLoRA trainers do "
             f"(fsdp_qlora's --use_cpu_offload), a plan fits {counted(space.world, 'GPU')}: dp {d.dp} tp {d.tp} pp {d.pp}, "
-            f"ZeRO {best.inputs.zero_stage}, {best.seconds:.3g} s per step; `shardplan estimate` shows it with: {flags}"]
+            f"ZeRO {best.inputs.zero_stage}, {best.seconds:.3g} s per step; `shardplan estimate` shows it with: "
+            f"{set_flags(settings)}"]
 
 
 # Batches `_batch_that_splits` tries with a search of the structures, at most: each costs no

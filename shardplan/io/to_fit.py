@@ -52,10 +52,16 @@ class Change:
     step_seconds: float | None  # None when the cluster's GPU is unknown
 
     def flags(self) -> str:
-        def text(value: object) -> str:
-            return str(value).lower() if isinstance(value, bool) else str(value)
+        return set_flags(self.settings)
 
-        return " ".join(f"--set {key}={text(value)}" for key, value in self.settings.items())
+
+def set_flags(settings: dict[str, object]) -> str:
+    """Dotted job keys and values as the `--set` flags that give them (TOML's booleans, a
+    string as the bare word `--set` reads as one)."""
+    def text(value: object) -> str:
+        return str(value).lower() if isinstance(value, bool) else str(value)
+
+    return " ".join(f"--set {key}={text(value)}" for key, value in settings.items())
 
 
 def _fixed_as_job(inputs: EstimateInputs) -> Fixed:

@@ -8,9 +8,8 @@ the same tests as it opens the file (runtime/data.py `FileTokens`).
 from __future__ import annotations
 
 import os
-import stat
 
-from ..io.files import unreadable_kind
+from ..io.files import unreadable_path_kind
 
 WIDTHS = {"uint16": 2, "uint32": 4}  # bytes per token id
 # The launcher reads at most this much of the file for ids outside the vocabulary: a file
@@ -43,11 +42,7 @@ def kind_problem(path: str, shown: str) -> str | None:
     """Why `path` is no file of tokens, said before it is opened (None: a file, a directory or
     a path that does not exist, whose open() says what is wrong): a named pipe blocks open()
     until a writer comes, and a socket or a disk is no token file."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return None
-    kind = None if stat.S_ISDIR(mode) else unreadable_kind(mode)
+    kind = unreadable_path_kind(path)
     return f"{shown}: is {kind}, not a file of token ids" if kind else None
 
 

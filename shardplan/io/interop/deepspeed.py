@@ -19,7 +19,7 @@ from typing import Collection
 
 from ...core.pipeline import split_label, split_layers
 from ...spec.job import ZeroSpec
-from .common import AUTO, Exported, Imported, Note, Plan, Reader, offload_as_written, unexpressed
+from .common import AUTO, REFUSED, Exported, Imported, Note, Plan, Reader, offload_as_written, unexpressed
 from .offload import Offload, fit_of, same, way_out
 
 TARGET = "deepspeed"
@@ -166,7 +166,7 @@ def _pipeline_notes(plan: Plan, stage: int) -> list[Note]:
         return []
     notes = []
     if stage >= 2:
-        notes.append(Note("zero.stage", f"{REFUSES}: with pp {par.pp} it needs DeepSpeed's pipeline engine, which "
+        notes.append(Note("zero.stage", f"DeepSpeed {REFUSED} with pp {par.pp} it needs DeepSpeed's pipeline engine, which "
                                         f"runs ZeRO stages 0 and 1 only, {PIPELINE_ZERO_RULE}, and the config writes "
                                         f"stage {stage}; {DEEPSPEED_PLANS}"))
     without = f"{REFUSES} without a PipelineModule: the {par.pp} stages' ranks then join data parallel"
