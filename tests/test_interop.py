@@ -459,7 +459,7 @@ def test_torchtitan_round_trip(write, name):
     source = tomllib.loads(TORCHTITAN_CONFIGS[name])
     path = write("tt.toml", TORCHTITAN_CONFIGS[name])
     job, notes = imported(path)
-    assert job["model"]["preset"] in ("llama-3-8b", "llama-3-70b", "llama-3.1-405b")
+    assert job["model"]["preset"] in ("llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b")
     noted = {n["path"] for n in notes}
     config, _ = export(write("job.toml", run_cli("import", path).out), "torchtitan")
     assert _reshard_bool(config) == _reshard_bool(source)

@@ -821,7 +821,7 @@ def test_torchtitan_0_1_config_names_what_0_2_renamed(write):
     text = as_toml(TT_0_1_LLAMA3_70B)
     path = write("tt.toml", text)
     job = imported_job(path, "--world", "64")
-    assert job["model"] == {"preset": "llama-3-70b"}
+    assert job["model"] == {"preset": "llama-3.1-70b"}  # as torchtitan 0.2.2 builds the flavor: RoPE scaled
     assert (job["parallel"]["tp"], job["parallel"]["dp"]) == (8, 8)
     notes = notes_of(path, "--world", "64")
     assert f"import: {path}:{line_of(text, 'enable_checkpoint')}: checkpoint.enable_checkpoint: torchtitan 0.2 " \

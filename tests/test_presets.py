@@ -25,6 +25,7 @@ PRESET_REFERENCE = {
     "gpt2": "gpt2", "gpt2-medium": "gpt2-medium", "gpt2-large": "gpt2-large", "gpt2-xl": "gpt2-xl",
     "llama-2-7b": "llama-2-7b", "llama-2-13b": "llama-2-13b", "llama-2-70b": "llama-2-70b",
     "llama-3-8b": "llama-3-8b", "llama-3-70b": "llama-3-70b", "llama-3.1-405b": "llama-3.1-405b",
+    "llama-3.1-8b": "llama-3.1-8b", "llama-3.1-70b": "llama-3.1-70b",
     "mistral-7b": "mistral-7b-v0.1", "mixtral-8x7b": "mixtral-8x7b", "qwen2.5-7b": "qwen2.5-7b",
 }
 

@@ -37,14 +37,16 @@ def inline_scaling(**fields) -> str:
 
 # --- the preset ---------------------------------------------------------------------------
 
-def test_the_405b_preset_carries_its_published_scaling():
-    shape = load_job(None, [("model.preset", "llama-3.1-405b")], env={}).shape
-    assert shape.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192)  # meta-llama/Llama-3.1-405B config.json
-    line = next(row for row in (PRESETS / "llama-3.1-405b.toml").read_text().splitlines()
-                if row.startswith("rope_scaling"))
-    assert "meta-llama/Llama-3.1-405B" in line
+@pytest.mark.parametrize("name,repo", [("llama-3.1-8b", "meta-llama/Llama-3.1-8B"),
+                                       ("llama-3.1-70b", "meta-llama/Llama-3.1-70B"),
+                                       ("llama-3.1-405b", "meta-llama/Llama-3.1-405B")])
+def test_the_llama_31_presets_carry_their_published_scaling(name, repo):
+    shape = load_job(None, [("model.preset", name)], env={}).shape
+    assert shape.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192)  # the repository's config.json
+    line = next(row for row in (PRESETS / f"{name}.toml").read_text().splitlines() if row.startswith("rope_scaling"))
+    assert repo in line
     # The same value as the copy of that config.json reads to.
-    copy = json.loads((DATA / "hf_configs" / "llama-3.1-405b.json").read_text())
+    copy = json.loads((DATA / "hf_configs" / f"{name}.json").read_text())
     assert shape_from_hf_config(copy, "config.json")["rope_scaling"] == LLAMA31
 
 
@@ -356,9 +358,9 @@ def test_405b_frequencies_equal_transformers():
 
 def test_torchtitan_flavors_scale_rope_as_the_export_says():
     """Every llama3 flavor of torchtitan carries Llama 3.1's RoPE scaling (its
-    TransformerModelArgs' RoPEScalingArgs), also 8B and 70B, whose presets are Llama 3.0's
-    without scaling: the export says so for those, and nothing for the 405B preset, whose
-    scaling is the flavor's."""
+    TransformerModelArgs' RoPEScalingArgs), also 8B and 70B: each imports as the Llama 3.1
+    preset of its shape, whose scaling is the flavor's, and exports without a note; the
+    Llama 3.0 presets of the same shapes export to those flavors with a note that says so."""
     pytest.importorskip("torchtitan")
     from torchtitan.models.llama3 import llama3_args
 
@@ -371,11 +373,30 @@ def test_torchtitan_flavors_scale_rope_as_the_export_says():
                 theirs.original_max_position_embeddings) == (
             _FLAVOR_ROPE_SCALING.factor, _FLAVOR_ROPE_SCALING.low_freq_factor, _FLAVOR_ROPE_SCALING.high_freq_factor,
             _FLAVOR_ROPE_SCALING.original_max_position_embeddings), flavor
+        assert load_job(None, [("model.preset", _preset)], env={}).shape.rope_scaling == _FLAVOR_ROPE_SCALING, flavor
     noted = run_cli("export", "llama-3-8b-h100", "--to", "torchtitan", "--json")
     (note,) = [n for n in noted.json["notes"] if n["path"] == "model.rope_scaling"]
     assert "this model has none" in note["message"] and not note["fails"]
-    quiet = run_cli("export", "llama-3-8b-h100", "--to", "torchtitan", "--set", "model.preset=llama-3.1-405b", "--json")
-    assert quiet.code == 0 and not [n for n in quiet.json["notes"] if n["path"] == "model.rope_scaling"]
+    for preset, flavor in (("llama-3.1-405b", "405B"), ("llama-3.1-70b", "70B"), ("llama-3.1-8b", "8B")):
+        quiet = run_cli("export", "llama-3-8b-h100", "--to", "torchtitan", "--set", f"model.preset={preset}", "--json")
+        assert quiet.code == 0 and not [n for n in quiet.json["notes"] if n["path"] == "model.rope_scaling"]
+        assert quiet.json["config"]["model"] == {"name": "llama3", "flavor": flavor}
+
+
+def test_a_torchtitan_flavor_imports_and_exports_with_its_scaling(write):
+    """torchtitan's own 8B recipe (train_configs/llama3_8b.toml at db6b39acd, copied verbatim
+    into tests/data/interop/, `flavor = "8B"` line 20) imports as llama-3.1-8b, whose RoPE
+    scaling is the flavor's: the job exports back to the same flavor without a note, and `run`
+    of it encodes positions as torchtitan does."""
+    path = DATA / "interop" / "torchtitan_llama3_8b_2024-09.toml"
+    job = write("job.toml", "")
+    imported = run_cli("import", str(path), "--world", "8", "-o", job)
+    assert imported.code == 0, imported.err
+    assert load_job(job, env={}).job.model.preset == "llama-3.1-8b"
+    assert load_job(job, env={}).shape.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192)
+    back = run_cli("export", job, "--to", "torchtitan", "--json")
+    assert back.code == 0 and back.json["config"]["model"] == {"name": "llama3", "flavor": "8B"}
+    assert not [n for n in back.json["notes"] if n["path"] == "model.rope_scaling"]
 
 
 def test_an_unknown_key_of_the_scaling_table_is_named_with_its_table(write):

@@ -24,6 +24,8 @@ PUBLISHED = {
     "llama-2-70b": (10000.0, "meta-llama/Llama-2-70b-hf", "llama-2-70b"),
     "llama-3-8b": (500000.0, "meta-llama/Meta-Llama-3-8B", "llama-3-8b"),
     "llama-3-70b": (500000.0, "meta-llama/Meta-Llama-3-70B", "llama-3-70b"),
+    "llama-3.1-8b": (500000.0, "meta-llama/Llama-3.1-8B", "llama-3.1-8b"),
+    "llama-3.1-70b": (500000.0, "meta-llama/Llama-3.1-70B", "llama-3.1-70b"),
     "llama-3.1-405b": (500000.0, "meta-llama/Llama-3.1-405B", "llama-3.1-405b"),
     "mistral-7b": (10000.0, "mistralai/Mistral-7B-v0.1", "mistral-7b-v0.1"),
     "mixtral-8x7b": (1000000.0, "mistralai/Mixtral-8x7B-v0.1", "mixtral-8x7b"),

@@ -27,9 +27,12 @@ __all__ = ["COVERED", "DEFAULTS", "FLAVORS", "MODEL_PARALLEL_KEYS", "SCHEDULES",
 
 TARGET = "torchtitan"
 
-# The flavor written for each preset (FLAVORS' entries without an attention-kernel variant).
-_PRESET_FLAVORS = {"llama-3-8b": ("llama3", "8B"), "llama-3-70b": ("llama3", "70B"),
-                   "llama-3.1-405b": ("llama3", "405B")}
+# The flavor written for each preset (FLAVORS' entries without an attention-kernel variant):
+# Llama 3.0's presets have the shapes of the 8B and 70B flavors too, without their RoPE scaling
+# (`_rope_scaling_note` says so).
+_PRESET_FLAVORS = {"llama-3.1-8b": ("llama3", "8B"), "llama-3.1-70b": ("llama3", "70B"),
+                   "llama-3.1-405b": ("llama3", "405B"), "llama-3-8b": ("llama3", "8B"),
+                   "llama-3-70b": ("llama3", "70B")}
 
 COVERED = (
     "parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.pipeline_schedule",
@@ -59,7 +62,7 @@ def stage_fqns(layer_counts: list[int]) -> list[list[str]]:
 
 # The RoPE scaling of every llama3 flavor: torchtitan 0.2.2's RoPEScalingArgs defaults
 # (torchtitan/models/llama3/model/args.py), Llama 3.1's, which TransformerModelArgs applies to
-# every flavor (8B and 70B too, whose presets are Llama 3.0's, without scaling).
+# every flavor (so the llama-3-8b and llama-3-70b presets, Llama 3.0's, differ from theirs).
 _FLAVOR_ROPE_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                    original_max_position_embeddings=8192)
 

@@ -20,12 +20,14 @@ from __future__ import annotations
 # torchtitan model name and flavor -> the shardplan preset of the same architecture
 # (torchtitan/models/llama3/__init__.py, `llama3_args`; the parameter counts are checked
 # against torchtitan's own model in the tests). The _flex / _varlen flavors differ only in
-# the attention kernel.
+# the attention kernel. Every llama3 flavor scales RoPE as Llama 3.1 does (RoPEScalingArgs'
+# defaults, torchtitan/models/llama3/model/args.py, which TransformerModelArgs applies to all
+# of them), so each maps to the Llama 3.1 preset of its shape, whose rope_scaling is the same.
 FLAVORS = {
-    ("llama3", "8B"): "llama-3-8b",
-    ("llama3", "8B_flex"): "llama-3-8b",
-    ("llama3", "8B_varlen"): "llama-3-8b",
-    ("llama3", "70B"): "llama-3-70b",
+    ("llama3", "8B"): "llama-3.1-8b",
+    ("llama3", "8B_flex"): "llama-3.1-8b",
+    ("llama3", "8B_varlen"): "llama-3.1-8b",
+    ("llama3", "70B"): "llama-3.1-70b",
     ("llama3", "405B"): "llama-3.1-405b",
 }
 
