@@ -43,6 +43,23 @@ gpus_per_node = 2
 cpu_memory_per_node = "64GiB"
 """
 
+# LoRA of Llama 3.1 8B on one 24 GB card (a new user's first job): over by 0.46 GiB at ZeRO 0;
+# the balanced strategy fits it once ZeRO-3 lets it offload two layers' parameters.
+LORA_ON_4090 = """
+[model]
+preset = "llama-3.1-8b"
+[train]
+seq_len = 2048
+activation_checkpointing = "full"
+[lora]
+rank = 16
+[cluster]
+gpus_per_node = 1
+gpu = "rtx-4090"
+gpu_memory = "24GB"
+cpu_memory_per_node = "64GiB"
+"""
+
 
 def _flags(settings: dict) -> list[str]:
     out = []
@@ -57,6 +74,7 @@ def _flags(settings: dict) -> list[str]:
      False),
     (OVER + '[offload]\nstrategy = "conservative"\n', True),
     (ON_4090S, True),
+    (LORA_ON_4090, True),
 ])
 def test_each_suggestion_fits_as_said(write, text, timed):
     job = write("job.toml", text)
@@ -135,3 +153,20 @@ def test_host_memory_is_a_lever(write):
     ram = int(host[0]["set"]["cluster.cpu_memory_per_node"].removesuffix("GiB"))
     assert run_cli("estimate", job, "--set", f"cluster.cpu_memory_per_node={ram}GiB").code == 0
     assert run_cli("estimate", job, "--set", f"cluster.cpu_memory_per_node={ram - 1}GiB").code == 1
+
+
+def test_a_plan_the_search_finds_is_suggested(write):
+    """The issue's promise: `estimate` on a plan that does not fit points to the change the
+    planner's search finds. The LoRA job fits only once the job's own (balanced) offload
+    strategy may offload parameters, which needs ZeRO-3; every lever's search lets that
+    strategy offload, as `plan` does (it gave "no change of the plan fits these GPUs" while
+    `plan --gpus 1` found the plan)."""
+    job = write("job.toml", LORA_ON_4090)
+    planned = run_cli("plan", job, "--gpus", "1", "--global-batch", "1", "--json")
+    assert planned.code == 0 and planned.json["plans"][0]["job"]["zero"]["stage"] == 3
+    doc = run_cli("estimate", job, "--json").json
+    assert doc["fits"] is False
+    assert {"zero.stage": 3} in [c["set"] for c in doc["to_fit"]]
+    best = planned.json["plans"][0]
+    (change,) = [c for c in doc["to_fit"] if c["set"] == {"zero.stage": 3}]
+    assert change["peak_gpu_bytes"] == best["peak_gpu_bytes"]

@@ -3,7 +3,8 @@
 `estimate` on a plan over the GPU (or host) memory asks the same search `shardplan plan`
 runs, once per lever, with every other plan key held at the job's value: recomputation, the
 micro batch (the global batch kept), both, the sharding, the sharding with both, offload
-(when the job's strategy forbids it), the layout (degrees, sequence parallel, schedule, micro
+(when the job's strategy forbids it; a strategy that offloads does so in every lever's
+search, as in the estimate of the changed job), the layout (degrees, sequence parallel, schedule, micro
 batch), and every plan key at once, always on the same GPUs and global batch. Each lever's
 fastest fitting plan is one suggestion, written as the `--set` flags that turn the job into
 it. The fastest suggestions are shown (by predicted step time with the cluster's GPU, else
@@ -129,17 +130,24 @@ def _levers_searched(asked: EstimateInputs, timer, ranking: dict, known: bool) -
     world = d.dp * d.tp * d.pp * d.cp
     global_batch = d.dp * asked.micro_batch * asked.num_microbatches
     job_fixed = _fixed_as_job(asked)
+    # A strategy that offloads does so for every lever's plans, as the estimate of the changed
+    # job would: a plan that fits only once it offloads (ZeRO-3 lets it offload parameters) is
+    # a suggestion. The offload the job writes stays as written.
+    strategy_offloads = asked.strategy != "conservative"
+    written = asked.offload_params or asked.offload_grads or asked.offload_optimizer
     found: dict[tuple, Change] = {}
     for lever, freed in LEVERS:
         base, fixed = asked, replace(job_fixed, **dict.fromkeys(freed))
         if lever.startswith("offload"):
-            if asked.strategy != "conservative":
-                continue  # the estimate's own strategy already offloaded what it could
+            if strategy_offloads:
+                continue  # the estimate's own strategy offloads in every lever's search
             base, fixed = asked.with_(strategy="balanced"), replace(fixed, offload=None)
+        elif strategy_offloads and not written:
+            fixed = replace(fixed, offload=None)
         if lever == "layout":
             base = base.with_(degrees=Degrees(dp=world))
         space = Space(world=world, global_batch=global_batch, runnable=asked.framework == "fsdp2",
-                      offload=lever.startswith("offload"))
+                      offload=lever.startswith("offload") or strategy_offloads)
         result = search(base, space, fixed, timer, top_k=1, **ranking)
         if not result.plans:
             continue
