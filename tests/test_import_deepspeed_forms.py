@@ -230,4 +230,29 @@ def test_precision_advice_is_not_given_when_the_command_line_sets_it():
     given = from_deepspeed(config, 8, given={"train.precision"})
     assert "precision" not in given.tables.get("train", {})
     assert {n.path: n.message for n in given.notes}["bf16.enabled"] == (
-        "the Trainer's --bf16 / --fp16 decide the precision: train.precision is the command line's")
+        "the Trainer's --bf16 decides the precision: train.precision is the command line's")
+
+
+def test_auto_bf16_beside_disabled_fp16_is_said(write):
+    """The Trainer's own template writes `"bf16": {"enabled": "auto"}` beside
+    `"fp16": {"enabled": false}`: the Trainer fills bf16.enabled from its --bf16 flag
+    (transformers/integrations/deepspeed.py `trainer_config_process`: fill_match("bf16.enabled",
+    args.bf16 or args.bf16_full_eval)), so the import plans DeepSpeed's fp32 default and says
+    which flag decides, as when both are "auto" (it planned fp32 without a word)."""
+    from shardplan.io.interop.deepspeed import from_deepspeed
+
+    config = {"train_batch_size": 8, "bf16": {"enabled": "auto"}, "fp16": {"enabled": False, "loss_scale": 0}}
+    imported = from_deepspeed(config, 8)
+    assert imported.tables["train"]["precision"] == "fp32"
+    notes = [n.message for n in imported.notes if n.path == "bf16.enabled"]
+    assert "the Trainer's --bf16 decides the precision: planned as fp32 (DeepSpeed's default); give --set " \
+           "train.precision=bf16-mixed for a bf16 run" in notes
+    fp16 = from_deepspeed({"train_batch_size": 8, "bf16": {"enabled": False}, "fp16": {"enabled": "auto"}}, 8)
+    assert "the Trainer's --fp16 decides the precision: planned as fp32 (DeepSpeed's default); give --set " \
+           "train.precision=fp16-mixed for an fp16 run" in [n.message for n in fp16.notes]
+    both = from_deepspeed({"train_batch_size": 8, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}, 8)
+    assert "the Trainer's --bf16 / --fp16 decide the precision: planned as fp32 (DeepSpeed's default); give " \
+           "--set train.precision=bf16-mixed for a bf16 run" in [n.message for n in both.notes]
+    # Explicitly enabled still wins over the other's "auto".
+    on = from_deepspeed({"train_batch_size": 8, "bf16": {"enabled": True}, "fp16": {"enabled": "auto"}}, 8)
+    assert on.tables["train"]["precision"] == "bf16-mixed"

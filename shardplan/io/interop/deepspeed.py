@@ -566,7 +566,7 @@ def _data_types(top: Reader, out: Imported) -> None:
 
 
 def _precision(top: Reader, out: Imported, given: Collection[str] = ()) -> None:
-    enabled, auto = {}, []
+    enabled, auto, auto_keys = {}, [], []
     for key in ("bf16", "bfloat16", "fp16"):
         section = top.table(key) if top.has(key) else None
         if section is None:
@@ -575,6 +575,7 @@ def _precision(top: Reader, out: Imported, given: Collection[str] = ()) -> None:
         if reader.raw("enabled") == "auto":
             out.note(reader.key("enabled"), _AUTO)
             auto.append(reader.key("enabled"))
+            auto_keys.append(key)
         else:
             reader.seen.discard("enabled")
             enabled[key] = (reader.bool("enabled"), reader.key("enabled"))
@@ -587,15 +588,21 @@ def _precision(top: Reader, out: Imported, given: Collection[str] = ()) -> None:
         out.set("train.precision", "bf16-mixed", bf16[1])
     elif fp16[0]:
         out.set("train.precision", "fp16-mixed", fp16[1])
+    elif auto:
+        # Nothing enabled as written: the Trainer's flags for the "auto" ones decide (one
+        # "auto" beside a disabled other, as the Trainer's templates write them, too).
+        flags = " / ".join(f"--{'fp16' if key == 'fp16' else 'bf16'}" for key in dict.fromkeys(auto_keys))
+        if "train.precision" in given:
+            out.note(auto[0], f"the Trainer's {flags} decide{'s' if '/' not in flags else ''} the precision: "
+                              "train.precision is the command line's")
+        else:
+            # Planned as DeepSpeed's default, and said so.
+            hint = "bf16-mixed for a bf16 run" if "bf16" in flags else "fp16-mixed for an fp16 run"
+            out.set("train.precision", "fp32", auto[0])
+            out.note(auto[0], f"the Trainer's {flags} decide{'s' if '/' not in flags else ''} the precision: "
+                              f"planned as fp32 (DeepSpeed's default); give --set train.precision={hint}")
     elif enabled:
         out.set("train.precision", "fp32", next(iter(enabled.values()))[1])
-    elif auto and "train.precision" in given:
-        out.note(auto[0], "the Trainer's --bf16 / --fp16 decide the precision: train.precision is the command line's")
-    elif auto:
-        # The Trainer's --bf16 / --fp16 decide: planned as DeepSpeed's default, and said so.
-        out.set("train.precision", "fp32", auto[0])
-        out.note(auto[0], "the Trainer's --bf16 / --fp16 decide the precision: planned as fp32 (DeepSpeed's "
-                          "default); give --set train.precision=bf16-mixed for a bf16 run")
     else:
         out.set("train.precision", "fp32", "")  # DeepSpeed trains in fp32 unless told otherwise
 
