@@ -166,7 +166,7 @@ def numel_text(document: dict) -> Text:
     else:
         share = f"each stores {d['chunk']:,}"
     out = Text(
-        f"{d['style']}: {d['numel']:,} elements over {d['world']} ranks; {share} "
+        f"{d['style']}: {counted(d['numel'], 'element')} over {counted(d['world'], 'rank')}; {share} "
         f"(stored {d['padded_numel']:,}, padding {padding:,} = {_percent(padding, d['padded_numel'])})\n",
         style="bold",
     )
@@ -191,7 +191,7 @@ def blocks_text(document: dict) -> Text:
     owned: dict[int, list[int]] = {}
     for entry in d["blocks"]:
         owned.setdefault(entry["owner"], []).append(entry["block"])
-    out = Text(f"{d['assign']}: {d['num_blocks']} blocks over {d['world']} ranks\n", style="bold")
+    out = Text(f"{d['assign']}: {counted(d['num_blocks'], 'block')} over {counted(d['world'], 'rank')}\n", style="bold")
     rows = []
     for r in _elided(d["ranks"]):
         if r is None:
@@ -210,7 +210,7 @@ def param_blocks_text(document: dict) -> Text:
     else:
         what = f"parameters ({d['element_bytes']} bytes per element)"
     out = Text(
-        f"{d['model']}: {d['num_blocks']} {what} owned {d['assign']} over {d['world']} ranks; "
+        f"{d['model']}: {d['num_blocks']} {what} owned {d['assign']} over {counted(d['world'], 'rank')}; "
         "share is bytes-weighted\n",
         style="bold",
     )
@@ -271,7 +271,7 @@ def model_text(context: dict, plan: ModelShards, num_layers: int) -> Text:
     are cut alike), and per-rank totals. `context`: model, tp, tp_rank, pp, precision."""
     d = context
     out = Text(
-        f"{d['model']}: {plan.style} over {plan.world} ranks"
+        f"{d['model']}: {plan.style} over {counted(plan.world, 'rank')}"
         + (f"; tp {d['tp']} (tp rank {d['tp_rank']}'s pieces)" if d["tp"] > 1 else "")
         + (f"; pp {d['pp']}" if d["pp"] > 1 else "")
         + f"; {storage_text(d['precision'], plan.element_bytes, plan.dtype, plan.frozen_dtype)}\n",
