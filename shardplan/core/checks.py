@@ -21,26 +21,38 @@ from .pipeline import describe_split, split_problem
 from .schedule import CHUNKED_SCHEDULES, NEEDS_FULL_PIPELINE, chunks_per_rank, interleaved_problem
 
 
-def error(path: str, message: str) -> Problem:
-    return Problem(path, message)
+def error(path: str, message: str, keys: tuple[str, ...] = ()) -> Problem:
+    return Problem(path, message, keys=keys)
 
 
 def warning(path: str, message: str) -> Problem:
     return Problem(path, message, severity="warning")
 
 
+DEGREE_KEYS = ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp")
+CLUSTER_WORLD_KEYS = ("cluster.nodes", "cluster.gpus_per_node")
+
+
+def world_keys(source: str) -> tuple[str, ...]:
+    """The keys that gave a world size, by its source as io/job.py `external_worlds` names it.
+    `--world` and WORLD_SIZE set no key: they state the machine the plan must fill, so a
+    mismatch with degrees the file writes stays at the file's line (the message names them)."""
+    return CLUSTER_WORLD_KEYS if source.startswith("from cluster") else ()
+
+
 def world_problems(degrees: Degrees, worlds: list[tuple[int, str]]) -> list[Problem]:
-    """dp*tp*pp*cp must equal every world size that was given, with the arithmetic shown."""
+    """dp*tp*pp*cp must equal every world size that was given, with the arithmetic shown.
+    The degrees come first among the keys: the hint (`dp = 8 would fit`) is about them."""
     problems = []
     for world, source in worlds:
         if world > MAX_WORLD_SIZE:  # a cluster of more nodes than any world (--world is bounded)
             where = "cluster.nodes" if source.startswith("from cluster") else "parallel"
             problems.append(error(where, f"world size {world:,} ({source}) exceeds the largest supported world "
-                                         f"({MAX_WORLD_SIZE:,})"))
+                                         f"({MAX_WORLD_SIZE:,})", world_keys(source)))
             continue
         message = degrees.world_mismatch(world, source)
         if message:
-            problems.append(error("parallel", message))
+            problems.append(error("parallel", message, DEGREE_KEYS + world_keys(source)))
     return problems
 
 
@@ -172,7 +184,8 @@ def batch_problems(job: JobSpec, fitting_dp: int | None = None) -> list[Problem]
         message += f"; num_microbatches = {wanted // per_step} would make it" + (f" with dp = {dp}" if dp != par.dp else "")
     elif dp != par.dp:
         message += f"; no num_microbatches makes it with dp = {dp} and micro_batch_size = {par.micro_batch_size}"
-    return [error("train.global_batch_size", message)]
+    return [error("train.global_batch_size", message, ("train.global_batch_size", "parallel.dp",
+                                                         "parallel.micro_batch_size", "parallel.num_microbatches"))]
 
 
 def lora_problems(job: JobSpec, shape: ModelShape | None) -> list[Problem]:
@@ -363,7 +376,7 @@ def job_problems(
     try:
         degrees = Degrees(dp=par.dp, tp=par.tp, pp=par.pp, cp=par.cp)
     except PlanError as exc:  # a world beyond any cluster: nothing else can be checked
-        return [error("parallel", str(exc))]
+        return [error("parallel", str(exc), DEGREE_KEYS)]
     mismatched = world_problems(degrees, worlds)
     if mismatched and not {"dp", "tp", "pp", "cp"} & par.model_fields_set:
         # A job that gives no degrees asks which: the search answers that.
@@ -374,6 +387,7 @@ def job_problems(
         problems.append(error(
             "parallel.order",
             f"{par.order!r} leaves out {axis}, whose degree is {degrees.of(axis)}",
+            ("parallel.order", f"parallel.{axis}"),
         ))
     if shape is not None:
         problems += heads_problems(par.tp, shape)

@@ -492,12 +492,13 @@ def estimate_memory(inputs: EstimateInputs) -> Estimate:
     if inputs.gpu_memory is not None:
         fits = peak <= inputs.gpu_memory
         if not fits:
-            warnings.append(f"the peak device needs {format_bytes(peak)}, more than its {format_bytes(inputs.gpu_memory)}")
+            warnings.append(f"the peak device needs {format_bytes(peak)}, more than its {format_bytes(inputs.gpu_memory)} "
+                            f"(over by {format_bytes(peak - inputs.gpu_memory)})")
         limit = cpu_limit(inputs)
         if host_node > limit:
             fits = False
             warnings.append(f"a node needs {format_bytes(host_node)} of host memory at {host_moment}, over its "
-                            f"limit {format_bytes(limit)}")
+                            f"limit {format_bytes(limit)} by {format_bytes(host_node - limit)}")
     gathered = torch_sequence_parallel_extra(inputs)
     if gathered:
         warnings.append(f"sequence parallel is counted as Megatron-LM keeps it (Korthikanti et al.); torch's "

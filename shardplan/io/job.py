@@ -278,13 +278,19 @@ def _locate(problems: list[Problem], doc: Document, flagged: dict[str, str]) -> 
     located = []
     for problem in problems:
         path = _source_path(problem.path, doc, flagged) if problem.path else ""
-        flag = _flag_of(path, doc, flagged) if path else None
+        if problem.keys:  # a rule across keys: at the flag of one it checks, else at `path` in the file
+            flag = next((flagged[key] for key in problem.keys if key in flagged), None)
+        else:
+            flag = _flag_of(path, doc, flagged) if path else None
         if problem.file:
             located.append(problem)
         elif flag is not None:
             located.append(problem.at(flag))
         else:
-            located.append(problem.at(doc.path or None, doc.line_of(path) if path else None))
+            line = doc.line_of(path) if path else None
+            if line is None:  # a table the file does not write: the line of a key the rule checks
+                line = next((doc.line_of(key) for key in problem.keys if doc.line_of(key)), None)
+            located.append(problem.at(doc.path or None, line))
     return located
 
 

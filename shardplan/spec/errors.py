@@ -6,7 +6,7 @@ Exceptions carry the exit code the CLI maps them to (see CONTRACT: exit codes).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 Severity = Literal["error", "warning", "note"]  # a note says how the input was read
@@ -25,6 +25,10 @@ class Problem:
     severity: Severity = "error"
     file: str | None = None
     line: int | None = None
+    # A rule across keys (dp * tp * pp * cp against the world): the dotted keys whose values it
+    # checks, the first to change first. The loader places the problem at the flag that gave
+    # one of them, if any did, else at `path` in the file (io/job.py `_locate`).
+    keys: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     def at(self, file: str | None, line: int | None = None) -> Problem:
         return replace(self, file=file, line=line)
