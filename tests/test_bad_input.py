@@ -14,7 +14,7 @@ from conftest import run_cli
 FILE_CASES = [
     ("broken_toml", "[parallel\ndp = 2\n", [], "invalid TOML"),
     ("unclosed_string", '[model]\npreset = "llama-3-8b\n', [], "invalid TOML"),
-    ("duplicate_key", "[parallel]\ndp = 2\ndp = 3\n", [], "invalid TOML"),
+    ("duplicate_key", "[parallel]\ndp = 2\ndp = 3\n", [], ":3: parallel.dp: given twice (lines 2 and 3)"),
     ("string_degree", '[parallel]\ndp = "two"\n', [], "parallel.dp: expected an integer"),
     ("float_degree", "[parallel]\ndp = 2.5\n", [], "parallel.dp: expected an integer"),
     ("bool_degree", "[parallel]\ntp = true\n", [], "parallel.tp: expected an integer"),

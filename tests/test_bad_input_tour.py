@@ -274,7 +274,8 @@ def test_a_json_job_key_given_twice_is_refused(text, key, write):
     # json keeps the last one without a word; the same job in TOML is refused.
     path = write("job.json", text)
     assert _bad(run_cli("validate", path), "given twice") == [f"{path}:2: {key}: given twice (lines 1 and 2)"]
-    assert "invalid TOML" in run_cli("validate", write("job.toml", "[parallel]\ndp = 2\ndp = 4\n")).err
+    toml = write("job.toml", "[parallel]\ndp = 2\ndp = 4\n")
+    assert f"{toml}:3: parallel.dp: given twice (lines 2 and 3)" in run_cli("validate", toml).err_lines
 
 
 def test_an_unknown_key_of_no_letters_is_named(write):

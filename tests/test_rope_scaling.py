@@ -122,14 +122,14 @@ def test_bad_scaling_in_a_config_json_is_one_line(write, table, message):
     write("config.json", json.dumps(dict(SMALL_LLAMA, rope_scaling=table)))
     result = run_cli("validate", write("job.toml", '[model]\nhf_config = "config.json"\n'))
     assert result.code == 2
-    assert result.err_lines == [f"config.json: {message}"]
+    assert result.err_lines == [f"config.json:1: {message}"]
 
 
 def test_bad_rope_parameters_are_named_as_written(write):
     write("config.json", json.dumps(dict(SMALL_LLAMA, rope_parameters=dict(LLAMA31, rope_type="dynamic"))))
     result = run_cli("validate", write("job.toml", '[model]\nhf_config = "config.json"\n'))
     assert result.code == 2
-    assert result.err_lines == ["config.json: rope_parameters.rope_type: 'dynamic' is not supported "
+    assert result.err_lines == ["config.json:1: rope_parameters.rope_type: 'dynamic' is not supported "
                                 "(supported: 'default', 'llama3')"]
 
 

@@ -169,7 +169,7 @@ def test_bad_base_in_a_config_json_is_one_line(write, where, value, message):
     job = write("job.toml", '[model]\nhf_config = "config.json"\n')
     result = run_cli("validate", job)
     assert result.code == 2
-    assert result.err_lines == [f"config.json: {message}"]
+    assert result.err_lines == [f"config.json:1: {message}"]
 
 
 def test_torchtitan_flavors_share_the_presets_base():

@@ -162,7 +162,10 @@ def parse_toml(text: str, shown: str) -> Document:
             line = int(position.group(1))
             message = message[: position.start()]
         message = _TOML_EOF.sub("", message)
-        raise InputError(Problem("", f"invalid TOML: {message}", file=shown, line=line)) from None
+        from .toml_twice import toml_given_twice  # only on an error: not on a planning command's path
+
+        twice = toml_given_twice(text, message, line, shown) if line else None
+        raise (twice or InputError(Problem("", f"invalid TOML: {message}", file=shown, line=line))) from None
     except RecursionError:  # tomllib parses nested arrays and inline tables recursively
         raise InputError(Problem("", "invalid TOML: nested too deeply", file=shown)) from None
     except ValueError:  # an integer longer than Python converts (TOML's are 64-bit)
@@ -172,7 +175,8 @@ def parse_toml(text: str, shown: str) -> Document:
 
 def json_key_lines(text: str, shown: str = "") -> dict[str, int]:
     """Dotted key -> 1-based line of every object key in a JSON text (keys inside arrays
-    are left out). A small scanner: `json` itself keeps no positions. A key given twice in
+    are left out). A small scanner: `json` itself keeps no positions. Without `shown`, a key
+    given twice is at its last line; with it, a key given twice in
     one object is refused at both its lines (naming `shown`): `json` keeps the last silently,
     where TOML refuses it and so does DeepSpeed (runtime/config.py,
     `dict_raise_error_on_duplicate_keys`)."""
@@ -196,7 +200,10 @@ def json_key_lines(text: str, shown: str = "") -> dict[str, int]:
                     raise InputError(Problem(path, f"given twice (lines {given[-1][last_key]} and {start_line})",
                                              file=shown, line=start_line))
                 given[-1][last_key] = start_line
-                lines.setdefault(path, start_line)
+                if shown:
+                    lines.setdefault(path, start_line)
+                else:  # the last of a key given twice is the one `json` keeps
+                    lines[path] = start_line
             i = end
         elif char == "{":
             stack.append(last_key if stack else "")
@@ -272,10 +279,16 @@ def _has_surrogate(text: str) -> bool:
     return False
 
 
-def read_json(path: str | Path, shown: str | None = None) -> Document:
-    """Parse a JSON file whatever its name."""
+def read_json(path: str | Path, shown: str | None = None, key_lines: bool = False) -> Document:
+    """Parse a JSON file whatever its name. `key_lines`: the document keeps every key's line,
+    a key given twice at its last, the one kept (a Hugging Face config.json, which
+    transformers reads with `json` too)."""
     shown = shown or str(path)
-    return parse_json(_read_text(Path(path), shown), shown)
+    text = _read_text(Path(path), shown)
+    doc = parse_json(text, shown)
+    if key_lines:
+        doc.lines = json_key_lines(text)
+    return doc
 
 
 def read_document(path: str | Path) -> Document:

@@ -12,6 +12,7 @@ in notes (`config_notes`), not silently dropped.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -403,8 +404,13 @@ def read_hf_config(path: Path, shown: str) -> tuple[dict, list[Problem]]:
     """Read a config.json file and convert it: the inline `[model]` table, and notes on the
     keys it holds that the plan does not follow (`config_notes`); every failure names the
     file."""
-    config = read_json(path, shown).data
-    return shape_from_hf_config(config, shown), config_notes(config)
+    doc = read_json(path, shown, key_lines=True)
+    try:
+        shape = shape_from_hf_config(doc.data, shown)
+    except InputError as exc:  # at the line of the key (or of the table that lacks it)
+        raise InputError([replace(p, line=doc.line_of(p.path)) if p.path and p.file == shown and p.line is None
+                          else p for p in exc.problems]) from None
+    return shape, config_notes(doc.data)
 
 
 # Gemma-2's keys that change activations or time but not parameters (modeling_gemma2.py:
