@@ -202,7 +202,7 @@ def test_quantization_config_is_named_in_a_note(write):
     result = run_cli("estimate", path, "--json")
     assert result.code == 0, result.err
     notes = [line for line in result.err.splitlines() if "note: quantization_config" in line]
-    assert notes == [f"{path}: note: quantization_config: the checkpoint's bitsandbytes 4-bit quantization is "
+    assert notes == [f"{path}:1: note: quantization_config: the checkpoint's bitsandbytes 4-bit quantization is "
                      'ignored: the model is planned from its shape at the job\'s precision; for QLoRA write '
                      '[lora] base_dtype = "nf4"']
     plain = run_cli("estimate", write("plain.json", json.dumps(dict(model_type="llama", **MINIMAL["llama"]))),

@@ -138,3 +138,22 @@ def test_a_toml_key_the_scan_cannot_name_keeps_tomllib_message(text, named, path
     assert problem["message"].startswith("invalid TOML: ")
     twin = _only_problem(run_cli("validate", write("twin.toml", named), "--json"))
     assert (twin["line"], twin["path"]) == (_tomllib_line(named), path)
+
+
+def test_rules_of_the_whole_config_are_at_their_keys_line(write):
+    """A rule over several keys (heads against the hidden size) or a bound the job file's shape
+    has too (ModelSpec: at most 100,000 layers) names the config.json key at its line, read
+    directly and through a job's `[model] hf_config` (they had no line)."""
+    path, text = _llama_with(write, LLAMA_3_8B, lambda c: c.update(num_attention_heads=33))
+    heads = _config_line(text, '"num_attention_heads"')
+    result = run_cli("estimate", path)
+    assert result.code == 2
+    assert f"{path}:{heads}: num_attention_heads: 33 heads do not divide hidden_size 4096; set head_dim explicitly" \
+        in result.err_lines, result.err
+    job = write("job.toml", f'[model]\nhf_config = "{path}"\n')
+    problems = run_cli("validate", job, "--json").json["error"]["problems"]
+    assert {(p["file"], p["line"], p["path"]) for p in problems} >= {(path, heads, "num_attention_heads")}
+    path, text = _llama_with(write, LLAMA_3_8B, lambda c: c.update(num_hidden_layers=200_000))
+    problem = _only_problem(run_cli("estimate", path, "--json"))
+    assert (problem["line"], problem["path"], problem["message"]) == (
+        _config_line(text, '"num_hidden_layers"'), "num_hidden_layers", "must be <= 100000 (got 200000)")

@@ -21,7 +21,7 @@ from ..spec.errors import InputError, Problem
 from ..spec.job import JobSpec
 from ..spec.model import ModelShape, ModelSpec, resolve_shape
 from ..spec.units import counted, quoted
-from .files import Document, read_document, unreadable_path_kind
+from .files import Document, read_document, read_json, unreadable_path_kind
 from .hf_config import config_key, looks_like_hf_config, model_kind, read_hf_config
 from .overrides import Override, apply_overrides
 from .presets import find_preset, list_presets
@@ -213,16 +213,25 @@ def _resolve_model(spec: ModelSpec, base_dir: Path) -> tuple[ModelShape | None, 
         table, notes = read_hf_config(config_path, spec.hf_config or "")
         family = table.get("family", "")
 
-        def named(problem: Problem) -> Problem:  # messages name the config's own keys
-            return replace(problem, path=config_key(family, problem.path)).at(spec.hf_config)
+        def named(problems: list[Problem]) -> list[Problem]:
+            """Messages name the config's own keys, at their lines (the file is read again for
+            them only when there is something to say)."""
+            if not problems:
+                return []
+            lines = read_json(config_path, spec.hf_config or "", key_lines=True)
+            out = []
+            for problem in problems:
+                key = config_key(family, problem.path)
+                out.append(replace(problem, path=key).at(spec.hf_config, lines.line_of(key) if key else None))
+            return out
 
         try:  # the same bounds as a shape written in the job file
             ModelSpec.model_validate(table)
         except ValidationError as exc:
-            return None, "", [named(p) for p in problems_from_validation(ModelSpec, exc)]
+            return None, "", named(problems_from_validation(ModelSpec, exc))
         shape, problems = resolve_shape(table, where="")
         problems += notes  # keys the plan reads past (quantization_config, Gemma-2's soft-capping)
-        return shape, table.get("name", config_path.name), [named(p) for p in problems]
+        return shape, table.get("name", config_path.name), named(problems)
     if spec.source == "shape":
         shape, problems = resolve_shape(spec.shape_table())
         return shape, spec.name or (f"{shape.family} (inline)" if shape else ""), problems
