@@ -113,7 +113,9 @@ PRESET = '[model]\npreset = "llama-3-8b"\n\n'
     ('parallel = {dp = 1}\n[parallel]\ntp = 2\n', "parallel", "lines 1 and 2"),
     ('[model]\npreset = """\n[parallel]\ndp = 1\n"""\n[parallel]\ndp = 1\ndp = 2\n', "parallel.dp",
      "lines 7 and 8"),  # a multi-line string that looks like TOML is no table
-], ids=["key", "quoted-key", "dotted-key", "inline-table", "table", "inline-then-table", "multiline-string"])
+    (PRESET + '[parallel]\n"d\\u0070" = 1\ndp = 2\n', "parallel.dp", "lines 5 and 6"),  # TOML's \u escape
+], ids=["key", "quoted-key", "dotted-key", "inline-table", "table", "inline-then-table", "multiline-string",
+        "escaped-key"])
 def test_a_toml_key_given_twice_is_named_with_both_lines(text, path, lines, write):
     line = _tomllib_line(text)
     job = write("dupkey.toml", text)

@@ -5,6 +5,7 @@ keys of the text as far as that line to name the dotted key and both its lines."
 from __future__ import annotations
 
 import ast
+import json
 import re
 from bisect import bisect_left
 
