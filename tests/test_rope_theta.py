@@ -165,7 +165,7 @@ def test_a_base_for_learned_positions_is_refused(write):
      "rope_parameters.rope_theta: expected a positive number, got -1.0"),
 ])
 def test_bad_base_in_a_config_json_is_one_line(write, where, value, message):
-    config = write("config.json", json.dumps(dict(SMALL_LLAMA, **{where: value})))
+    write("config.json", json.dumps(dict(SMALL_LLAMA, **{where: value})))
     job = write("job.toml", '[model]\nhf_config = "config.json"\n')
     result = run_cli("validate", job)
     assert result.code == 2

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from ..spec.errors import InputError, Problem
 from ..spec.model import FAMILIES
-from .files import read_json
+from .files import Document, read_json
 from .problems import shown_value
 
 # Where config.json leaves a key out, the value transformers' configuration class of that
@@ -400,17 +400,18 @@ def _falcon(r: _Reader) -> dict:
     )
 
 
-def read_hf_config(path: Path, shown: str) -> tuple[dict, list[Problem]]:
-    """Read a config.json file and convert it: the inline `[model]` table, and notes on the
-    keys it holds that the plan does not follow (`config_notes`); every failure names the
-    file."""
+def read_hf_config(path: Path, shown: str) -> tuple[dict, list[Problem], Document]:
+    """Read a config.json file and convert it: the inline `[model]` table, notes on the keys
+    it holds that the plan does not follow (`config_notes`), and the document, which knows the
+    line of each key (for problems the caller finds in the table); every failure names the
+    file and the line of its key."""
     doc = read_json(path, shown, key_lines=True)
     try:
         shape = shape_from_hf_config(doc.data, shown)
     except InputError as exc:  # at the line of the key (or of the table that lacks it)
         raise InputError([replace(p, line=doc.line_of(p.path)) if p.path and p.file == shown and p.line is None
                           else p for p in exc.problems]) from None
-    return shape, config_notes(doc.data)
+    return shape, config_notes(doc.data), doc
 
 
 # Gemma-2's keys that change activations or time but not parameters (modeling_gemma2.py:

@@ -21,7 +21,7 @@ from ..spec.errors import InputError, Problem
 from ..spec.job import JobSpec
 from ..spec.model import ModelShape, ModelSpec, resolve_shape
 from ..spec.units import counted, quoted
-from .files import Document, read_document, read_json, unreadable_path_kind
+from .files import Document, read_document, unreadable_path_kind
 from .hf_config import config_key, looks_like_hf_config, model_kind, read_hf_config
 from .overrides import Override, apply_overrides
 from .presets import find_preset, list_presets
@@ -210,19 +210,14 @@ def _resolve_model(spec: ModelSpec, base_dir: Path) -> tuple[ModelShape | None, 
         why = _why_not_a_file(config_path)  # a device or a pipe is read as a file is
         if why:
             return None, "", [Problem("model.hf_config", f"{spec.hf_config!r}: {why}")]
-        table, notes = read_hf_config(config_path, spec.hf_config or "")
+        table, notes, config = read_hf_config(config_path, spec.hf_config or "")
         family = table.get("family", "")
 
-        def named(problems: list[Problem]) -> list[Problem]:
-            """Messages name the config's own keys, at their lines (the file is read again for
-            them only when there is something to say)."""
-            if not problems:
-                return []
-            lines = read_json(config_path, spec.hf_config or "", key_lines=True)
+        def named(problems: list[Problem]) -> list[Problem]:  # the config's own keys, at their lines
             out = []
             for problem in problems:
                 key = config_key(family, problem.path)
-                out.append(replace(problem, path=key).at(spec.hf_config, lines.line_of(key) if key else None))
+                out.append(replace(problem, path=key).at(spec.hf_config, config.line_of(key) if key else None))
             return out
 
         try:  # the same bounds as a shape written in the job file
@@ -298,7 +293,7 @@ def _locate(problems: list[Problem], doc: Document, flagged: dict[str, str]) -> 
         else:
             line = doc.line_of(path) if path else None
             if line is None:  # a table the file does not write: the line of a key the rule checks
-                line = next((doc.line_of(key) for key in problem.keys if doc.line_of(key)), None)
+                line = next(filter(None, map(doc.line_of, problem.keys)), None)
             located.append(problem.at(doc.path or None, line))
     return located
 

@@ -591,16 +591,15 @@ def _precision(top: Reader, out: Imported, given: Collection[str] = ()) -> None:
     elif auto:
         # Nothing enabled as written: the Trainer's flags for the "auto" ones decide (one
         # "auto" beside a disabled other, as the Trainer's templates write them, too).
-        flags = " / ".join(f"--{'fp16' if key == 'fp16' else 'bf16'}" for key in dict.fromkeys(auto_keys))
+        flags = list(dict.fromkeys("--fp16" if key == "fp16" else "--bf16" for key in auto_keys))
+        decide = f"the Trainer's {' / '.join(flags)} decide{'s' if len(flags) == 1 else ''} the precision"
         if "train.precision" in given:
-            out.note(auto[0], f"the Trainer's {flags} decide{'s' if '/' not in flags else ''} the precision: "
-                              "train.precision is the command line's")
+            out.note(auto[0], f"{decide}: train.precision is the command line's")
         else:
             # Planned as DeepSpeed's default, and said so.
-            hint = "bf16-mixed for a bf16 run" if "bf16" in flags else "fp16-mixed for an fp16 run"
+            hint = "bf16-mixed for a bf16 run" if "--bf16" in flags else "fp16-mixed for an fp16 run"
             out.set("train.precision", "fp32", auto[0])
-            out.note(auto[0], f"the Trainer's {flags} decide{'s' if '/' not in flags else ''} the precision: "
-                              f"planned as fp32 (DeepSpeed's default); give --set train.precision={hint}")
+            out.note(auto[0], f"{decide}: planned as fp32 (DeepSpeed's default); give --set train.precision={hint}")
     elif enabled:
         out.set("train.precision", "fp32", next(iter(enabled.values()))[1])
     else:
