@@ -29,7 +29,7 @@ from functools import lru_cache
 from .precision import FP32, ElementBytes
 from .stages import LocalParam, RankParams
 from .terms import Term
-from .timeline import BACKWARD, BACKWARD_END, FORWARD, LOSS, MOMENTS, STEP
+from .timeline import BACKWARD, BACKWARD_END, FORWARD, LOSS, MOMENTS
 
 # CUDA context (driver, kernels of torch/cuBLAS/NCCL loaded lazily, NCCL's communicator): the
 # device memory a `shardplan run` process uses beside what its caching allocator holds,

@@ -46,7 +46,7 @@ from ..spec.errors import PlanError
 from ..spec.model import ModelShape
 from .deepspeed import decays, persists, weight_decay_groups
 from .finetune import frozen_bytes
-from .lora import BASE_BYTES, LoraPlan, adapter_params, stores_nf4
+from .lora import LoraPlan, adapter_params, stores_nf4
 from .precision import FP32, element_bytes as precision_bytes
 from .params import ParamInfo, layer_params
 from .shards import RankShare, Shard, assign_blocks, ceil_div, chunk_rows, ownership, shard_ranges

@@ -9,7 +9,6 @@ a YAML file without a suffix are read for what they contain. A file a source ref
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
