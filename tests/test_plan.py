@@ -27,7 +27,8 @@ from shardplan.core.search import (PRUNED, RECOMPUTE, Fixed, Space, _Walk, candi
 from shardplan.core.step_time import step_time, step_time_bound, step_time_group_bound, step_time_refined_bound
 from shardplan.spec.model import resolve_shape
 from test_plan_figures import SHAPES, plans
-from time_references import A100_80GB, JEAN_ZAY_A100, bloom_176b, narayanan_table_1, narayanan_table_2
+from time_references import (A100_80GB, JEAN_ZAY_A100, NARAYANAN_TABLE_2, bloom_176b, narayanan_table_1,
+                             narayanan_table_2)
 
 GiB, MiB = 2**30, 2**20
 
@@ -536,7 +537,8 @@ def test_bloom_176b_plan_is_found():
 
 
 # Narayanan et al. 2021 Table 2, 175B: achieved teraFLOP/s per GPU of ZeRO-3 and PTD-P.
-TABLE_2_175B = {384: (144, 153), 768: (88, 149), 1536: (44, 141)}
+TABLE_2_175B = {gpus: tuple(next(row[-1] for row in NARAYANAN_TABLE_2 if row[0] == "175B" and row[4] == scheme
+                                  and row[5] == gpus) for scheme in ("ZeRO-3", "PTD-P")) for gpus in (384, 768, 1536)}
 
 
 @pytest.mark.parametrize("gpus", sorted(TABLE_2_175B))

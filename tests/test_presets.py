@@ -78,13 +78,14 @@ def test_presets_command_lists_and_shows():
     listing = run_cli("presets", "--json")
     assert listing.code == 0
     rows = {row["name"]: row for row in listing.json["presets"]}
-    assert rows["llama-3-8b"]["params"]["total"] == 8_030_261_248
+    llama, mixtral = TRANSFORMERS_COUNTS["llama-3-8b"], TRANSFORMERS_COUNTS["mixtral-8x7b"]  # test_params.py's sources
+    assert rows["llama-3-8b"]["params"]["total"] == llama[0]
     assert rows["h100-80gb"]["kind"] == "cluster"
     shown = run_cli("presets", "mixtral-8x7b", "--json").json
-    assert shown["params"] == {"total": 46_702_792_704, "embedding": 131_072_000, "active": 12_879_925_248}
+    assert shown["params"] == dict(zip(("total", "embedding", "active"), mixtral))
     assert shown["table"]["model"]["num_experts"] == 8
     text = run_cli("presets", "llama-3-8b")
-    assert "8,030,261,248" in text.out and "num_kv_heads = 8" in text.out
+    assert f"{llama[0]:,}" in text.out and "num_kv_heads = 8" in text.out
 
 
 def test_preset_table_has_validated_values():
@@ -140,7 +141,7 @@ def test_presets_command_lists_gpus():
     rows = {row["name"]: row for row in run_cli("presets", "--json").json["presets"]}
     assert rows["h100-sxm"]["kind"] == "gpu" and rows["h100-sxm"]["params"] is None
     shown = run_cli("presets", "h100-sxm", "--json").json
-    assert shown["table"]["cluster"]["peak_tflops"] == 989.4
+    assert shown["table"]["cluster"]["peak_tflops"] == DATASHEET["h100-sxm"][0]
 
 
 def test_a_gpu_named_over_a_cluster_preset_brings_its_own_memory(write):

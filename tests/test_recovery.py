@@ -124,7 +124,9 @@ def test_torchrun_restarts_from_the_last_checkpoint(uninterrupted, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["resumed_from"]["step"] == 4
-    assert all(loss == uninterrupted[step] for step, loss in losses(tmp_path / "r.json").items())
+    after = losses(tmp_path / "r.json")
+    assert sorted(after) == [5, 6]  # the steps after the checkpoint, each once
+    assert all(loss == uninterrupted[step] for step, loss in after.items())
 
 
 def test_resume_into_another_layout(uninterrupted, tmp_path):

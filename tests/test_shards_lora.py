@@ -44,7 +44,21 @@ def test_qlora_preset_matches_the_estimate():
     """The reported case: 4.70 GiB per rank (the estimate), not 32.85 GiB of fp32 shards."""
     doc = _shards(str(QLORA_70B))
     estimate = _estimate_params(str(QLORA_70B))
-    assert {r["bytes"] for r in doc["ranks"]} == {estimate[0]} == {5_042_160_224}
+    # By hand, for Llama-3 70B (80 layers, hidden 8,192, 8 KV heads of 128, MLP 28,672,
+    # vocabulary 128,256: Meta's config.json) on 8 ranks of ZeRO-3, rank-16 adapters on the
+    # seven linears of each layer:
+    h, kv, mlp, vocab, layers, ranks = 8192, 1024, 28672, 128_256, 80, 8
+    shapes = [(h, h), (kv, h), (kv, h), (h, h), (mlp, h), (mlp, h), (h, mlp)]  # q k v o gate up down
+    frozen = layers * sum(out * inp for out, inp in shapes)
+    adapters = layers * sum(16 * (out + inp) for out, inp in shapes)  # peft: A (r x in) and B (out x r)
+    # NF4 as torchao's to_nf4 stores it (QLoRA, Dettmers et al. 2023, section 3; the layout in
+    # core/quantized.py, held to torchao's storages by tests/test_quantized.py): codes N/2,
+    # int8 block scalers N/64, a bf16 factor per 64 * 256 elements, sharded over the ranks;
+    # each tensor's bf16 scaler mean and 16-entry code book (34 bytes) on every rank.
+    nf4 = (frozen // 2 + frozen // 64 + frozen // (64 * 256) * 2) // ranks + layers * len(shapes) * 34
+    # fp32 adapters; the bf16 embedding, head and 2 * 80 + 1 norms, all sharded.
+    rest = adapters * 4 // ranks + (2 * vocab * h + (2 * layers + 1) * h) * 2 // ranks
+    assert {r["bytes"] for r in doc["ranks"]} == {estimate[0]} == {nf4 + rest}
     assert (doc["dtype"], doc["frozen_dtype"], doc["element_bytes"]) == ("fp32", "nf4", 4)
     text = run_cli("shards", str(QLORA_70B)).out
     header = text.splitlines()[0]

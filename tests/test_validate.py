@@ -175,7 +175,9 @@ def test_sequence_and_context_parallel(write):
 def test_budgets_against_the_cluster(write):
     text = '[offload]\ngpu_param_budget = "90GiB"\ncpu_memory_budget = "2TiB"\n[cluster]\npreset = "a100-40gb"\n'
     result = run_cli("validate", write("a.toml", text))
-    assert "offload.gpu_param_budget: 90.00 GiB exceeds cluster.gpu_memory (39.39 GiB)" in result.err
+    # The preset's GPU: 42,298,834,944 B, what CUDA gives a process on an A100 SXM 40GB
+    # (deviceQuery, presets/gpus/a100-sxm-40gb.toml); its node: 1 TiB (DGX A100 320GB datasheet).
+    assert f"offload.gpu_param_budget: 90.00 GiB exceeds cluster.gpu_memory ({42_298_834_944 / 2**30:.2f} GiB)" in result.err
     assert "offload.cpu_memory_budget: 2.00 TiB exceeds cluster.cpu_memory_per_node (1.00 TiB)" in result.err
 
 

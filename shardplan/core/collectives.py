@@ -54,7 +54,7 @@ def point_to_point_seconds(size: float, link: Link) -> float:
 
 
 def intra_link(hw: Hardware, k: TimeConstants) -> Link:
-    return Link("NVLink", hw.intra_node_bandwidth * hw.intra_node_efficiency, k.intra_node_latency_seconds)
+    return Link(hw.intra_node_link, hw.intra_node_bandwidth * hw.intra_node_efficiency, k.intra_node_latency_seconds)
 
 
 def inter_link(hw: Hardware, k: TimeConstants) -> Link:

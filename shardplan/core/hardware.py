@@ -58,10 +58,11 @@ class Hardware:
     memory_efficiency: float = MEMORY_EFFICIENCY
     intra_node_efficiency: float = INTRA_NODE_EFFICIENCY
     inter_node_efficiency: float = INTER_NODE_EFFICIENCY
+    intra_node_link: str = "NVLink"  # what intra_node_bandwidth crosses (the explanation's word)
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name == "name":
+            if f.name in ("name", "intra_node_link"):
                 continue
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:

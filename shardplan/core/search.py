@@ -331,7 +331,8 @@ def sharding_options(degrees: Degrees, nodes: int, space: Space, fixed: Fixed,
     """(ZeRO stage, hybrid): stage 1 runs under DDP, which cannot wrap tensor-parallel
     parameters (`run`), nor LoRA; QLoRA's NF4 weights must split into torchao's whole blocks
     over the shard group; DeepSpeed's pipeline engine takes stages 0 and 1 only; hybrid
-    sharding needs stage 2 or 3 and more than one node."""
+    sharding needs stage 2 or 3 and more than one node, and DeepSpeed (0.19: MiCS removed)
+    has none."""
     out = []
     for stage in _options(fixed.zero_stage, [0, 1, 2, 3]):
         if space.runnable and stage == 1 and (degrees.tp > 1 or lora is not None):
@@ -345,7 +346,8 @@ def sharding_options(degrees: Degrees, nodes: int, space: Space, fixed: Fixed,
         # Hybrid differs from plain sharding only when the shard group (dp x cp, every tp*cp
         # ranks apart in the default order) leaves the node.
         spans = degrees.dp * degrees.cp > 1 and degrees.dp * degrees.cp * degrees.tp > gpus_per_node
-        hybrids = [fixed.hybrid] if fixed.hybrid is not None else ([False, True] if stage >= 2 and spans else [False])
+        hybrids = [fixed.hybrid] if fixed.hybrid is not None else (
+            [False, True] if stage >= 2 and spans and not space.deepspeed else [False])
         out += [(stage, h) for h in hybrids
                 if not (h and (stage < 2 or nodes == 1 or not _hybrid_even(degrees, order, gpus_per_node)))]
     return out

@@ -69,7 +69,7 @@ def _terms(items):
 def _hardware(plan: TimePlan) -> list:
     hw = plan.hw
     text = (f"{hw.name}: {_si(plan.peak, 'FLOP/s')} peak ({plan.inputs.precision}), HBM {_rate(hw.memory_bandwidth)}, "
-            f"NVLink {_rate(hw.intra_node_bandwidth)} * {hw.intra_node_efficiency:g}, network "
+            f"{hw.intra_node_link} {_rate(hw.intra_node_bandwidth)} * {hw.intra_node_efficiency:g}, network "
             f"{_rate(hw.inter_node_bandwidth)} * {hw.inter_node_efficiency:g}, host {_rate(hw.host_bandwidth)}; "
             f"matmul efficiency {hw.matmul_efficiency:g}, memory efficiency {hw.memory_efficiency:g}")
     return [("hardware", 0.0, text)]

@@ -59,7 +59,9 @@ def hardware_of(cluster: ClusterSpec) -> Hardware | None:
     name = cluster.gpu or f"{cluster.peak_tflops:g} TFLOP/s GPU"
     if assumed and cluster.gpu is None:
         name += f" ({', '.join(assumed)} as {FALLBACK_GPU})"
-    return Hardware(name=name, peak_flops=peak, peak_fp32_flops=float(fp32) * TERA, **values, **efficiencies)
+    link = cluster.intra_node_link or "NVLink"
+    return Hardware(name=name, peak_flops=peak, peak_fp32_flops=float(fp32) * TERA, **values, **efficiencies,
+                    intra_node_link=link)
 
 
 def lora_of(lora: LoraSpec | None):

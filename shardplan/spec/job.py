@@ -338,6 +338,10 @@ class ClusterSpec(Table):
     intra_node_bandwidth: Optional[Bandwidth] = Field(
         None, description="per GPU, one direction, inside a node (NVLink), e.g. '450GB/s'"
     )
+    intra_node_link: Optional[Literal["NVLink", "PCIe", "Infinity Fabric"]] = Field(
+        None, description="what intra_node_bandwidth crosses, as the time model's explanation names it "
+        "(default NVLink; the gpu presets of PCIe cards say PCIe)"
+    )
     inter_node_bandwidth: Optional[Bandwidth] = Field(
         None, description="per GPU, one direction, between nodes (InfiniBand / RoCE), e.g. '50GB/s' or '400Gb/s'"
     )

@@ -17,7 +17,10 @@ takes `deepspeed_config_file`, a DeepSpeed config JSON that the DeepSpeed import
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Collection
+
+from ...core.estimate_inputs import EstimateInputs
 
 from ...spec.job import FSDP_STAGE_NAMES
 from .common import (Exported, Imported, Note, Plan, Reader, float8_not_modelled, integral, offload_as_written,
@@ -35,6 +38,21 @@ COVERED = (
     "offload.params", "offload.grads", "offload.optimizer", "offload.gpu_param_budget", "offload.pin_memory",
     "train.precision", "train.activation_checkpointing",
 )
+
+
+def as_written(inputs: EstimateInputs) -> EstimateInputs:
+    """The plan as accelerate's config writes it, whose fit the offload note checks: no
+    pipeline parallel, the stages' ranks data parallel (`to_accelerate`), each with the
+    whole model and the same micro batch and accumulation; ZeRO-0 with tensor or context
+    parallel under FSDP2 with reshard_after_forward false, which shards gradients and
+    optimizer states as ZeRO-2."""
+    d = inputs.degrees
+    if d.pp > 1:
+        inputs = inputs.with_(degrees=replace(d, dp=d.dp * d.pp, pp=1), schedule="1f1b", virtual=1,
+                              stage_split=(0, 0))
+    if inputs.zero_stage == 0 and (d.tp > 1 or d.cp > 1):
+        inputs = inputs.with_(zero_stage=2)
+    return inputs
 
 
 def to_accelerate(plan: Plan) -> Exported:
@@ -75,7 +93,8 @@ def to_accelerate(plan: Plan) -> Exported:
                                             "written with reshard_after_forward false"))
         offload_params, decided_note = off.params, ""
         if plan.offload.changed:  # the offload strategy's decision, in the one setting FSDP2 has
-            offload_params, decided_note = whole_model_offload(plan.offload, "fsdp_offload_params", zero.stage)
+            offload_params, decided_note = whole_model_offload(plan.offload, "fsdp_offload_params", zero.stage,
+                                                               relayout=as_written)
         fsdp_config = {
             "fsdp_version": 2,
             "fsdp_reshard_after_forward": zero.stage == 3,
@@ -126,7 +145,8 @@ def to_accelerate(plan: Plan) -> Exported:
             notes.append(Note("offload", whole_model_offload(
                 plan.offload, "fsdp_offload_params", zero.stage,
                 "accelerate offloads to the CPU only under FSDP or DeepSpeed",
-                "export it with --zero 3, which accelerate writes as FSDP2, or export to deepspeed")[1]))
+                "export it with --zero 3, which accelerate writes as FSDP2, or export to deepspeed",
+                relayout=as_written)[1]))
         elif any((off.params, off.grads, off.optimizer)):
             notes.append(Note("offload", "accelerate offloads to the CPU only under FSDP or DeepSpeed"))
         if train.activation_checkpointing != "none":

@@ -20,7 +20,8 @@ from dataclasses import replace
 
 from ...spec.job import parse_order
 from ...spec.model import RopeScaling
-from .common import Exported, Note, Plan, unexpressed
+from ...core.pipeline import split_layers
+from .common import REFUSED, Exported, Note, Plan, unexpressed
 from .offload import Offload, fit_of, same, way_out
 
 TARGET = "megatron"
@@ -202,10 +203,44 @@ def _pipeline(plan: Plan, add, notes: list[Note]) -> None:
                               f"{par.num_microbatches} runs under torch's schedule, not megatron's"))
     elif par.virtual_stages > 1:
         notes.append(Note("parallel.virtual_stages", "megatron interleaves virtual stages under 1F1B only"))
-    if par.first_stage_layers:
-        add("--decoder-first-pipeline-num-layers", par.first_stage_layers)
-    if par.last_stage_layers:
-        add("--decoder-last-pipeline-num-layers", par.last_stage_layers)
+    _stage_layers(plan, chunked and par.virtual_stages > 1, add, notes)
+
+
+def _stage_layers(plan: Plan, interleaved: bool, add, notes: list[Note]) -> None:
+    """The layers of each pipeline stage as Megatron-LM takes them: an even split needs the
+    layers to divide by pp; --decoder-first/last-pipeline-num-layers fix the end stages, and the
+    stages between must then split the rest evenly (megatron/training/arguments.py, "Number of
+    layers should be divisible by the pipeline-model-parallel size";
+    megatron/core/transformer/transformer_config.py, "number of layers at middle stage ... must be
+    divisible by the middle pipeline model parallel size"). The plan's split is written with
+    the fewest of the two flags that give it; one whose middle stages differ cannot be."""
+    par = plan.job.parallel
+    if plan.shape is None or par.pp == 1:
+        if par.first_stage_layers:
+            add("--decoder-first-pipeline-num-layers", par.first_stage_layers)
+        if par.last_stage_layers:
+            add("--decoder-last-pipeline-num-layers", par.last_stage_layers)
+        return
+    stages = par.pp * (par.virtual_stages if interleaved else 1)
+    counts = split_layers(plan.shape.num_layers, stages, par.first_stage_layers, par.last_stage_layers)
+    if len(set(counts)) == 1:
+        return
+    split = "/".join(map(str, counts))
+    key = "parallel.first_stage_layers" if par.first_stage_layers or par.last_stage_layers else "parallel.pp"
+    if interleaved:
+        notes.append(Note(key, f"megatron {REFUSED} its interleaved schedule here needs the layers split evenly "
+                               f"over pp x virtual stages (arguments.py); the plan's {stages} stages hold {split}"))
+        return
+    middle = set(counts[1:-1])
+    if len(middle) > 1:
+        notes.append(Note(key, f"megatron {REFUSED} the stages between the first and the last must hold equal "
+                               f"layers (transformer_config.py); the plan's {par.pp} stages hold {split}"))
+        return
+    even = middle.pop() if middle else None
+    if counts[0] != even:
+        add("--decoder-first-pipeline-num-layers", counts[0])
+    if even is not None and counts[-1] != even:
+        add("--decoder-last-pipeline-num-layers", counts[-1])
 
 
 def _model(plan: Plan, add, notes: list[Note]) -> None:

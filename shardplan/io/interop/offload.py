@@ -11,6 +11,7 @@ that setting is estimated again (with the target's own accounting where shardpla
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from ...core.estimate_inputs import EstimateInputs
 from ...core.memory import Estimate, cpu_limit, estimate_memory
@@ -135,9 +136,11 @@ class Fit:
         return f"{DOES_NOT_FIT} ({self.framework} accounting: {', '.join(over)})"
 
 
-def fit_of(decision: OffloadDecision, written: Offload, framework: str | None = None) -> Fit:
+def fit_of(decision: OffloadDecision, written: Offload, framework: str | None = None,
+           relayout: Callable[[EstimateInputs], EstimateInputs] | None = None) -> Fit:
     """The estimate of the decided plan with `written` in place of its offload, as given (the
-    strategy adds nothing), with `framework`'s accounting (None: the job's)."""
+    strategy adds nothing), with `framework`'s accounting (None: the job's); `relayout`: the
+    layout the target writes where it differs from the plan's (accelerate: no pipeline)."""
     base = decision.inputs
     assert base is not None, "a decision without inputs changed nothing"
     inputs = base.with_(
@@ -146,6 +149,8 @@ def fit_of(decision: OffloadDecision, written: Offload, framework: str | None = 
         zero_stage=base.zero_stage if written.zero_stage is None else written.zero_stage,
         framework=framework or base.framework, strategy="conservative",
     )
+    if relayout is not None:
+        inputs = relayout(inputs)
     estimate = estimate_memory(inputs)
     limit = cpu_limit(inputs) if inputs.gpu_memory is not None else None
     return Fit(estimate.fits, inputs.framework, estimate.peak_gpu_bytes, inputs.gpu_memory,
@@ -166,7 +171,8 @@ def fsdp2_stage(stage: int) -> int:
 
 
 def whole_model_offload(decision: OffloadDecision, key: str, stage: int, cannot: str = "",
-                        advice: str = "") -> tuple[bool, str]:
+                        advice: str = "",
+                        relayout: Callable[[EstimateInputs], EstimateInputs] | None = None) -> tuple[bool, str]:
     """For a target whose only CPU offload is FSDP2's CPUOffloadPolicy (`key`: true moves the
     parameters, gradients and optimizer states of every layer): the nearest setting to the
     strategy's decision that still fits, and the note that says what was written. Whole
@@ -176,23 +182,24 @@ def whole_model_offload(decision: OffloadDecision, key: str, stage: int, cannot:
     stage, estimated as the target writes it (`fsdp2_stage`). shardplan offloads
     parameters only at `zero.stage` 3 (core/checks.py), so below it whole offload is no option
     and the note says whether stage 3 would fit. A setting that does not fit ends the note with
-    what to do: `advice` (the target's own way out), else a search with more GPUs."""
+    what to do: `advice` (the target's own way out), else a search with more GPUs. `relayout`:
+    as `fit_of`'s."""
     framework = "fsdp2"
     decided = decision.describe()
     head = f"the {decision.strategy} strategy offloads {decided}"
     if cannot:
-        fit = fit_of(decision, NONE, framework)
+        fit = fit_of(decision, NONE, framework, relayout)
         return False, f"{cannot}; {head}: written as {key} = false, {fit}{way_out(fit, advice)}"
     if stage != 3:
-        fit = fit_of(decision, replace(NONE, zero_stage=fsdp2_stage(stage)), framework)
-        if fit.fits is False and fit_of(decision, replace(WHOLE, zero_stage=3), framework).fits:
+        fit = fit_of(decision, replace(NONE, zero_stage=fsdp2_stage(stage)), framework, relayout)
+        if fit.fits is False and fit_of(decision, replace(WHOLE, zero_stage=3), framework, relayout).fits:
             advice = f"export it with --zero 3, with which {key} = true fits"
         return False, (f"{key} offloads every layer's parameters too, which shardplan plans only with "
                        f"zero.stage = 3 (got {stage}); {head}: written as {key} = false, {fit}"
                        f"{way_out(fit, advice)}")
     fits = {}
     for option in (WHOLE, NONE):
-        fits[option] = fit_of(decision, option, framework)
+        fits[option] = fit_of(decision, option, framework, relayout)
         if fits[option].fits:
             break
     chosen = next((option for option, fit in fits.items() if fit.fits), WHOLE)
