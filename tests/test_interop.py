@@ -257,8 +257,15 @@ def test_deepspeed_batch_needs_dp(write):
     three = write("three.json", json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4,
                                             "gradient_accumulation_steps": 2}))
     result = run_cli("import", three, "--world", "16")
+    # A config exported from a pipeline plan: DeepSpeed's pipeline engine takes the stages from
+    # the PipelineModule in code (deepspeed/runtime/pipe/module.py, `num_stages`), so the
+    # message names the --pp that makes the batch add up.
     assert result.code == 2 and result.err_lines == [
-        f"{three}:1: train_batch_size: 64 = 4 * 2 * 8 GPUs, but --world 16 / tp x pp x cp 1 makes dp 16"]
+        f"{three}:1: train_batch_size: 64 = 4 * 2 * 8 GPUs, but --world 16 / tp x pp x cp 1 makes dp 16; the "
+        "pipeline stages of a PipelineModule are not in the config: with 2 times the --pp given (--pp 2 without "
+        "one) it adds up"]
+    job, _ = imported(three, "--world", "16", "--pp", "2")
+    assert job["parallel"]["dp"] == 8 and job["parallel"]["pp"] == 2
     # Batch keys the Hugging Face Trainer fills in ("auto") leave dp to --world alone.
     auto = write("auto.json", json.dumps(dict.fromkeys(("train_batch_size", "train_micro_batch_size_per_gpu",
                                                         "gradient_accumulation_steps"), "auto")))

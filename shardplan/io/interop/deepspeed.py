@@ -372,7 +372,12 @@ def _batch(top: Reader, out: Imported, dp: int | None, dp_said: str) -> None:
             return
         found = total // (micro * steps)
         if dp is not None and dp != found:
-            out.problem("train_batch_size", f"{total} = {micro} * {steps} * {found} GPUs, but {dp_said}")
+            # DeepSpeed's pipeline engine takes its stages from the PipelineModule in code, not
+            # from the config: a config exported from a pipeline plan needs --pp back.
+            stages = (f"; the pipeline stages of a PipelineModule are not in the config: with {dp // found} "
+                      f"times the --pp given (--pp {dp // found} without one) it adds up"
+                      if dp > found and dp % found == 0 else "")
+            out.problem("train_batch_size", f"{total} = {micro} * {steps} * {found} GPUs, but {dp_said}{stages}")
             return
         dp = found
         out.set("parallel.dp", dp, "train_batch_size")
