@@ -189,23 +189,9 @@ seq_len = 8192
 preset = "h100-80gb"
 nodes = 1
 """
-DEEPSPEED_70B = """[model]
-preset = "llama-3-70b"
-[parallel]
-dp = 16
-micro_batch_size = 1
-num_microbatches = 4
-[zero]
-stage = 3
-framework = "deepspeed"
-[offload]
-strategy = "conservative"
-[train]
-seq_len = 4096
-[cluster]
-preset = "a100-80gb"
-nodes = 2
-"""
+DEEPSPEED_70B = (DEEPSPEED_8B.replace("llama-3-8b", "llama-3-70b").replace("dp = 8", "dp = 16")
+                 .replace("num_microbatches = 8", "num_microbatches = 4").replace("seq_len = 8192", "seq_len = 4096")
+                 .replace("h100-80gb", "a100-80gb").replace("nodes = 1", "nodes = 2"))
 
 
 @pytest.mark.parametrize("text", [DEEPSPEED_8B, DEEPSPEED_70B], ids=["8b", "70b"])
