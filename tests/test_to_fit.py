@@ -214,3 +214,18 @@ def test_deepspeed_jobs_are_pointed_to_what_deepspeed_runs(write, text):
         assert planned.code == 0, planned.err
         (every,) = [c for c in doc["to_fit"] if c["lever"] == "every plan key"]
         assert every["step_seconds"] == planned.json["plans"][0]["time"]["step_seconds"]
+
+
+def test_no_suggestion_repeats_another_with_more_keys():
+    """llama-2-70b-3d at 16,384 tokens under the conservative strategy: the lever that may also
+    offload found the plan the sharding lever found, without offloading: the same peak and
+    step, listed again with `--set offload.strategy=balanced` added. A suggestion adds keys only
+    where it changes a figure."""
+    doc = run_cli("estimate", "llama-2-70b-3d", "--set", "train.seq_len=16384", "--set",
+                  "offload.strategy=conservative", "--json").json
+    changes = doc["to_fit"]
+    assert doc["fits"] is False and changes
+    for one in changes:
+        for other in changes:
+            if one is not other and set(other["set"].items()) < set(one["set"].items()):
+                assert (other["peak_gpu_bytes"], other["step_seconds"]) != (one["peak_gpu_bytes"], one["step_seconds"])

@@ -101,6 +101,12 @@ def changes_to_fit(asked: EstimateInputs, hardware, lora=None, limit: int = 3) -
     host = _more_host(asked, timer if known else None)
     if host is not None:
         found[tuple(host.settings.items())] = host
+    # A change that adds keys to another with the same figures says nothing more (a lever that
+    # may also offload finds the plan that fits without): the fewer keys are kept.
+    found = {key: change for key, change in found.items() if not any(
+        other is not change and set(other.settings.items()) < set(change.settings.items())
+        and (other.peak_gpu_bytes, other.step_seconds) == (change.peak_gpu_bytes, change.step_seconds)
+        for other in found.values())}
     ordered = sorted(found.values(), key=lambda c: (timer_of(c), len(c.settings)))[:limit]
     smallest = min(found.values(), key=lambda c: (len(c.settings), timer_of(c)), default=None)
     if smallest is not None and smallest not in ordered:
