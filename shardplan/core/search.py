@@ -92,6 +92,13 @@ class Space:
     # trainers do and `run` does not (io/plan_search.py says what fits that way).
     nf4_offload: bool = False
 
+    @classmethod
+    def of_framework(cls, framework: str, world: int, global_batch: int, **others) -> "Space":
+        """`plan`'s space for a job's framework: what `run` executes under fsdp2, what
+        DeepSpeed's own engine runs under deepspeed, everything under zero-paper."""
+        return cls(world=world, global_batch=global_batch, runnable=framework == "fsdp2",
+                   deepspeed=framework == "deepspeed", **others)
+
 
 @dataclass(frozen=True)
 class Found:

@@ -59,9 +59,8 @@ def hardware_of(cluster: ClusterSpec) -> Hardware | None:
     name = cluster.gpu or f"{cluster.peak_tflops:g} TFLOP/s GPU"
     if assumed and cluster.gpu is None:
         name += f" ({', '.join(assumed)} as {FALLBACK_GPU})"
-    link = cluster.intra_node_link or "NVLink"
-    return Hardware(name=name, peak_flops=peak, peak_fp32_flops=float(fp32) * TERA, **values, **efficiencies,
-                    intra_node_link=link)
+    link = {"intra_node_link": cluster.intra_node_link} if cluster.intra_node_link else {}  # else NVLink
+    return Hardware(name=name, peak_flops=peak, peak_fp32_flops=float(fp32) * TERA, **values, **efficiencies, **link)
 
 
 def lora_of(lora: LoraSpec | None):

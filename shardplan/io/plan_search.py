@@ -393,8 +393,7 @@ def _run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None,
     batch = _global_batch(resolved, global_batch, fixed)
     lora = lora_of(job.lora)
     base = inputs_from_job(job, shape, True).with_(degrees=Degrees(dp=world))
-    space = Space(world=world, global_batch=batch, runnable=job.zero.framework == "fsdp2",
-                  deepspeed=job.zero.framework == "deepspeed")
+    space = Space.of_framework(job.zero.framework, world, batch)
     _check_fixed(fixed, world, batch, base, space, resolved.locate)
 
     timer, ranking = search_ranking(hardware, lora)

@@ -152,11 +152,8 @@ def _levers_searched(asked: EstimateInputs, timer, ranking: dict, known: bool) -
             fixed = replace(fixed, offload=None)
         if lever == "layout":
             base = base.with_(degrees=Degrees(dp=world))
-        # `plan`'s space for the job's framework (io/plan_search.py): what `run` executes under
-        # fsdp2, what DeepSpeed's own engine runs under deepspeed.
-        space = Space(world=world, global_batch=global_batch, runnable=asked.framework == "fsdp2",
-                      deepspeed=asked.framework == "deepspeed",
-                      offload=lever.startswith("offload") or strategy_offloads)
+        space = Space.of_framework(asked.framework, world, global_batch,
+                                   offload=lever.startswith("offload") or strategy_offloads)
         result = search(base, space, fixed, timer, top_k=1, **ranking)
         if not result.plans:
             continue

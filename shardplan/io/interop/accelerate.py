@@ -21,7 +21,6 @@ from dataclasses import replace
 from typing import Collection
 
 from ...core.estimate_inputs import EstimateInputs
-
 from ...spec.job import FSDP_STAGE_NAMES
 from .common import (Exported, Imported, Note, Plan, Reader, float8_not_modelled, integral, offload_as_written,
                      unexpressed)
