@@ -95,7 +95,25 @@ def without_twins(fitting: list[tuple]) -> list[tuple]:
         elif key not in lowest or (peak, host, plan.zero_stage) < (lowest[key][1], lowest[key][3],
                                                                      lowest[key][2].zero_stage):
             lowest[key] = item
-    return kept + list(lowest.values())
+    return without_split_twins(kept + list(lowest.values()))
+
+
+def without_split_twins(fitting: list[tuple]) -> list[tuple]:
+    """Plans that differ only in the layer split with the same step, peak and host memory
+    listed once: the one with the fewest split keys, then the least (first, last)
+    (core/search.py, split_twin_key)."""
+    simplest: dict[tuple, tuple] = {}
+    kept = []
+    for item in fitting:
+        seconds, peak, plan, host = item
+        if plan.degrees.pp == 1:
+            kept.append(item)
+            continue
+        key = (plan.with_(stage_split=(0, 0)), seconds, peak, host)
+        keys = lambda p: (sum(1 for layers in p.stage_split if layers), p.stage_split)  # noqa: E731
+        if key not in simplest or keys(plan) < keys(simplest[key][2]):
+            simplest[key] = item
+    return kept + list(simplest.values())
 
 
 # Spaces where memory binds (the GPU memory sits near the median peak of the candidates), one

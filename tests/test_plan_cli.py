@@ -143,6 +143,37 @@ def test_one_rank_shard_groups_list_a_plan_once(write):
     assert "the same plan and step at another ZeRO stage" in json.dumps(doc["rejected"])
 
 
+def test_a_layer_split_that_changes_no_figure_is_listed_once(write):
+    """Llama-3.1 405B (126 layers) QLoRA on 8 GPUs: at pp 8 the even split is 16 x 6 + 15 x 2,
+    and a last stage of 14 (16 x 7 + 14) leaves the first stage's memory and the slowest
+    stage's time as they were: the same peak and step, listed once, as the even split, which
+    writes no key (core/search.py, split_twin_key)."""
+    text = (JOB.replace("llama-3-8b", "llama-3.1-405b").replace("seq_len = 8192", "seq_len = 2048")
+            + '[lora]\nrank = 16\nbase_dtype = "nf4"\n')
+    job = write("job.toml", text)
+    doc = run_cli("plan", job, "--gpus", "8", "--global-batch", "8", "--pp", "8", "--top", "20", "--json").json
+    seen = {}
+    for plan in doc["plans"]:
+        parallel = plan["job"]["parallel"]
+        split = (parallel.get("first_stage_layers", 0), parallel.get("last_stage_layers", 0))
+        rest = {k: v for k, v in parallel.items() if k not in ("first_stage_layers", "last_stage_layers")}
+        key = (json.dumps({**plan["job"], "parallel": rest}, sort_keys=True), plan["time"]["step_seconds"],
+               plan["peak_gpu_bytes"], plan["cpu_bytes_per_node"])
+        assert key not in seen, (split, seen.get(key))
+        seen[key] = split
+    assert (0, 0) in seen.values()
+    assert doc["rejected"]["the same peak and step at another layer split (the one with fewer keys kept)"] >= 1
+    # The twin left out is the plan with the last stage of 14, which `estimate` rates the same.
+    even = next(p for p in doc["plans"] if "last_stage_layers" not in p["job"]["parallel"]
+                and "first_stage_layers" not in p["job"]["parallel"])
+    sections = {**tomllib.loads(text), **even["job"]}
+    sections["parallel"] = {**sections["parallel"], "last_stage_layers": 14}
+    sections["cluster"] = {**sections["cluster"], "nodes": 1}
+    estimated = run_cli("estimate", write("twin.toml", tomli_w.dumps(sections)), "--json").json
+    assert estimated["peak_gpu_bytes"] == even["peak_gpu_bytes"]
+    assert estimated["time"]["step_seconds"] == pytest.approx(even["time"]["step_seconds"], rel=1e-12)
+
+
 def test_global_batch_from_the_job(write):
     job = write("job.toml", JOB.replace("seq_len = 8192", "seq_len = 8192\nglobal_batch_size = 32"))
     doc = run_cli("plan", job, "--nodes", "1", "--json").json

@@ -493,6 +493,7 @@ OFFLOAD_FLOOR = "GPU memory even with every offload (activations and what stays 
 TORCH_SP = "GPU memory with sequence parallel as torch keeps it (the gathered linear inputs)"
 NF4_OFFLOAD = "it would offload NF4 weights, which `run` does not"
 TWIN = "the same plan and step at another ZeRO stage with less memory (one rank per shard group shards nothing)"
+SPLIT_TWIN = "the same peak and step at another layer split (the one with fewer keys kept)"
 
 
 def unrunnable_offload(plan: EstimateInputs, nf4_offload: bool = False) -> str | None:
@@ -667,16 +668,23 @@ class _Walk:
         self.order += 1
         self.result.fitting += 1
         item = (-seconds, -peak, -self.order, inputs, peak, host, asked or inputs)
-        key = twin_key(inputs, asked or inputs, seconds, peak, host)
-        if key is not None:
+        # (key, reason, preference: the least is kept) of the lists a plan is listed once in
+        twins = [(key, reason, prefer) for key, reason, prefer in (
+            (twin_key(inputs, asked or inputs, seconds, peak, host), TWIN, _stage_preference),
+            (split_twin_key(inputs, asked or inputs, seconds, peak, host), SPLIT_TWIN, _split_preference))
+            if key is not None]
+        # A kept twin with a lesser preference rejects the plan before it displaces any other.
+        for key, reason, prefer in twins:
+            twin = self.twins.get(key)
+            if twin is not None and prefer(twin) <= prefer(item):
+                self.result.fitting -= 1
+                self.reject(reason)
+                return
+        for key, reason, prefer in twins:
             twin = self.twins.get(key)
             if twin is not None:
-                if (twin[4], twin[5], twin[3].zero_stage) <= (peak, host, inputs.zero_stage):
-                    self.result.fitting -= 1
-                    self.reject(TWIN)
-                    return
-                self.result.fitting -= 1  # the higher stage's twin leaves the ranking
-                self.result.rejected[TWIN] += 1
+                self.result.fitting -= 1  # the twin it is preferred to leaves the ranking
+                self.result.rejected[reason] += 1
                 if twin in self.best:
                     self.best.remove(twin)
                     heapq.heapify(self.best)
@@ -806,6 +814,29 @@ def twin_key(inputs: EstimateInputs, asked: EstimateInputs, seconds: float, peak
     (then host memory, then stage). None where the stage shards something."""
     blind = stage_blind(inputs)
     return None if blind is None else (blind, asked.with_(zero_stage=0, hybrid=False), seconds)
+
+
+def _stage_preference(item: tuple) -> tuple:
+    """Of ZeRO-stage twins the least peak, then host memory, then stage is kept."""
+    return item[4], item[5], item[3].zero_stage
+
+
+def split_twin_key(inputs: EstimateInputs, asked: EstimateInputs, seconds: float, peak: int,
+                   host: int) -> tuple | None:
+    """Plans that differ only in their layer split and have the same peak, host memory and
+    step time are listed once: an uneven split that changes none of the stages that decide
+    them (the first stage's memory, the slowest stage's time) is only a key more to write.
+    None without a pipeline."""
+    if inputs.degrees.pp == 1:
+        return None
+    return asked.with_(stage_split=(0, 0)), seconds, peak, host
+
+
+def _split_preference(item: tuple) -> tuple:
+    """Of split twins the one with the fewest split keys is kept (the even split has none),
+    then the one with the least (first, last)."""
+    split = item[3].stage_split
+    return sum(1 for layers in split if layers), split
 
 
 def stage_blind(inputs: EstimateInputs) -> EstimateInputs | None:
