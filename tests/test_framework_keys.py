@@ -168,3 +168,22 @@ def test_sub_groups_are_deepspeeds(preset, sub_group_size):
         for sub_group in stage3.DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups(optimizer, stand_ins):
             theirs.append(sum(p.partition_numel() for p in sub_group))
     assert stage3_sub_groups(rp, dp, sub_group_size) == theirs
+
+
+def test_what_deepspeed_does_not_run_warns(write):
+    """Context parallel and hybrid sharding are counted by the estimate under any framework, but
+    DeepSpeed's engine runs neither: it has no ring-attention context parallel (its sequence
+    parallel is Ulysses, deepspeed/sequence/layer.py, an all-to-all over heads) and 0.19.8's
+    zero/config.py (`extra="forbid"`) rejects MiCS's `mics_shard_size`, its only hybrid
+    sharding. Each gets a warning under deepspeed, none under fsdp2."""
+    cp = BASE.replace("dp = 4", "dp = 2\ncp = 2") + "[train]\nseq_len = 256\n"
+    found = _warnings(write, cp.replace("stage = 3", 'stage = 3\nframework = "deepspeed"'))
+    assert [w["path"] for w in found] == ["parallel.cp"]
+    assert "Ulysses" in found[0]["message"] and "cp = 2" in found[0]["message"]
+    assert not any("DeepSpeed" in w["message"] for w in _warnings(write, cp))
+    hybrid = BASE.replace("dp = 4", "dp = 16").replace("stage = 3", "stage = 3\nhybrid = true") + \
+        '[cluster]\nnodes = 2\ngpus_per_node = 8\n'
+    found = _warnings(write, hybrid.replace("hybrid = true", 'hybrid = true\nframework = "deepspeed"'))
+    assert [w["path"] for w in found] == ["zero.hybrid"]
+    assert "every data-parallel rank" in found[0]["message"]
+    assert not any("DeepSpeed" in w["message"] for w in _warnings(write, hybrid))

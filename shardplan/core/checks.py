@@ -287,6 +287,15 @@ def framework_key_problems(job: JobSpec) -> list[Problem]:
             problems.append(warning("zero.min_num_params", 'has no effect under zero.framework = "deepspeed", which '
                                     "shards every parameter (its stage 3 keeps small ones whole by "
                                     "zero.param_persistence_threshold)"))
+        # What the estimate counts but DeepSpeed's engine does not run (`plan`'s DeepSpeed space
+        # leaves both out; `export --to deepspeed` notes them).
+        if job.parallel.cp > 1:
+            problems.append(warning("parallel.cp", f"DeepSpeed has no ring-attention context parallel (its Ulysses "
+                                    f"sequence parallel is another algorithm, not estimated): the estimate counts "
+                                    f"cp = {job.parallel.cp} as torch and Megatron-LM run it"))
+        if zero.hybrid and zero.stage >= 2:
+            problems.append(warning("zero.hybrid", "DeepSpeed 0.19 has no hybrid sharding (MiCS was removed): the "
+                                    "estimate shards inside each node, DeepSpeed over every data-parallel rank"))
         return problems
     return [warning(f"zero.{key}", f'is read only under zero.framework = "deepspeed" and by `export --to deepspeed`; '
                     f"the {zero.framework} estimate does not use it")
