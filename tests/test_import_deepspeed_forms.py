@@ -256,3 +256,38 @@ def test_auto_bf16_beside_disabled_fp16_is_said(write):
     # Explicitly enabled still wins over the other's "auto".
     on = from_deepspeed({"train_batch_size": 8, "bf16": {"enabled": True}, "fp16": {"enabled": "auto"}}, 8)
     assert on.tables["train"]["precision"] == "bf16-mixed"
+
+
+# huggingface/accelerate examples/deepspeed_config_templates/zero_stage3_offload_config.json
+# (16cb6eb80d): ZeRO-3 with both offloads, gradient_accumulation_steps 1 and the micro batch
+# "auto" (the Trainer fills it from per_device_train_batch_size).
+ACCELERATE_ZERO3_OFFLOAD = DATA / "interop" / "accelerate_zero_stage3_offload_config.json"
+
+
+def test_a_micro_batch_left_to_the_launcher_is_not_written(tmp_path):
+    """The template gives the accumulation alone: the import writes `num_microbatches = 1` and
+    no micro batch, so `plan` chooses it (a micro batch written would be a key the job fixes);
+    the dp note names the key that was read, not the "auto" one."""
+    result = run_cli("import", str(ACCELERATE_ZERO3_OFFLOAD), "--set", "model.preset=llama-3-8b", "--json")
+    assert result.code == 0, result.err
+    parallel = result.json["job"]["parallel"]
+    assert parallel == {"num_microbatches": 1}
+    (dp_note,) = [n for n in result.json["notes"] if "data-parallel degree is not in the config" in n["message"]]
+    assert dp_note["path"] == "gradient_accumulation_steps"
+    written = tmp_path / "job.toml"
+    assert run_cli("import", str(ACCELERATE_ZERO3_OFFLOAD), "--set", "model.preset=llama-3-8b", "-o",
+                   str(written)).code == 0
+    # 64 sequences on 8 data-parallel GPUs in one microbatch: the micro batch is 8, found by the
+    # search (a written micro batch 1 would fix the batch at 8).
+    planned = run_cli("plan", str(written), "--gpus", "8", "--global-batch", "64", "--pp", "1", "--tp", "1",
+                      "--set", "cluster.preset=a100-80gb", "--json")
+    assert planned.code == 0, planned.err
+    assert {p["job"]["parallel"]["micro_batch_size"] for p in planned.json["plans"]} == {8}
+    # A micro batch alone is DeepSpeed's accumulation 1 (config.py, `_set_batch_related_parameters`).
+    config = json.loads(ACCELERATE_ZERO3_OFFLOAD.read_text())
+    config.update(train_micro_batch_size_per_gpu=4)
+    del config["gradient_accumulation_steps"]
+    alone = tmp_path / "micro.json"
+    alone.write_text(json.dumps(config))
+    job = run_cli("import", str(alone), "--set", "model.preset=llama-3-8b", "--json").json["job"]
+    assert job["parallel"] == {"micro_batch_size": 4, "num_microbatches": 1}

@@ -313,7 +313,7 @@ def from_deepspeed(data: dict, dp: int | None = None, dp_said: str = "", hidden_
         # degrees, config.py `_set_batch_related_parameters`); without train_batch_size and all
         # three batch keys the config does not say it.
         given = next((k for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-                      if k in data), "")
+                      if k in data and data[k] != "auto"), "")
         out.note(given, "the data-parallel degree is not in the config (DeepSpeed takes it from the launch): "
                         "planned as dp 1; give --dp N or --world N")
     _zero(top, out, hidden_size)
@@ -401,8 +401,14 @@ def _batch(top: Reader, out: Imported, dp: int | None, dp_said: str) -> None:
             out.problem("train_batch_size", f"{total} is not divisible by dp ({dp_said})")
             return
         micro, steps = total // dp, 1
-    elif micro or steps:
-        micro, steps = micro or 1, steps or 1
+    elif steps and not micro:
+        # Accumulation alone: the micro batch is the launcher's (the Hugging Face Trainer fills
+        # an "auto" one from per_device_train_batch_size; DeepSpeed itself asks for one, config.py
+        # `_set_batch_related_parameters`). It is not written, so `plan` searches it.
+        out.set("parallel.num_microbatches", steps, "gradient_accumulation_steps")
+        return
+    elif micro:
+        steps = steps or 1  # DeepSpeed's accumulation beside a micro batch alone
     else:
         return
     micro_key = "train_micro_batch_size_per_gpu" if values.get("train_micro_batch_size_per_gpu") else "train_batch_size"
