@@ -853,6 +853,24 @@ def test_torchtitan_2024_config_round_trips_under_todays_names(write):
             config["parallelism"]["pipeline_parallel_degree"]) == (8, 1, 1)
 
 
+def test_torchtitan_2025_experimental_keys_are_each_named():
+    """torchtitan's llama3_405b.toml at a30d4cca6 (2025-03-17, the day before 785c34c99), copied
+    verbatim: [experimental] (line 44) holds two degrees, which are read under today's names, and
+    `enable_async_tensor_parallel = true` (line 47), which 785c34c99 moved to [parallelism] and
+    shardplan does not read: that key is named, not the table."""
+    path = os.path.join(OLD_DATA, "torchtitan_llama3_405b_2025-03.toml")
+    result = run_cli("import", path, "--world", "128", "--json")
+    assert result.code == 0, result.err
+    notes = {(n["line"], n["path"]): n["message"] for n in result.json["notes"]}
+    assert not any(path == "experimental" for _, path in notes)
+    assert notes[(47, "experimental.enable_async_tensor_parallel")].startswith(
+        "not read: shardplan has no setting for it (torchtitan commit 785c34c99 moved it to "
+        "parallelism.enable_async_tensor_parallel")
+    assert notes[(46, "experimental.pipeline_parallel_degree")].endswith("read as parallelism.pipeline_parallel_degree")
+    par = result.json["job"]["parallel"]
+    assert (par["dp"], par["tp"], par["pp"], par["cp"]) == (16, 8, 1, 1)  # data_parallel_shard_degree -1 over 128
+
+
 def test_torchtitan_old_and_new_name_together_reads_the_new(write):
     """No torchtitan reads both names (each release defines one); 0.2 reads today's, so that one
     wins and the old one is named as not read, whatever it says."""

@@ -85,6 +85,12 @@ _RENAMED = {
 }
 
 
+# [experimental] keys 785c34c99 (2025-03-18) moved to [parallelism] that shardplan does not read
+# (torchtitan/config_manager.py of that commit; the degrees and schedule are in `_RENAMED`).
+_MOVED_TO_PARALLELISM = ("enable_async_tensor_parallel", "enable_compiled_autograd",
+                         "context_parallel_rotate_method", "pipeline_parallel_schedule_csv")
+
+
 def renamed(data: dict) -> tuple[dict, dict[str, str], list[tuple[str, str]]]:
     """A torchtitan config with its pre-0.2 names (`_RENAMED`) under today's: (the config as
     today's names write it, {today's dotted key: the dotted key the file wrote}, notes as
@@ -178,6 +184,16 @@ def from_torchtitan(data: dict, dp: int | None = None, num_layers: int | None = 
         out.set("train.seed", seed, debug.key("seed"))
     debug.unread()
     _read_low_precision(Reader(tables["model"], "model", out), top, out)
+    if isinstance(data.get("experimental"), dict):
+        # What [experimental] keeps after the degrees are read (`renamed`): each key named, those
+        # 785c34c99 moved to [parallelism] (enable_async_tensor_parallel, ...) with their new name.
+        experimental = Reader(top.table("experimental"), "experimental", out)
+        for name in experimental.data:
+            if name in _MOVED_TO_PARALLELISM:
+                experimental.raw(name)
+                out.note(experimental.key(name), f"not read: shardplan has no setting for it (torchtitan commit "
+                                                 f"785c34c99 moved it to parallelism.{name}; 0.2 refuses this name)")
+        experimental.unread("not read: no effect on the plan")
     top.unread("not read: no effect on the plan")
     offload_as_written(out)
     return out
