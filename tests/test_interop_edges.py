@@ -213,6 +213,20 @@ def test_accelerate_inline_deepspeed_defaults_to_zero_2(write, monkeypatch):
     assert result.json["job"]["zero"]["stage"] == accelerate_plugin(path, monkeypatch).zero_stage == 2
 
 
+def test_accelerate_zero3_init_flag_below_stage_3_is_named(write, monkeypatch):
+    """accelerate's examples/config_yaml_templates/deepspeed.yaml writes `zero3_init_flag` beside a
+    stage-1 config; below stage 3 accelerate turns the flag off (DeepSpeedPlugin.__post_init__,
+    checked with accelerate's own plugin), and the import names it as not read."""
+    path = write("acc.yaml", "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n"
+                             "  zero3_init_flag: true\nnum_machines: 1\nnum_processes: 8\n")
+    result = run_cli("import", path, "--set", "model.preset=llama-3-8b", "--json")
+    assert result.code == 0, result.err
+    notes = {n["path"]: n["message"] for n in result.json["notes"]}
+    assert notes["deepspeed_config.zero3_init_flag"] == "not read: it acts at ZeRO stage 3 only (the config's stage is 2)"
+    with pytest.warns(UserWarning, match="only applicable for ZeRO Stage 3"):
+        assert accelerate_plugin(path, monkeypatch).zero3_init_flag is False
+
+
 # -- accelerate: fsdp_config keys read but not carried over -----------------------------------
 
 ACC_FSDP1 = """compute_environment: LOCAL_MACHINE

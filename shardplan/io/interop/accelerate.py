@@ -495,6 +495,11 @@ def _deepspeed_extras(ds: Reader, out: Imported) -> None:
             out.note(ds.key("zero3_init_flag"), "not read: shardplan's ZeRO-3 start-up assumes deepspeed.zero.Init "
                                                 "(true), which partitions the model while it is built; false "
                                                 "builds each rank's whole model on the CPU first")
+        elif stage != 3:
+            # accelerate sets it false below stage 3 (utils/dataclasses.py, DeepSpeedPlugin
+            # __post_init__: "DeepSpeed Zero3 Init flag is only applicable for ZeRO Stage 3").
+            out.note(ds.key("zero3_init_flag"), f"not read: it acts at ZeRO stage 3 only (the config's stage is "
+                                                f"{stage or 0})")
     if ds.has("zero3_save_16bit_model"):
         ds.raw("zero3_save_16bit_model")
         out.note(ds.key("zero3_save_16bit_model"), "not read: how the model is saved at the end; no effect on the "
