@@ -572,6 +572,12 @@ def test_megatron_arguments_are_one_clear_line(tmp_path):
      "  --bf16 $EXTRA\n", 4, "--num-layers"),
     ("--tensor-model-parallel-size 8 \\\n--num-layers: 80\n", 1, "--tensor-model-parallel-size"),  # not YAML either
     ("--lr=3e-4 --bf16\n", 1, "--lr"),
+    # Megatron-LM examples/llama/train_llama3_8b_h100_fp8.sh: arrays of arguments, torchrun's
+    # first (`--nproc_per_node` line 48, `--use-mcore-models` line 56), the script named at the
+    # end: the first argument that is not torchrun's is named.
+    ("#!/bin/bash\nDISTRIBUTED_ARGS=(\n    --nproc_per_node $GPUS_PER_NODE\n    --nnodes $NUM_NODES\n)\n"
+     "MODEL_ARGS=(\n    --use-mcore-models\n    --num-layers 32\n)\n"
+     "torchrun ${DISTRIBUTED_ARGS[@]} \\\n    \"$PRETRAIN_SCRIPT_PATH\" ${MODEL_ARGS[@]}\n", 7, "--use-mcore-models"),
 ])
 def test_launch_scripts_are_one_clear_line(write, text, line, flag):
     path = write("pretrain.sh", text)
@@ -946,6 +952,12 @@ def test_export_of_a_qlora_plan_says_what_the_config_trains(target):
      "a torchtitan config, not a shardplan job: `shardplan import {path} -o job.toml` turns it into one"),
     ("acc.yaml", "distributed_type: FSDP\nnum_processes: 8\n",
      "a YAML file, not a shardplan job (TOML): `shardplan import {path} -o job.toml` reads an accelerate config"),
+    ("train.sh", "#!/bin/bash\ntorchrun --nproc_per_node 8 pretrain_gpt.py --num-layers 32\n",
+     "a shell script, not a shardplan job (TOML): command-line arguments are not imported; `shardplan import` "
+     "reads a DeepSpeed JSON, a torchtitan TOML or an accelerate YAML config"),
+    ("launch", "#!/bin/bash\ntorchrun --nproc_per_node 8 pretrain_gpt.py --num-layers 32\n",
+     "a shell script, not a shardplan job (TOML): command-line arguments are not imported; `shardplan import` "
+     "reads a DeepSpeed JSON, a torchtitan TOML or an accelerate YAML config"),
 ])
 @pytest.mark.parametrize("command", [("export", "--to", "deepspeed"), ("estimate",), ("validate",)])
 def test_another_frameworks_config_where_a_job_goes_points_to_import(write, name, text, said, command):

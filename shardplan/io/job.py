@@ -86,6 +86,7 @@ def open_job_source(source: str | None) -> Document:
     if looks_like_path or _why_not_a_file(path) != "no such file":  # read_document says what is wrong
         if _why_not_a_file(path) is None:
             _yaml_hint(path)
+            _script_hint(path)
         return read_document(path)
     try:
         preset = find_preset(source, "jobs")
@@ -120,6 +121,21 @@ def _yaml_hint(path: Path) -> None:
     if path.suffix.lower() in (".yaml", ".yml"):
         raise InputError(Problem("", f"a YAML file, not a shardplan job (TOML): `shardplan import {path} -o job.toml` "
                                      "reads an accelerate config", file=str(path)))
+
+
+def _script_hint(path: Path) -> None:
+    """A shell script (a Megatron-LM or torchrun launch) given where a job goes: TOML would
+    call it invalid at its first command."""
+    if path.suffix.lower() not in (".sh", ".bash", ".slurm", ".sbatch"):
+        try:
+            with path.open("rb") as handle:
+                if handle.read(2) != b"#!":
+                    return
+        except OSError:
+            return  # read_document says why it cannot be read
+    raise InputError(Problem("", "a shell script, not a shardplan job (TOML): command-line arguments are not "
+                                 "imported; `shardplan import` reads a DeepSpeed JSON, a torchtitan TOML or an "
+                                 "accelerate YAML config", file=str(path)))
 
 
 def _preset_hint(name: str) -> str:

@@ -164,11 +164,21 @@ def _yaml_source(text: str, path: str, json_error: InputError | None = None) -> 
 _FLAG = re.compile(r"--[A-Za-z][\w-]*")
 
 
+# torchrun's own options (torch/distributed/run.py `get_args_parser`), in both spellings: a
+# launch script gives them before the training script's.
+_LAUNCHER_FLAGS = frozenset("--" + name.replace("{}", sep) for name in (
+    "nnodes", "nproc{}per{}node", "node{}rank", "master{}addr", "master{}port", "rdzv{}backend", "rdzv{}endpoint",
+    "rdzv{}id", "rdzv{}conf", "standalone", "max{}restarts", "monitor{}interval", "start{}method", "role",
+    "no{}python", "run{}path", "log{}dir", "redirects", "tee", "local{}addr", "local{}ranks{}filter")
+    for sep in "-_")
+
+
 def _refuse_arguments(text: str, path: str) -> None:
     """One clear line for a file of command-line arguments (what `export --to megatron` writes,
     or a launch script): it names the first option given to the training script (the first
-    after a `*.py` word, else the first) and its line. Nothing happens when the text has none."""
-    first = after_script = None
+    after a `*.py` word, else the first that is not torchrun's, else the first) and its line.
+    Nothing happens when the text has none."""
+    first = after_script = not_launcher = None
     seen_script = False
     for number, line in enumerate(text.splitlines(), start=1):
         for word in line.split("#", 1)[0].split():
@@ -179,9 +189,11 @@ def _refuse_arguments(text: str, path: str) -> None:
             if flag is None:
                 continue
             first = first or (number, flag.group(0))
+            if flag.group(0) not in _LAUNCHER_FLAGS:
+                not_launcher = not_launcher or (number, flag.group(0))
             if seen_script:
                 after_script = after_script or (number, flag.group(0))
-    found = after_script or first
+    found = after_script or not_launcher or first
     if found is None:
         return
     line, flag = found
