@@ -420,12 +420,13 @@ def _fewest_offloaded_layers(inputs: EstimateInputs, measure: Measure, target: i
     wanted = by_gpu if by_gpu is not None else 0  # every layer offloaded when none meets the target
     if at(0)[1] <= at(upper)[1]:
         # Host bytes grow with the resident layers: the most resident the CPU allows.
-        by_cpu = _search(0, upper, lambda r: at(r)[1] <= limit)
+        # (Monotone: when the least, at 0 resident, is over the limit, nothing is within it.)
+        by_cpu = _search(0, upper, lambda r: at(r)[1] <= limit) if at(0)[1] <= limit else None
         most_allowed = by_cpu if by_cpu is not None else 0
         resident, cpu = min(wanted, most_allowed), "more" if most_allowed < wanted else ""
     else:
         # Host bytes fall as layers stay resident: the fewest resident the CPU allows.
-        by_cpu = _search(0, upper, lambda r: at(upper - r)[1] <= limit)
+        by_cpu = _search(0, upper, lambda r: at(upper - r)[1] <= limit) if at(upper)[1] <= limit else None
         fewest = upper - by_cpu if by_cpu is not None else upper
         resident, cpu = max(wanted, fewest), "fewer" if fewest > wanted else ""
     at(resident)
