@@ -144,6 +144,47 @@ def test_resume_into_another_layout(uninterrupted, tmp_path):
         assert abs(loss - uninterrupted[step]) <= 1e-5 * abs(uninterrupted[step])
 
 
+PIPELINE = ("--pp", "2", "--dp", "1", "--set", "parallel.num_microbatches=2")  # the same 8 sequences a step
+
+
+def test_pipeline_checkpoints_resume_and_reshard(finished, uninterrupted, tmp_path):
+    """Pipeline ranks hold different parameters: the optimizer state is saved flattened by
+    parameter name (torch's `flatten_optimizer_state_dict`, as torchtitan saves it under
+    pipeline parallel), so a pp 2 run resumes on its own layout, and a dp 2 checkpoint of
+    tiny-gpt2 (tied embeddings: no `lm_head` of its own) loads into pp 2, whose last stage
+    takes its head copy and that copy's optimizer states from the embedding's."""
+    job, folder = write_job(tmp_path, "pipeline")
+    first = shardplan_run(job, *PIPELINE, "--set", "train.steps=4")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = shardplan_run(job, *PIPELINE, "--resume", "--report", str(tmp_path / "same.json"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    into_pp = shardplan_run(finished[0], *PIPELINE, f"--resume={finished[0].parent / 'full-checkpoints' / 'step-00000004'}",
+                            "--set", f"checkpoint.dir={tmp_path / 'into-pp'}", "--report", str(tmp_path / "into.json"))
+    assert into_pp.returncode == 0, into_pp.stderr[-3000:]
+    resumed = json.loads((tmp_path / "into.json").read_text())["resumed_from"]
+    assert resumed["resharded"] == "resharding from dp2 (ZeRO 3) to pp2 (ZeRO 3)" and resumed["checkpoint_lr"] is None
+    for report in ("same.json", "into.json"):
+        after = losses(tmp_path / report)
+        assert sorted(after) == [5, 6]
+        for step, loss in after.items():  # the dp 2 run's losses: the same sequences and updates
+            assert abs(loss - uninterrupted[step]) <= 1e-5 * abs(uninterrupted[step]), (report, step)
+
+
+def test_resume_takes_the_jobs_learning_rate(finished, uninterrupted, tmp_path):
+    """The optimizer's saved learning rate is the job's of the day it was written; a resume with
+    another `train.lr` (lowered after a divergence) trains at that one, and says so."""
+    checkpoint = finished[0].parent / "full-checkpoints" / "step-00000004"
+    proc = shardplan_run(finished[0], f"--resume={checkpoint}", "--set", "train.lr=5e-2",
+                         "--set", f"checkpoint.dir={tmp_path / 'lr'}", "--report", str(tmp_path / "lr.json"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "learning rate: the job's 0.05; the checkpoint's optimizer had 0.001" in proc.stdout
+    resumed = json.loads((tmp_path / "lr.json").read_text())["resumed_from"]
+    assert (resumed["lr"], resumed["checkpoint_lr"]) == (5e-2, 1e-3)
+    after = losses(tmp_path / "lr.json")
+    assert after[5] == uninterrupted[5]  # step 5's loss comes before its update
+    assert abs(after[6] - uninterrupted[6]) > 1e-3 * abs(uninterrupted[6])
+
+
 def _snapshot(folder: Path) -> dict[str, float]:
     return {str(p): p.stat().st_mtime for p in folder.rglob("*") if p.is_file()}
 

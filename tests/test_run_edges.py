@@ -107,6 +107,24 @@ def test_a_job_without_a_checkpoint_folder_is_still_bad_input():
         "--resume=PATH)"]
 
 
+def test_a_checkpoint_folder_that_cannot_be_one_is_bad_input_before_torchrun(tmp_path):
+    """A file where `[checkpoint] dir` names a folder (or above it) would fail the first save,
+    `checkpoint.every` steps into the run: exit 2 before any worker starts, naming the key."""
+    afile = tmp_path / "afile"
+    afile.write_text("", encoding="utf-8")
+    result = run_cli("run", "tiny-gpt2-cpu", "--set", f"checkpoint.dir={afile}")
+    assert result.code == 2 and result.err_lines == [f"--set: checkpoint.dir: {str(afile)!r} is a file, not a folder"]
+    below = afile / "ckpt"
+    result = run_cli("run", "tiny-gpt2-cpu", "--set", f"checkpoint.dir={below}")
+    assert result.code == 2 and result.err_lines == [
+        f"--set: checkpoint.dir: {str(below)!r} cannot be made: {str(afile)!r} is a file"]
+    job = tmp_path / "job.toml"
+    job.write_text(f'[model]\npreset = "tiny-gpt2"\n[parallel]\ndp = 2\n[checkpoint]\ndir = "{afile}"\n',
+                   encoding="utf-8")
+    result = run_cli("run", str(job), "--json")
+    assert result.code == 2 and result.json["error"]["problems"][0]["line"] == 6
+
+
 def test_a_restarted_worker_takes_the_latest_checkpoint_over_the_one_it_began_from(tmp_path):
     from shardplan.runtime.resume import restart_line, resume_request
 

@@ -102,6 +102,28 @@ def _check_resume_path(resume: str | None, folder: str) -> None:
     find(Path(folder), resume)  # raises RunFailure
 
 
+def _check_checkpoint_dir(resolved) -> None:
+    """`[checkpoint] dir` must be a folder, or one that can be made: a file there (or above it)
+    would fail the first save, `checkpoint.every` steps into the run. Bad input, exit 2."""
+    folder = resolved.job.checkpoint.dir
+    if not folder:
+        return
+    path = Path(folder)
+    problem = None
+    if path.exists() and not path.is_dir():
+        problem = f"{folder!r} is a file, not a folder"
+    else:
+        above = next((p for p in path.absolute().parents if p.exists()), None)
+        if above is not None and not path.exists() and not above.is_dir():
+            problem = f"{folder!r} cannot be made: {str(above)!r} is a file"
+        elif above is not None and not path.exists() and not os.access(above, os.W_OK | os.X_OK):
+            problem = f"{folder!r} cannot be made: {str(above)!r} is not writable"
+        elif path.is_dir() and not os.access(path, os.W_OK | os.X_OK):
+            problem = f"{folder!r} is not writable"
+    if problem:
+        raise InputError(resolved.locate([Problem("checkpoint.dir", problem)]))
+
+
 def _check_data_file(resolved) -> None:
     """`[data] path` must hold whole token ids of the vocabulary, at least a sequence of them:
     the ranks' own test (runtime/token_file.py), run here so that a bad file is bad input
@@ -356,6 +378,7 @@ def run(
     _require_torch(resolved.job)
     if not under_torchrun():
         _check_report_path(report)  # before torchrun starts: not after the whole run
+        _check_checkpoint_dir(resolved)
         _check_resume_path(resume, resolved.job.checkpoint.dir)
         _check_data_file(resolved)
         world = resolved.world

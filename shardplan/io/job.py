@@ -127,6 +127,8 @@ def _script_hint(path: Path) -> None:
     """A shell script (a Megatron-LM or torchrun launch) given where a job goes: TOML would
     call it invalid at its first command."""
     if path.suffix.lower() not in (".sh", ".bash", ".slurm", ".sbatch"):
+        if not path.is_file():
+            return  # a named pipe or a device is not opened here (read_document refuses it)
         try:
             with path.open("rb") as handle:
                 if handle.read(2) != b"#!":

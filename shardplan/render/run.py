@@ -104,4 +104,7 @@ def run_table(report: dict, model: str) -> Group:
     if resumed:
         note = f", {resumed['resharded']}" if resumed.get("resharded") else ""
         lines.append(Text(f"resumed from {resumed['path']} after step {resumed['step']}{note}"))
+        if resumed.get("checkpoint_lr") is not None:
+            lines.append(Text(f"learning rate: the job's {resumed['lr']:g}; the checkpoint's optimizer had "
+                              f"{resumed['checkpoint_lr']:g}"))
     return Group(table, *lines)

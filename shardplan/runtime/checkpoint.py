@@ -27,14 +27,23 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ..spec.errors import RunFailure
 from . import faults
 from .resume import META, PARTIAL, complete_checkpoints, find  # noqa: F401 - find: the workers' resume test
 from .resume import checkpoint_name as _name
 
-FORMAT_VERSION = 1
+# 2: the optimizer state flattened by parameter name (format 1 kept param_groups by index,
+# which the ranks of a pipeline each number from 0: saved, one rank's overwrote the others').
+FORMAT_VERSION = 2
+
+# Optimizer states and hyperparameters keyed by each parameter's name (`state.<fqn>.exp_avg`,
+# `param_groups.<fqn>.lr`): pipeline ranks hold different parameters, and a param_groups list
+# indexed from 0 on every rank collides in the checkpoint. torch's flattening (pytorch PR
+# #127071), as torchtitan uses it for pipeline parallel (components/checkpoint.py,
+# CheckpointManager's note; components/optimizer.py).
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class _WholeModel(nn.Module):
@@ -66,8 +75,32 @@ def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
 
 
 def _model_state(modules: list[nn.Module], optimizer) -> dict:
-    model_state, optim_state = get_state_dict(checkpoint_module(modules), _optimizers(optimizer))
+    model_state, optim_state = get_state_dict(checkpoint_module(modules), _optimizers(optimizer), options=_OPTIONS)
     return {"model": model_state, "optim": optim_state}
+
+
+# A tied embedding's head: one tensor without a pipeline (the model has no `lm_head`), the last
+# stage's own copy with one (runtime/pipeline.py `stage_module`), kept equal to the embedding
+# with the same gradient, so the same optimizer states. A checkpoint written without a
+# pipeline holds the embedding's name only; a pipeline's last stage loads its copy from it.
+_HEAD, _EMBEDDING = "lm_head.weight", "embed.weight"
+
+
+def _tied_head_aliases(state: dict, stored: set[str]) -> dict[tuple[str, str], str]:
+    """{(part, key this rank holds): the stored key it is loaded from} for the head copy's
+    entries that the checkpoint lacks and holds under the embedding's name (`model.`,
+    `optim.state.`, `optim.param_groups.` prefixes, as DCP flattens the nested dict)."""
+    aliases = {}
+    for part, entries in state.items():
+        for key in entries:
+            if _HEAD not in key or f"{part}.{key}" in stored:
+                continue
+            source = key.replace(_HEAD, _EMBEDDING)
+            # A rank holding the embedding too (no schedule `run` executes puts the first and
+            # the last stage on one rank) is left to DCP's missing-key error.
+            if f"{part}.{source}" in stored and source not in entries:
+                aliases[(part, key)] = source
+    return aliases
 
 
 def _exact_states(optimizer) -> dict:
@@ -166,23 +199,44 @@ def check_compatible(meta: dict, plan: dict, path: Path) -> str | None:
     return None
 
 
-def load(path: Path, modules: list[nn.Module], optimizer: torch.optim.Optimizer, same_layout: bool) -> None:
+def load(path: Path, modules: list[nn.Module], optimizer: torch.optim.Optimizer, same_layout: bool,
+         lr: float | None = None) -> float | None:
     """Load model and optimizer states (resharding through DCP) and, on the same layout,
-    this rank's RNG states."""
+    this rank's RNG states. The optimizer's learning rate is the job's (`lr`), not the one
+    saved with its states (a resume after a divergence lowers it); returns the saved one
+    where it differs, else None."""
     state = _model_state(modules, optimizer)
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        aliases = _tied_head_aliases(state, stored)
+        # The head copy's entries loaded under the embedding's stored names (DCP loads tensors
+        # in place and replaces other values), then put back under their own.
+        wanted = {part: dict(entries) for part, entries in state.items()}
+        for (part, key), source in aliases.items():
+            wanted[part][source] = wanted[part].pop(key)
+        dcp.load(wanted, checkpoint_id=str(path))
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise RunFailure(f"checkpoint: cannot load {path}: {_reason(exc)}") from None
+    for part, entries in state.items():
+        for key in entries:
+            entries[key] = wanted[part][aliases.get((part, key), key)]
     set_state_dict(checkpoint_module(modules), _optimizers(optimizer), model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+                   optim_state_dict=state["optim"], options=_OPTIONS)
+    saved = None
+    if lr is not None:
+        for member in _optimizers(optimizer):
+            for group in member.param_groups:
+                if float(group["lr"]) != lr:
+                    saved = float(group["lr"])
+                group["lr"] = lr
     exact = path / f"offload-{dist.get_rank()}.pt"
     host = [o for o in _optimizers(optimizer) if hasattr(o, "load_exact_state")]
     if same_layout and exact.is_file() and host and host[0].config.compression != "none":
         host[0].load_exact_state(torch.load(exact, weights_only=True))
     rng = path / f"rng-{dist.get_rank()}.pt"
     if same_layout and rng.is_file():
-        saved = torch.load(rng, weights_only=True)
-        torch.set_rng_state(saved["cpu"])
-        if "cuda" in saved and torch.cuda.is_available():
-            torch.cuda.set_rng_state(saved["cuda"])
+        rng_state = torch.load(rng, weights_only=True)
+        torch.set_rng_state(rng_state["cpu"])
+        if "cuda" in rng_state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng_state["cuda"])
+    return saved

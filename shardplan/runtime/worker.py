@@ -153,9 +153,11 @@ def _train(resolved: ResolvedJob, runtime: Runtime, limits_known: bool, options:
     if resume_at is not None:
         path, meta, resharded = resume_at
         Phase.current = f"loading {path}"
-        checkpoint.load(path, [m for _, m in trainer.modules], trainer.optimizer, same_layout=resharded is None)
+        saved_lr = checkpoint.load(path, [m for _, m in trainer.modules], trainer.optimizer,
+                                   same_layout=resharded is None, lr=job.train.lr)
         first_step = meta["step"]
-        resumed = {"step": first_step, "path": str(path), "resharded": resharded}
+        resumed = {"step": first_step, "path": str(path), "resharded": resharded,
+                   "lr": job.train.lr, "checkpoint_lr": saved_lr}
         if rank0 and not _restart():  # a restart said where it resumes already
             emit_diagnostics([f"resuming from {path} after step {first_step}" + (f", {resharded}" if resharded else "")])
     if rank0 and decided.decisions and options.verbose:
