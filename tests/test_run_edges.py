@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -300,3 +302,49 @@ def test_restarts_are_announced_and_resume_from_the_latest_checkpoint(tmp_path):
     assert restarts == [f"restart 1 of 1: resuming from {folder / 'step-00000006'} after step 6"], again.stderr[-3000:]
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["resumed_from"]["step"] == 6 and [s["step"] for s in report["steps"]] == [7, 8]
+
+
+def _session(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:  # gone meanwhile
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="lists processes through /proc (Linux)")
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_a_stopped_run_says_where_it_resumes(tmp_path, sig, code):
+    """A signal sent to the launcher alone (a scheduler's SIGTERM, `kill -INT`; a terminal's
+    Ctrl-C reaches torchrun too) stops torchrun and its workers, and the launcher says which
+    checkpoint `--resume` continues from, exiting as a process that signal stopped (128 + n)."""
+    job, folder = tmp_path / "job.toml", tmp_path / "ckpt"
+    job.write_text(JOB.format(folder=folder).replace("steps = 6", "steps = 100000").replace("every = 2", "every = 1"),
+                   encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "SHARDPLAN_DEBUG")}
+    proc = subprocess.Popen([sys.executable, "-m", "shardplan", "run", str(job)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env, start_new_session=True,
+                            # a shell's background job ignores SIGINT, and a child inherits that
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 240
+        while not list(folder.glob("step-*[0-9]")) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=120)
+        time.sleep(1)
+        # torchrun and its workers are gone: nothing in the launcher's session is left running.
+        left = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if _session(pid) == proc.pid]
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the session
+        except ProcessLookupError:
+            pass
+    assert left == []
+    assert proc.returncode == code, err[-3000:]
+    (line,) = err.splitlines()
+    assert line.startswith(f"run: stopped by {sig.name}; the latest complete checkpoint is {folder / 'step-'}")
+    assert line.endswith("the same command with --resume continues from it")
+    step = int(line.split("(step ")[1].split(")")[0])
+    assert (folder / f"step-{step:08d}").is_dir()

@@ -288,8 +288,12 @@ def _spawn(nproc: int, max_restarts: int, argv: list[str], verbose: bool, live: 
             readers.append(_drain(proc.stdout, output))
         restarts = Restarts(Path(logs), max_restarts, captured, checkpoint_dir, resume) \
             if max_restarts and not verbose else None
-        _watch(proc, progress_path if live else None, restarts)
-        proc.wait()
+        with _terminated_as_interrupt():
+            try:
+                _watch(proc, progress_path if live else None, restarts)
+                proc.wait()
+            except KeyboardInterrupt as interrupt:
+                raise WorkersFailed(_stopped(proc, checkpoint_dir, interrupt), _signal_exit(interrupt)) from None
         for reader in readers:
             reader.join()
         if restarts:
@@ -300,6 +304,61 @@ def _spawn(nproc: int, max_restarts: int, argv: list[str], verbose: bool, live: 
         attempt_logs, text = restarts.last_attempt(Path(logs)) if restarts else (Path(logs), "".join(captured))
         lines = _signal_lines(text) + _failure_lines(attempt_logs) or _tail(text)
         raise WorkersFailed(lines, _worker_exit_code(text))
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's stop, `kill`) taken as an interrupt of the launcher."""
+
+
+@contextlib.contextmanager
+def _terminated_as_interrupt():
+    """While torchrun runs, SIGTERM raises `_Terminated` in this process as SIGINT raises
+    KeyboardInterrupt, so that both stop torchrun and say where the run can resume."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# How long torchrun gets to stop its workers after the signal is passed on (torch 2.13's
+# torchrun forwards SIGINT and SIGTERM to them, `--signals-to-handle`, and kills them after
+# `--shutdown-timeout`, 30 s by default).
+STOP_SECONDS = 45
+
+
+def _signal_exit(interrupt: KeyboardInterrupt) -> int:
+    """The shell's exit status of a process a signal stopped: 128 + the signal's number."""
+    return 128 + (signal.SIGTERM if isinstance(interrupt, _Terminated) else signal.SIGINT)
+
+
+def _stopped(proc: subprocess.Popen, checkpoint_dir: str, interrupt: KeyboardInterrupt) -> list[str]:
+    """Stop torchrun (a terminal's Ctrl-C reaches it too; a signal sent to this process alone
+    does not) and say what a resume continues from."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM if isinstance(interrupt, _Terminated) else signal.SIGINT)
+        try:
+            proc.wait(timeout=STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    name = "SIGTERM" if isinstance(interrupt, _Terminated) else "SIGINT"
+    from ..runtime.resume import complete_checkpoints  # torch-free
+
+    found = complete_checkpoints(Path(checkpoint_dir)) if checkpoint_dir else []
+    if found:
+        step, path = found[-1]
+        return [f"run: stopped by {name}; the latest complete checkpoint is {path} (step {step}): "
+                "the same command with --resume continues from it"]
+    where = "no checkpoint was written" if checkpoint_dir else "the job writes no checkpoints ([checkpoint] dir)"
+    return [f"run: stopped by {name}; {where}, so a new run starts from step 0"]
 
 
 def _worker_exit_code(torchrun_stderr: str) -> int:
