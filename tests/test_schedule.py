@@ -439,3 +439,19 @@ def test_integer_walk_equals_the_simulation(schedule, pp, rounds, virtual, data)
     timeline = simulate(orders, pp * chunks, StageCosts(per_stage))
     expected = (timeline.makespan, tuple(spans[-1].end for spans in timeline.spans))
     assert run_compiled(compile_orders(encode_orders(orders), pp * chunks), per_stage) == expected
+
+
+@pytest.mark.parametrize("pp, microbatches", [(4, 8), (2, 4), (8, 16)])
+def test_interleaved_with_one_chunk_per_rank_warns_with_the_simulated_peak(pp, microbatches):
+    """Interleaved 1F1B with one chunk per rank has 1F1B's bubble but holds more microbatches
+    on the first rank (torch's ScheduleInterleaved1F1B warm-up, which the simulation follows):
+    the warning's two counts are the simulated peaks of rank 0 under each schedule."""
+    args = ("schedule", "--pp", str(pp), "--microbatches", str(microbatches))
+    interleaved = run_cli(*args, "--schedule", "interleaved-1f1b", "--json")
+    one_f_one_b = run_cli(*args, "--schedule", "1f1b", "--json")
+    held, fewer = interleaved.json["inflight"][0], one_f_one_b.json["inflight"][0]
+    assert interleaved.json["bubble_fraction"] == one_f_one_b.json["bubble_fraction"] and held > fewer
+    assert interleaved.err_lines == [f"warning: --virtual: 1 chunk per rank: interleaved-1f1b holds up to {held} "
+                                     f"microbatches on the first rank where 1f1b holds {fewer}, for the same bubble; "
+                                     "give more virtual stages, or the 1f1b schedule"]
+    assert run_cli(*args, "--schedule", "interleaved-1f1b", "--virtual", "2").err_lines == []

@@ -11,7 +11,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from ..core.schedule import ScheduleInputError, default_costs, plan_schedule
+from ..core.schedule import ScheduleInputError, default_costs, one_chunk_interleaved, plan_schedule
 from ..core.schedule_sim import Costs
 from ..render.output import emit_diagnostics, emit_json, stdout_console
 from ..spec.errors import InputError, Problem
@@ -134,6 +134,11 @@ def schedule(
         plan = plan_schedule(name, values["pp"], values["microbatches"], values["virtual"], costs)
     except ScheduleInputError as exc:
         raise InputError(_problem(exc.field, exc.message, from_file)) from None
+    if name == "interleaved-1f1b" and values["virtual"] == 1 and "virtual" not in from_file:
+        # (a job file's or --set's value: the job's own check has said it)
+        message = one_chunk_interleaved(values["pp"], values["microbatches"])
+        if message:
+            emit_diagnostics([Problem("--virtual", message, severity="warning")])
     if svg is not None:
         write_text(svg, schedule_svg(plan), "--svg")
     if json_out:

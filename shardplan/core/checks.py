@@ -18,7 +18,7 @@ from .deepspeed import grad_accum_refused, model_dtype, uses_bf16_optimizer
 from .degrees import Degrees, missing_axes
 from .layout import layout_problems
 from .pipeline import describe_split, split_problem
-from .schedule import CHUNKED_SCHEDULES, NEEDS_FULL_PIPELINE, chunks_per_rank, interleaved_problem
+from .schedule import CHUNKED_SCHEDULES, NEEDS_FULL_PIPELINE, chunks_per_rank, interleaved_problem, one_chunk_interleaved
 
 
 def error(path: str, message: str, keys: tuple[str, ...] = ()) -> Problem:
@@ -102,6 +102,8 @@ def pipeline_problems(job: JobSpec, num_layers: int | None) -> list[Problem]:
         ))
     if pp > 1 and schedule == "interleaved-1f1b" and (problem := interleaved_problem(pp, m)):
         problems.append(error("parallel.num_microbatches", problem))
+    if schedule == "interleaved-1f1b" and virtual == 1 and (message := one_chunk_interleaved(pp, m)):
+        problems.append(warning("parallel.virtual_stages", message))
     if pp > 1 and schedule == "gpipe" and m < pp:
         problems.append(warning(
             "parallel.num_microbatches",
