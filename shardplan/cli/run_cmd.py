@@ -105,21 +105,11 @@ def _check_resume_path(resume: str | None, folder: str) -> None:
 def _check_checkpoint_dir(resolved) -> None:
     """`[checkpoint] dir` must be a folder, or one that can be made: a file there (or above it)
     would fail the first save, `checkpoint.every` steps into the run. Bad input, exit 2."""
-    folder = resolved.job.checkpoint.dir
-    if not folder:
+    if not resolved.job.checkpoint.dir:
         return
-    path = Path(folder)
-    problem = None
-    if path.exists() and not path.is_dir():
-        problem = f"{folder!r} is a file, not a folder"
-    else:
-        above = next((p for p in path.absolute().parents if p.exists()), None)
-        if above is not None and not path.exists() and not above.is_dir():
-            problem = f"{folder!r} cannot be made: {str(above)!r} is a file"
-        elif above is not None and not path.exists() and not os.access(above, os.W_OK | os.X_OK):
-            problem = f"{folder!r} cannot be made: {str(above)!r} is not writable"
-        elif path.is_dir() and not os.access(path, os.W_OK | os.X_OK):
-            problem = f"{folder!r} is not writable"
+    from ..io.writing import folder_problem
+
+    problem = folder_problem(resolved.job.checkpoint.dir)
     if problem:
         raise InputError(resolved.locate([Problem("checkpoint.dir", problem)]))
 
@@ -334,22 +324,26 @@ def _terminated_as_interrupt():
 STOP_SECONDS = 45
 
 
+def _signal_of(interrupt: KeyboardInterrupt) -> signal.Signals:
+    return signal.SIGTERM if isinstance(interrupt, _Terminated) else signal.SIGINT
+
+
 def _signal_exit(interrupt: KeyboardInterrupt) -> int:
     """The shell's exit status of a process a signal stopped: 128 + the signal's number."""
-    return 128 + (signal.SIGTERM if isinstance(interrupt, _Terminated) else signal.SIGINT)
+    return 128 + _signal_of(interrupt)
 
 
 def _stopped(proc: subprocess.Popen, checkpoint_dir: str, interrupt: KeyboardInterrupt) -> list[str]:
     """Stop torchrun (a terminal's Ctrl-C reaches it too; a signal sent to this process alone
     does not) and say what a resume continues from."""
+    name = _signal_of(interrupt).name
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM if isinstance(interrupt, _Terminated) else signal.SIGINT)
+        proc.send_signal(_signal_of(interrupt))
         try:
             proc.wait(timeout=STOP_SECONDS)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    name = "SIGTERM" if isinstance(interrupt, _Terminated) else "SIGINT"
     from ..runtime.resume import complete_checkpoints  # torch-free
 
     found = complete_checkpoints(Path(checkpoint_dir)) if checkpoint_dir else []

@@ -134,11 +134,10 @@ def schedule(
         plan = plan_schedule(name, values["pp"], values["microbatches"], values["virtual"], costs)
     except ScheduleInputError as exc:
         raise InputError(_problem(exc.field, exc.message, from_file)) from None
-    if name == "interleaved-1f1b" and values["virtual"] == 1 and "virtual" not in from_file:
-        # (a job file's or --set's value: the job's own check has said it)
-        message = one_chunk_interleaved(values["pp"], values["microbatches"])
-        if message:
-            emit_diagnostics([Problem("--virtual", message, severity="warning")])
+    # (with a job file or --set the job's own check has said it)
+    message = one_chunk_interleaved(name, values["pp"], values["virtual"], values["microbatches"])
+    if message and "virtual" not in from_file:
+        emit_diagnostics([Problem("--virtual", message, severity="warning")])
     if svg is not None:
         write_text(svg, schedule_svg(plan), "--svg")
     if json_out:

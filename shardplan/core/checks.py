@@ -102,7 +102,7 @@ def pipeline_problems(job: JobSpec, num_layers: int | None) -> list[Problem]:
         ))
     if pp > 1 and schedule == "interleaved-1f1b" and (problem := interleaved_problem(pp, m)):
         problems.append(error("parallel.num_microbatches", problem))
-    if schedule == "interleaved-1f1b" and virtual == 1 and (message := one_chunk_interleaved(pp, m)):
+    if message := one_chunk_interleaved(schedule, pp, virtual, m):
         problems.append(warning("parallel.virtual_stages", message))
     if pp > 1 and schedule == "gpipe" and m < pp:
         problems.append(warning(

@@ -36,13 +36,13 @@ from .schedule_sim import BACKWARD, FORWARD, WEIGHT, Action, Costs, Timeline, si
 CHUNKED_SCHEDULES = ("interleaved-1f1b", "round-robin")
 
 
-def one_chunk_interleaved(pp: int, microbatches: int) -> str | None:
+def one_chunk_interleaved(schedule: str, pp: int, virtual: int, microbatches: int) -> str | None:
     """Interleaved 1F1B with one chunk per rank: torch's order (schedules.py,
     ScheduleInterleaved1F1B: a warm-up of 2 * (pp - 1 - rank) forwards) keeps more
     microbatches in flight on the first ranks than 1F1B, for the same bubble (`shardplan
-    schedule` shows both); None where it keeps no more."""
+    schedule` shows both); None for another schedule, more chunks, or no more held."""
     held, one_f_one_b = min(microbatches, 2 * pp - 1), min(microbatches, pp)
-    if pp == 1 or held <= one_f_one_b:
+    if schedule != "interleaved-1f1b" or virtual != 1 or held <= one_f_one_b:
         return None
     return (f"1 chunk per rank: interleaved-1f1b holds up to {held} microbatches on the first rank where 1f1b "
             f"holds {one_f_one_b}, for the same bubble; give more virtual stages, or the 1f1b schedule")

@@ -75,6 +75,22 @@ def check_writable(path: str, flag: str) -> None:
         raise _unwritable(path, flag, os.strerror(errno.EACCES))
 
 
+def folder_problem(folder: str) -> str | None:
+    """Why `folder` is no folder this process can write files into, nor one it can make (a
+    file there or above it, no write permission), else None: what `check_writable` asks of a
+    file, for a folder written later (`run`'s checkpoints)."""
+    if os.path.exists(folder):
+        if not os.path.isdir(folder):
+            return f"{folder!r} is a file, not a folder"
+        return None if os.access(folder, os.W_OK | os.X_OK) else f"{folder!r} is not writable"
+    above = os.path.dirname(os.path.abspath(folder))
+    while not os.path.exists(above) and above != os.path.dirname(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        return f"{folder!r} cannot be made: {above!r} is a file"
+    return None if os.access(above, os.W_OK | os.X_OK) else f"{folder!r} cannot be made: {above!r} is not writable"
+
+
 # The name that means stdout for an output flag (POSIX utility convention, as `tar -f -`).
 STDOUT = "-"
 
