@@ -179,9 +179,9 @@ def test_every_command_is_listed_in_help():
 def test_debug_before_or_after_the_command(where, write):
     job = write("job.toml", "[parallel]\ndp = 0\n")
     argv = ["--debug", "estimate", job] if where == "before" else ["estimate", job, "--debug"]
-    with pytest.raises(Exception) as raised:  # --debug lets the error through with its traceback
-        run_cli(*argv)
-    assert "parallel.dp: must be >= 1" in str(raised.value)
+    result = run_cli(*argv)  # --debug adds the traceback; the exit code is bad input's (CONTRACT)
+    assert result.code == 2
+    assert "Traceback" in result.err and "parallel.dp: must be >= 1" in result.err_lines[-1]
     assert "SHARDPLAN_DEBUG" not in os.environ  # restored for the next caller
 
 
@@ -189,7 +189,21 @@ def test_debug_after_the_command_in_a_process(write):
     job = write("job.toml", "[parallel]\ndp = 0\n")
     proc = subprocess.run([sys.executable, "-m", "shardplan", "estimate", job, "--debug"], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
-    assert proc.returncode != 0 and "Traceback" in proc.stderr and "No such option" not in proc.stderr
+    assert proc.returncode == 2 and "Traceback" in proc.stderr and "No such option" not in proc.stderr
+
+
+def test_debug_keeps_the_exit_code_of_an_internal_error(write, monkeypatch):
+    """An internal error is exit 3 with or without --debug; --debug adds its traceback."""
+    from shardplan.cli import validate_cmd
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    job = write("job.toml", "[parallel]\ndp = 1\n")
+    monkeypatch.setattr(validate_cmd, "_summary", broken)
+    plain, debug = run_cli("validate", job), run_cli("--debug", "validate", job)
+    assert plain.code == debug.code == 3
+    assert "Traceback" not in plain.err and "Traceback" in debug.err and "RuntimeError: boom" in debug.err
 
 
 def test_show_completion_prints_a_script():

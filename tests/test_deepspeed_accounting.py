@@ -95,6 +95,54 @@ def test_stage_3_offload_host_buffers_follow_stage3():
     assert host["16-bit parameter partitions (pinned)"] == [pinned_bytes(2 * matrices), pinned_bytes(2 * vectors)]
 
 
+# Llama-3 70B, ZeRO-3 over one DGX A100 80GB node (2 TiB of RAM), as DeepSpeed's ZeRO-Infinity
+# offload runs it: with the optimizer offloaded the peak is still over the 80 GB.
+DGX_70B = ("estimate", "--set", "model.preset=llama-3-70b", "--dp", "8", "--zero", "3", "--set",
+           "cluster.preset=a100-80gb", "--framework", "deepspeed", "--json")
+
+
+def test_the_strategy_offloads_every_parameter_as_deepspeed_does():
+    """DeepSpeed's offload_param moves every parameter partition to the host: its config
+    (DeepSpeedZeroOffloadParamConfig, deepspeed/runtime/zero/offload_config.py) has a device,
+    NVMe and pinning settings and no budget of layers kept on the GPU. The balanced strategy's
+    parameter step is that one step, and its plan is the plan that asks for it: the same peak,
+    host bytes and step time as `offload.params` and `offload.optimizer` written in the job.
+    (It searched layer counts as for fsdp2, which DeepSpeed's accounting does not read, and
+    ended with "offloading layers would take more CPU memory" on a node with 0.2 TiB to spare.)"""
+    from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadParamConfig
+
+    assert set(DeepSpeedZeroOffloadParamConfig.model_fields) == {
+        "device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"}
+    decided = run_cli(*DGX_70B)
+    asked = run_cli(*DGX_70B, "--set", "offload.params=true", "--set", "offload.optimizer=true")
+    assert decided.code == asked.code == 0, decided.err
+    doc, plan = decided.json, asked.json
+    assert doc["decisions"][1].startswith("offload optimizer states")
+    assert doc["decisions"][-1].startswith("offload parameters (every layer's")
+    assert doc["fits"] is True and doc["peak_gpu_bytes"] <= 80 * 10**9
+    assert doc["assumptions"]["offload"]["resident_layers"] == plan["assumptions"]["offload"]["resident_layers"] == [0]
+    for key in ("peak_gpu_bytes", "cpu_bytes_per_node", "time"):
+        assert doc[key] == plan[key], key
+
+
+@pytest.mark.parametrize("ram, why", [
+    ("2TiB", None),  # a 1.80 TiB budget: the parameters' 1.57 TiB fits
+    ("1650GiB", "not offloading parameters: a node would need 1.57 TiB"),  # 1.45 TiB: the optimizer's 1.32 only
+    ("1400GiB", "not offloading optimizer states: a node would need 1.32 TiB"),  # 1.23 TiB: neither
+])
+def test_parameter_offload_over_the_host_limit_is_not_taken(ram, why):
+    """The one parameter step is taken only within the node's CPU limit (the budget: 90% of the
+    RAM); over it the plan stays as the last step within the limit left it, and says so."""
+    result = run_cli(*DGX_70B, "--set", f"cluster.cpu_memory_per_node={ram}")
+    doc = result.json
+    if why is None:
+        assert result.code == 0 and doc["fits"] is True
+        return
+    assert result.code == 1 and doc["fits"] is False
+    assert doc["decisions"][-1].startswith(why)
+    assert doc["assumptions"]["offload"]["params"] is False
+
+
 @pytest.mark.parametrize("preset", ["llama-3-8b", "gpt2", "mixtral-8x7b"])
 @pytest.mark.parametrize("dp", [2, 3, 8, 64])
 def test_the_fullest_zero12_rank_is_the_one_with_most_gradients(preset, dp):

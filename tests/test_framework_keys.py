@@ -2,7 +2,7 @@
 DeepSpeed's own knobs (spec/job.py ZeroSpec, read by core/deepspeed.py only) under fsdp2 or
 zero-paper, and FSDP's `min_num_params` under deepspeed, which has no such knob (DeepSpeed
 0.19.8 zero/config.py lists none; its stage 3 keeps small parameters whole by
-stage3_param_persistence_threshold instead)."""
+stage3_param_persistence_threshold instead), nor a GPU parameter budget for its offload."""
 
 from __future__ import annotations
 
@@ -54,6 +54,20 @@ def test_min_num_params_under_deepspeed_warns(write):
     # fsdp2's accounting reads it; only `run`, which shards every parameter, refuses it.
     (refusal,) = _warnings(write, BASE + "min_num_params = 1000\n")
     assert refusal["path"] == "zero.min_num_params" and "`shardplan run` would refuse it" in refusal["message"]
+
+
+@pytest.mark.parametrize("budget, warned", [('"4GiB"', True), ("0", False)])
+def test_gpu_param_budget_under_deepspeed_warns(write, budget, warned):
+    """DeepSpeed's offload_param moves every parameter (DeepSpeedZeroOffloadParamConfig, DeepSpeed
+    0.19.8 zero/offload_config.py: device, nvme_path, buffer_count, buffer_size, max_in_cpu,
+    pin_memory; no budget kept on the GPU): a budget written under deepspeed has no effect, and
+    0, which `import` writes for a DeepSpeed config, says just that."""
+    text = BASE + f'framework = "deepspeed"\n[offload]\nparams = true\ngpu_param_budget = {budget}\n'
+    found = _warnings(write, text)
+    assert [w["path"] for w in found] == (["offload.gpu_param_budget"] if warned else [])
+    if warned:
+        assert "offload_param moves every parameter" in found[0]["message"]
+    assert _warnings(write, BASE + f"[offload]\nparams = true\ngpu_param_budget = {budget}\n") == []  # fsdp2 reads it
 
 
 def test_a_set_flag_counts_as_written(write):

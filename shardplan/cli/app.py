@@ -202,8 +202,7 @@ def _main(argv: list[str]) -> int:
     except typer.Abort:
         return _fail(["shardplan: interrupted"], 130, False)
     except ShardplanError as exc:
-        if _debugging():
-            raise
+        _show_traceback(exc)
         problems = exc.problems if isinstance(exc, InputError) else None
         return _fail(exc.lines(), exc.exit_code, json_out, problems)
     except KeyboardInterrupt:
@@ -223,6 +222,15 @@ def _main(argv: list[str]) -> int:
     return result if isinstance(result, int) else 0
 
 
+def _show_traceback(exc: BaseException) -> None:
+    """Under `--debug` (or SHARDPLAN_DEBUG=1), the error's traceback on stderr before its usual
+    lines; the exit code stays the one the contract gives the error."""
+    if _debugging():
+        import traceback
+
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+
+
 def _lost_output(exc: OSError) -> str:
     return f"shardplan: could not write the output: {exc}"
 
@@ -240,8 +248,7 @@ def _internal_error(exc: Exception, json_out: bool) -> int:
     """An internal error: one line, never a traceback (`--debug` shows it)."""
     from ..spec.errors import EXIT_RUNTIME
 
-    if _debugging():
-        raise exc
+    _show_traceback(exc)
     line = f"shardplan: internal error: {type(exc).__name__}: {exc} (rerun with --debug)"
     return _fail([line], EXIT_RUNTIME, json_out)
 

@@ -23,7 +23,7 @@ def _show_version(value: bool) -> None:
 
 def _root(
     debug: Annotated[bool, typer.Option(
-        "--debug", help="show tracebacks of errors (also after the command, or SHARDPLAN_DEBUG=1)")] = False,
+        "--debug", help="show tracebacks of errors, same exit codes (also after the command, or SHARDPLAN_DEBUG=1)")] = False,
     version: Annotated[Optional[bool], typer.Option(
         "--version", callback=_show_version, is_eager=True, help="print the version")] = None,
 ) -> None:

@@ -295,6 +295,10 @@ def framework_key_problems(job: JobSpec) -> list[Problem]:
             problems.append(warning("parallel.cp", f"DeepSpeed has no ring-attention context parallel (its Ulysses "
                                     f"sequence parallel is another algorithm, not estimated): the estimate counts "
                                     f"cp = {job.parallel.cp} as torch and Megatron-LM run it"))
+        if "gpu_param_budget" in job.offload.model_fields_set and job.offload.gpu_param_budget:
+            problems.append(warning("offload.gpu_param_budget", 'has no effect under zero.framework = "deepspeed", '
+                                    "whose offload_param moves every parameter to the CPU "
+                                    "(DeepSpeedZeroOffloadParamConfig has no budget of parameters kept on the GPU)"))
         if zero.hybrid and zero.stage >= 2:
             problems.append(warning("zero.hybrid", "DeepSpeed 0.19 has no hybrid sharding (MiCS was removed): the "
                                     "estimate shards inside each node, DeepSpeed over every data-parallel rank"))

@@ -169,10 +169,14 @@ def fullest_shard_index(inputs: EstimateInputs, rp: RankParams, degree: int) -> 
 
 def resident_layers(rp: RankParams, eb: ElementBytes, inputs: EstimateInputs, degree: int) -> int:
     """Layers whose parameters stay on the GPU: all without parameter offload; with it, as
-    many whole layers (in order) as fit in `gpu_param_budget` at their sharded size. The
-    embedding, final norm and head (the FSDP root) always stay on the GPU."""
+    many whole layers (in order) as fit in `gpu_param_budget` at their sharded size, none under
+    `deepspeed`. The embedding, final norm and head (the FSDP root) always stay on the GPU."""
     if not inputs.offload_params:
         return rp.num_layers
+    if inputs.framework == "deepspeed":
+        # ZeRO-Infinity's offload_param puts every parameter partition on the host; it keeps
+        # no layer on the GPU (DeepSpeedZeroOffloadParamConfig has no such budget).
+        return 0
     if inputs.resident_layers is not None:
         return min(rp.num_layers, inputs.resident_layers)
     layer_bytes = sum(p.padded_shard_numel(degree) for p in rp.layer) * eb.params

@@ -7,8 +7,9 @@ much of it the peak may use: `conservative` offloads nothing beyond what the job
 quarter of the GPU is free (75%), `extreme` until half is (50%). Over it, the planner offloads
 more, in the order that costs the least speed, and stops as soon as the peak is under:
 
-- deepspeed: optimizer states (ZeRO-Offload), then gradients, then parameters layer by
-  layer (ZeRO-Infinity, stage 3 only);
+- deepspeed: optimizer states with the gradient partitions (ZeRO-Offload's offload_optimizer
+  moves both), then every parameter (ZeRO-Infinity's offload_param, stage 3 only: it has no
+  layer-by-layer budget);
 - fsdp2: optimizer states with fp32 master weights (the offload engine of `run`, core/offload.py),
   then gradients, then parameters layer by layer (stage 3 only), each offloaded layer taking
   its gradients and optimizer states along (`CPUOffloadPolicy`). Moving optimizer states costs
@@ -329,6 +330,8 @@ def decide_offload(inputs: EstimateInputs, measure: Measure) -> tuple[EstimateIn
             return back()
         decisions.append(f"parameters can only be offloaded with zero.stage = 3 (got {inputs.zero_stage}); stopping")
         return inputs, decisions
+    if inputs.framework == "deepspeed":
+        return _every_parameter(inputs, measure, peak, target, limit, decisions, share, back if over else None)
     chosen, resident, peak, cpu_bound = _fewest_offloaded_layers(inputs, measure, target, limit)
     _, host, layers, _ = measure(chosen)
     if over and (resident == layers or host > limit):
@@ -349,6 +352,30 @@ def decide_offload(inputs: EstimateInputs, measure: Measure) -> tuple[EstimateIn
     elif peak > target:
         decisions.append("still over the threshold with every layer offloaded")
     return chosen, decisions
+
+
+def _every_parameter(inputs: EstimateInputs, measure: Measure, peak: int, target: int, limit: int,
+                     decisions: list[str], share, back) -> tuple[EstimateInputs, list[str]]:
+    """DeepSpeed's parameter offload, one step: offload_param moves every parameter partition
+    (ZeRO-Infinity), so the plan either keeps them all on the GPU or none. `back`, when a step
+    went past the CPU limit, returns to the last plan within it."""
+    if inputs.offload_params:  # the job asked for it: nothing more to move
+        if back is not None:
+            return back()
+        return inputs, decisions + ["still over the threshold with every parameter offloaded"]
+    trial = inputs.with_(offload_params=True)
+    trial_peak, cpu, _, _ = measure(trial)
+    if trial_peak >= peak or cpu > limit:
+        if back is not None:
+            return back()
+        why = (f"the peak would not fall ({share(trial_peak)})" if trial_peak >= peak else
+               f"a node would need {format_bytes(cpu)} of CPU memory, over its {format_bytes(limit)} "
+               f"(cpu_memory_budget / cpu_memory_per_node)")
+        return inputs, decisions + [f"not offloading parameters: {why}"]
+    decisions.append(f"offload parameters (every layer's: deepspeed's offload_param): peak {share(trial_peak)}")
+    if trial_peak > target:
+        decisions.append("still over the threshold with every parameter offloaded")
+    return trial, decisions
 
 
 def _search(low: int, high: int, good, guess: int | None = None) -> int | None:
