@@ -109,6 +109,28 @@ def test_accelerate_reads_the_exported_config(write, plan, monkeypatch):
             assert config.total_size == world
 
 
+def test_hybrid_sharding_smaller_than_cp_is_said(write, monkeypatch):
+    """accelerate's FSDP2 shards over dp_shard x cp, so a plan whose hybrid shard group (2 ranks
+    of a node) is smaller than its cp (4, spanning nodes) is written as dp_shard 1 with a note;
+    it ended in an internal error (a division by zero). The launcher's ParallelismConfig of
+    the written file multiplies to the 32 processes."""
+    from test_interop_torchtitan import HYBRID_CP_ACROSS_NODES
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    path = write("job.toml", HYBRID_CP_ACROSS_NODES)
+    out = path.replace("job.toml", "accelerate.yaml")
+    result = run_cli("export", path, "--to", "accelerate", "-o", out)
+    assert result.code == 0, result.err
+    (note,) = [line for line in result.err_lines if line.startswith("export: zero.hybrid:")]
+    assert "accelerate shards with FSDP over dp_shard x cp" in note
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", out, "train.py"]))
+    env = prepare_multi_gpu_env(args)
+    sizes = {k: int(env[f"PARALLELISM_CONFIG_{k.upper()}_SIZE"]) for k in ("dp_replicate", "dp_shard", "tp", "cp")}
+    assert sizes == {"dp_replicate": 2, "dp_shard": 1, "tp": 4, "cp": 4}
+    assert args.num_processes == 32
+
+
 def test_accelerate_config_loader_reads_every_key(write):
     """accelerate's own loader accepts the file (its ClusterConfig rejects unknown keys)."""
     from accelerate.commands.config.config_args import load_config_from_file

@@ -78,6 +78,46 @@ def test_torchtitan_reads_the_exported_config(write, plan):
                                                                    job.checkpoint.every, job.checkpoint.keep)
 
 
+# Hybrid ZeRO-3 whose context-parallel groups span nodes: tp 4 x cp 4 on nodes of 8 GPUs
+# leaves 2 context-parallel ranks of each group in a node, the plan's shard group.
+HYBRID_CP_ACROSS_NODES = """
+[model]
+preset = "llama-3-8b"
+[zero]
+framework = "zero-paper"
+stage = 3
+hybrid = true
+[parallel]
+dp = 2
+tp = 4
+cp = 4
+[train]
+seq_len = 8192
+[cluster]
+preset = "h100-80gb"
+nodes = 4
+"""
+
+
+def test_hybrid_sharding_smaller_than_cp_is_said(write):
+    """torchtitan's FSDP shards over dp_shard x cp (ParallelDims' "dp_shard_cp" mesh), which no
+    dp_shard makes 2 when cp is 4: the export writes the nearest, dp_shard 1, which ParallelDims
+    takes for the 32 ranks, and says so (it crashed the accelerate export, and this one wrote it
+    without a word)."""
+    from torchtitan.distributed import ParallelDims
+
+    path = write("job.toml", HYBRID_CP_ACROSS_NODES)
+    out = write("tt.toml", "")
+    result = run_cli("export", path, "--to", "torchtitan", "-o", out)
+    assert result.code == 0, result.err
+    (note,) = [line for line in result.err_lines if line.startswith("export: zero.hybrid:")]
+    assert "the 4 context-parallel ranks span nodes" in note and "over the 2 data- and context-parallel" in note
+    p = config_module.ConfigManager().parse_args(["--job.config_file", out]).parallelism
+    assert (p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.context_parallel_degree) == (2, 1, 4)
+    dims = ParallelDims(dp_replicate=2, dp_shard=1, cp=4, tp=4, pp=1, ep=1, etp=1, world_size=32)
+    assert dims.fsdp_enabled  # FSDP over the context-parallel ranks
+
+
 def test_torchtitan_stage_split_is_shardplans(write):
     """The exported module_fqns_per_model_part put the layers where shardplan's estimate and
     run put them (core/pipeline.py), in torchtitan's module names."""

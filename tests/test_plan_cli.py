@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -226,13 +227,17 @@ def test_a_batch_no_plan_splits_names_one_that_does(job, write):
     """Llama-3 8B has 8 key/value heads, so on 64 GPUs with tp <= 8 every plan pipelines at
     least 8 stages over one data-parallel rank, or splits the batch over more than one: 7
     sequences split into no plan (1F1B needs at least pp microbatches). More GPUs would not
-    help; the note names the nearest global batch that splits and fits, and that batch does."""
+    help; the note names the nearest global batch that splits and fits, and that batch does,
+    and, for a batch set for convergence, the most GPUs fewer than 64 on which 7 sequences
+    split and fit (32: tp 8 x pp 4, 7 microbatches), and those do."""
     result = run_cli("plan", job, "--gpus", "64", "--global-batch", "7")
     assert result.code == 1, result.err
     assert "no plan of 64 GPUs splits a global batch of 7" in result.err
     assert "with a global batch of 8 (--global-batch 8) a plan fits" in result.err
-    assert "GPUs (--gpus" not in result.err
+    assert "with 32 GPUs (--gpus 32) a plan fits this global batch of 7" in result.err
+    assert [int(n) for n in re.findall(r"--gpus (\d+)", result.err)] == [32]  # no more GPUs
     assert run_cli("plan", job, "--gpus", "64", "--global-batch", "8").code == 0
+    assert run_cli("plan", job, "--gpus", "32", "--global-batch", "7").code == 0
     # Llama-3.1 405B (8 key/value heads too) without offload: 8 sequences split but do not
     # fit; more GPUs split them no better, and the note says so rather than "not even 4096".
     big = write("big.toml", JOB.replace("llama-3-8b", "llama-3.1-405b") + '[offload]\nstrategy = "conservative"\n')
@@ -253,6 +258,37 @@ def test_more_gpus_names_the_fewest_between_the_doublings(job):
     assert "with 6 GPUs (--gpus 6) a plan fits at this global batch" in result.err
     assert run_cli("plan", job, "--gpus", "6", *keys).code == 0
     assert run_cli("plan", job, "--gpus", "5", *keys).code == 1  # 5 is tried too: it fits nothing
+
+
+# Llama-3.1 8B at 131,072 tokens, 8 sequences, on H100 80GB nodes of 8 (fsdp2, no job keys
+# fixed): nothing fits 3, 5 or 7 GPUs; 4 and 8 do.
+LONG = JOB.replace("llama-3-8b", "llama-3.1-8b").replace("seq_len = 8192", "seq_len = 131072")
+
+
+@pytest.mark.parametrize("gpus, named", [(3, 4), (5, 8), (7, 8)])
+def test_more_gpus_starts_at_a_count_machines_come_in(write, gpus, named):
+    """A node with a GPU out (7) or a workstation of 3 or 5 cards: the note names the next
+    count machines come in, which the search fits, not a doubling of the odd count (14, 10,
+    6: 24, 16 and 8 were named), and the count it names fits."""
+    job = write("job.toml", LONG)
+    result = run_cli("plan", job, "--gpus", str(gpus), "--global-batch", "8")
+    assert result.code == 1, result.err
+    assert f"with {named} GPUs (--gpus {named}) a plan fits at this global batch" in result.err
+    assert run_cli("plan", job, "--gpus", str(named), "--global-batch", "8", "--top", "1").code == 0
+
+
+def test_regular_and_fewer_counts():
+    """The counts the notes try: from an irregular count, the next whole node (or, within one
+    node, power of two); from a regular one, twice it; fewer: halving, in whole nodes above one."""
+    from shardplan.io.plan_search import fewer_worlds, next_regular_world
+
+    assert [next_regular_world(w, 8) for w in (1, 2, 3, 4, 5, 7, 8, 12, 16, 24, 100)] == [
+        2, 4, 4, 8, 8, 8, 16, 16, 32, 48, 104]
+    assert next_regular_world(3, 4) == 4 and next_regular_world(6, 4) == 8
+    assert fewer_worlds(64, 8) == [32, 16, 8, 4, 2, 1]
+    assert fewer_worlds(24, 8) == [8, 4, 2, 1]
+    assert fewer_worlds(7, 8) == [3, 1]
+    assert fewer_worlds(1, 8) == []
 
 
 def test_between_counts_whole_nodes_past_one_node():

@@ -485,15 +485,27 @@ def _batch_that_splits(base: EstimateInputs, space: Space, fixed: Fixed, timer, 
             batch = next_split_batch(given, degrees.dp, degrees.pp, schedule, space, fixed)
             if batch is not None and batch <= limit:
                 nearest.add(batch)
+    fewer = _fewer_gpus(base, space, fixed, timer, ranking)
     for batch in sorted(nearest)[:SPLIT_TRIES]:
         larger = replace(space, global_batch=batch)
         if not any(True for _ in candidates(base, larger, fixed, Counter())):
             continue
         if search(base, larger, fixed, timer, top_k=1, **ranking).plans:
-            return [f"{head}: with a global batch of {batch} (--global-batch {batch}) a plan fits"]
+            return [f"{head}: with a global batch of {batch} (--global-batch {batch}) a plan fits"] + fewer
         return ([f"{head}: a global batch of {batch} splits, but no plan of it fits; at that batch:"]
-                + _what_it_would_take(base, larger, fixed, timer, ranking))
-    return [f"{head}, nor one up to {limit}: plan fewer GPUs (--gpus)"]
+                + _what_it_would_take(base, larger, fixed, timer, ranking) + fewer)
+    return [f"{head}, nor one up to {limit}"] + (fewer or ["plan fewer GPUs (--gpus)"])
+
+
+def _fewer_gpus(base: EstimateInputs, space: Space, fixed: Fixed, timer, ranking: dict) -> list[str]:
+    """The most GPUs, fewer than the job's, with a plan that splits and fits this global batch
+    (`fewer_worlds`): the answer when the batch is set for convergence, not for these GPUs."""
+    free = Fixed(**{**fixed.__dict__, "dp": None})
+    for world in fewer_worlds(space.world, base.gpus_per_node):
+        if search(base.with_(degrees=Degrees(dp=world)), replace(space, world=world), free, timer, top_k=1,
+                  **ranking).plans:
+            return [f"with {world:,} GPUs (--gpus {world}) a plan fits this global batch of {space.global_batch:,}"]
+    return []
 
 
 # The plans of the search with room on the host (core/memory.py HOST_WITHOUT_LIMIT) whose host
@@ -502,6 +514,30 @@ HOST_TRIES = 5
 
 # Counts `_what_it_would_take` tries between a world that fits nothing and twice it that fits.
 BETWEEN_TRIES = 3
+
+
+def next_regular_world(world: int, gpus_per_node: int) -> int:
+    """The GPU count above `world` that the more-GPU trials start from: twice it when it is a
+    count machines come in (whole nodes, or a power of two within one node), else the next
+    such count (7 GPUs, a node with one GPU out, gives 8; 12 on nodes of 8 gives 16), where
+    doubling an odd count would only reach counts few degrees divide."""
+    if world >= gpus_per_node:
+        return 2 * world if world % gpus_per_node == 0 else -(-world // gpus_per_node) * gpus_per_node
+    if world & (world - 1) == 0:
+        return 2 * world
+    return min(1 << world.bit_length(), gpus_per_node)
+
+
+def fewer_worlds(world: int, gpus_per_node: int) -> list[int]:
+    """GPU counts below `world` to try, most first: halving, in whole nodes while above one."""
+    counts, count = [], world
+    while count > 1:
+        count //= 2
+        if count > gpus_per_node:
+            count -= count % gpus_per_node
+        if count not in counts:
+            counts.append(count)
+    return counts
 
 
 def between(low: int, high: int, gpus_per_node: int) -> list[int]:
@@ -576,7 +612,8 @@ def _what_it_would_take(base: EstimateInputs, space: Space, fixed: Fixed, timer,
             chosen = relaxed.plans[0].asked
             notes.append(f"with {FIXED_KEYS[name]} left to the search instead of {_value(value)} "
                          f"({auto_flags([FIXED_KEYS[name]])}) a plan fits {counted(space.world, 'GPU')}: {_chosen(name, chosen, space.global_batch)}")
-    worlds = [space.world * factor for factor in (2, 4, 8, 16, 32, 64) if space.world * factor <= MAX_WORLD_SIZE]
+    first = next_regular_world(space.world, base.gpus_per_node)
+    worlds = [first * factor for factor in (1, 2, 4, 8, 16, 32) if first * factor <= MAX_WORLD_SIZE]
     if not worlds:
         return notes + [f"more GPUs cannot be planned ({space.world:,} GPUs is over half the largest supported world, "
                         f"{MAX_WORLD_SIZE:,}): lower the sequence length, or plan a smaller model"]

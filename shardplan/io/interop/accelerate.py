@@ -116,10 +116,14 @@ def to_accelerate(plan: Plan) -> Exported:
         # pipeline stages' ranks join data parallel (ParallelismConfig's sizes must multiply
         # to num_processes, `_validate_accelerator`): more replicas under hybrid sharding,
         # more shard ranks otherwise.
-        shard = plan.shard_group // par.cp if zero.hybrid else par.dp * par.pp
+        replicate, shard = 1, par.dp * par.pp
+        if zero.hybrid:
+            replicate, shard, hybrid_note = plan.hybrid_degrees(par.dp * par.pp, "accelerate")
+            if hybrid_note:
+                notes.append(Note("zero.hybrid", hybrid_note))
         if zero.hybrid or par.tp > 1 or par.cp > 1:
             config["parallelism_config"] = {
-                "parallelism_config_dp_replicate_size": par.dp * par.pp // shard,
+                "parallelism_config_dp_replicate_size": replicate,
                 "parallelism_config_dp_shard_size": shard,
                 "parallelism_config_tp_size": par.tp,
                 "parallelism_config_cp_size": par.cp,

@@ -67,6 +67,23 @@ class Plan:
         par = self.job.parallel
         return par.dp * par.tp * par.pp * par.cp
 
+    def hybrid_degrees(self, replicas: int, target: str) -> tuple[int, int, str | None]:
+        """(replicate, shard) sizes of hybrid sharding over `replicas` data-parallel ranks, as
+        torchtitan and accelerate take them, and a note when the plan's cannot be written. Both
+        shard with FSDP over dp_shard x cp (torchtitan's ParallelDims "dp_shard_cp" mesh,
+        accelerate's ParallelismConfig), so the plan's shard group, the data- and context-
+        parallel ranks of one node, is dp_shard x cp. A context-parallel group that spans nodes
+        leaves only part of it in the node: no dp_shard gives that, and the nearest, 1, shards
+        over every context-parallel rank."""
+        cp = self.job.parallel.cp
+        shard, rest = divmod(self.shard_group, cp)
+        if shard and not rest and replicas % shard == 0:
+            return replicas // shard, shard, None
+        return replicas, 1, (f"{target} shards with FSDP over dp_shard x cp, and the {cp} context-parallel ranks "
+                             f"span nodes: hybrid sharding over the {self.shard_group} data- and context-parallel "
+                             f"ranks of a node cannot be written; written as dp_shard 1, so each rank keeps a "
+                             f"smaller shard than planned and gathers it from {cp} ranks across nodes")
+
     @property
     def global_batch(self) -> int:
         """Sequences per optimizer step: dp * micro_batch_size * num_microbatches (what

@@ -185,21 +185,24 @@ def _checkpoint(ckpt: CheckpointSpec, notes: list[Note]) -> dict:
     return {"enable": True, "folder": folder, "interval": ckpt.every, "keep_latest_k": keep}
 
 
-def _dp_degrees(plan: Plan) -> tuple[int, int]:
-    """(data_parallel_replicate_degree, data_parallel_shard_degree) of the plan."""
+def _dp_degrees(plan: Plan, notes: list[Note] | None = None) -> tuple[int, int]:
+    """(data_parallel_replicate_degree, data_parallel_shard_degree) of the plan; what cannot
+    be written of hybrid sharding goes to `notes`."""
     par, zero = plan.job.parallel, plan.job.zero
     if zero.stage == 0:
         return par.dp, 1
     if zero.hybrid:
-        shard = max(1, plan.shard_group // par.cp)
-        return par.dp // shard, shard
+        replicate, shard, note = plan.hybrid_degrees(par.dp, "torchtitan")
+        if note and notes is not None:
+            notes.append(Note("zero.hybrid", note))
+        return replicate, shard
     return 1, par.dp
 
 
 def _parallelism(plan: Plan, notes: list[Note]) -> dict:
     job = plan.job
     par, zero = job.parallel, job.zero
-    replicate, shard = _dp_degrees(plan)
+    replicate, shard = _dp_degrees(plan, notes)
     if zero.stage > 0 and not fsdp_applied(shard, par.cp):
         notes.append(Note("zero.stage", f"torchtitan shards with FSDP, {NO_FSDP}; ZeRO-{zero.stage} over "
                                         f"{shard} data-parallel rank is written as no sharding"))
