@@ -501,6 +501,32 @@ def test_fixed_schedule_keys_stay(write):
         assert doc["plans"] and all(check(plan["job"]["parallel"]) for plan in doc["plans"]), setting
 
 
+def test_a_fixed_zero_bubble_schedule_is_said_and_kept(write, tmp_path):
+    """`run` refuses torch's zero-bubble schedule with more than one stage
+    (runtime/capabilities.py), so under fsdp2 a job that fixes it gets plans of one stage; the
+    note says why and what would plan zero-bubble pipelines (it said nothing), and the written
+    job keeps the schedule as the job wrote it (it was dropped), with the plan's figures."""
+    job = write("job.toml", JOB + '[parallel]\npipeline_schedule = "zero-bubble"\n')
+    out = tmp_path / "best.toml"
+    doc = run_cli("plan", job, "--gpus", "8", "--global-batch", "64", "--json", "--write", str(out)).json
+    assert doc["plans"] and all(plan["job"]["parallel"]["pp"] == 1 for plan in doc["plans"])
+    assert any(note.startswith("parallel.pipeline_schedule: `shardplan run` does not execute zero-bubble")
+               for note in doc["notes"])
+    written = tomllib.loads(out.read_text())
+    assert written["parallel"]["pipeline_schedule"] == "zero-bubble"
+    estimated = run_cli("estimate", str(out), "--json").json
+    assert estimated["peak_gpu_bytes"] == doc["plans"][0]["peak_gpu_bytes"]
+    assert estimated["time"] == doc["plans"][0]["time"]
+    zero_paper = run_cli("plan", job, "--gpus", "8", "--global-batch", "64", "--framework", "zero-paper", "--json")
+    assert not zero_paper.json["notes"]  # that space plans zero-bubble pipelines: nothing to say
+    auto = run_cli("plan", job, "--gpus", "8", "--global-batch", "64", "--set", "parallel.pipeline_schedule=auto",
+                   "--json", "--write", str(out)).json
+    assert not any("zero-bubble" in note for note in auto["notes"])
+    # "auto" is not written back: the key is the plan's, or absent for a plan of one stage.
+    assert (tomllib.loads(out.read_text())["parallel"].get("pipeline_schedule")
+            == auto["plans"][0]["job"]["parallel"].get("pipeline_schedule"))
+
+
 def test_a_fixed_key_no_plan_keeps_is_named(write):
     """A fixed key outside the space (32 layers take no 3 virtual stages per rank of any
     pipeline; `run` executes no tensor parallel beyond Llama-3 8B's 8 key/value heads, nor ZeRO-1

@@ -14,6 +14,7 @@ import copy
 from ..core.estimate_inputs import EstimateInputs
 from ..core.search import Fixed
 from ..spec.job import JobSpec
+from ..spec.names import AUTO
 
 # The tables and keys the search may set; everything else in the job is kept as written.
 SEARCHED = {
@@ -55,14 +56,18 @@ def plan_tables(inputs: EstimateInputs, global_batch: int) -> dict[str, dict[str
 
 
 def written_job(document: dict, tables: dict[str, dict[str, object]]) -> dict:
-    """The job document with the plan's tables written over the keys the search sets."""
+    """The job document with the plan's tables written over the keys the search sets. A key
+    the job fixes that the plan leaves unwritten stays as the job wrote it (a pipeline schedule
+    fixed for a plan of one stage, whose estimate took it); one it left to the search ("auto")
+    goes."""
     data = copy.deepcopy(document)
     for table, keys in SEARCHED.items():
         section = data.setdefault(table, {})
         if not isinstance(section, dict):
             section = data[table] = {}
         for key in keys:
-            section.pop(key, None)
+            if section.get(key) == AUTO or key in tables.get(table, {}):
+                section.pop(key, None)
         section.update(tables.get(table, {}))
         if not section:
             del data[table]

@@ -412,6 +412,8 @@ def _run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None,
         _blame_fixed(base, space, fixed, timer, ranking, resolved.locate)
     outcome = PlanOutcome(resolved, document, world, batch, job.cluster.gpu_memory, entries, result, fixed, hardware,
                           folders=folders)
+    if space.runnable and fixed.schedule == "zero-bubble" and fixed.pp is None:
+        outcome.notes.append(ZERO_BUBBLE_LEFT_OUT)
     if entries and space.runnable:
         outcome.notes += _refused_by_run(resolved, entries[0].tables)
     if not entries:
@@ -420,6 +422,15 @@ def _run_plan_search(resolved: ResolvedJob, gpus: int | None, nodes: int | None,
         else:
             outcome.notes += _what_it_would_take(base, space, fixed, timer, ranking)
     return outcome
+
+
+# A job of the `fsdp2` space that fixes the zero-bubble schedule, which `run` refuses with
+# more than one stage (runtime/capabilities.py): the search keeps the plans of one stage.
+ZERO_BUBBLE_LEFT_OUT = (
+    "parallel.pipeline_schedule: `shardplan run` does not execute zero-bubble pipelines (torch 2.13's "
+    "ScheduleInterleavedZeroBubble diverges under FSDP2), so only plans of one stage, where no schedule runs, "
+    f"were searched: --framework zero-paper plans zero-bubble pipelines, --set parallel.pipeline_schedule={AUTO} "
+    "lets the search choose the schedule")
 
 
 def _refused_by_run(resolved: ResolvedJob, tables: dict[str, dict[str, object]]) -> list[str]:
