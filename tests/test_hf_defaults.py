@@ -218,3 +218,20 @@ def test_gemma2_notes_name_what_is_not_modelled():
     assert note.message.startswith("attn_logit_softcapping, final_logit_softcapping, sliding_window: not modelled")
     assert config_notes({**config, "attn_logit_softcapping": None, "final_logit_softcapping": None,
                          "sliding_window": None}) == []
+
+
+@pytest.mark.parametrize("name, window", [("mistral-7b-v0.1", 4096), ("phi-3-mini-4k", 2047), ("mixtral-8x7b", None),
+                                          ("mistral-7b-v0.3", None), ("qwen2-0.5b", None), ("qwen2.5-7b", None)])
+def test_a_sliding_window_is_said(name, window):
+    """The published config.json files (tests/data/hf_configs, SOURCES.md): Mistral v0.1 and
+    Phi-3 mini attend over a window (4,096 and 2,047), Mixtral and Mistral v0.3 have none
+    (null), Qwen2 gives one but `use_sliding_window: false` leaves it off (transformers'
+    Qwen2Attention). A window gets a note at its key; none, none."""
+    config = json.loads((DATA / "hf_configs" / f"{name}.json").read_text(encoding="utf-8"))
+    notes = [note for note in config_notes(config) if note.path == "sliding_window"]
+    if window is None:
+        assert notes == []
+        return
+    (note,) = notes
+    assert note.severity == "note" and note.message.startswith(f"{window:,}: not modelled")
+    assert config_notes({**config, "use_sliding_window": True}) == config_notes(config)

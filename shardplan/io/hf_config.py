@@ -423,7 +423,7 @@ UNMODELLED_GEMMA2 = ("attn_logit_softcapping", "final_logit_softcapping", "slidi
 def config_notes(config: dict) -> list[Problem]:
     """Notes on keys of a (supported) config.json that the plan reads past: a checkpoint's
     quantization (the plan is that of the model's shape; QLoRA is `[lora] base_dtype = "nf4"`),
-    Gemma-2's soft-capping and sliding window."""
+    a sliding attention window (Mistral v0.1, Phi-3), Gemma-2's soft-capping and sliding window."""
     notes = []
     quantization = config.get("quantization_config")
     if isinstance(quantization, dict) and quantization:
@@ -433,6 +433,17 @@ def config_notes(config: dict) -> list[Problem]:
         notes.append(Problem(
             "quantization_config", f"the checkpoint's {' '.join(words + ['quantization'])} is ignored: the model "
             "is planned from its shape at the job's precision; for QLoRA write [lora] base_dtype = \"nf4\"",
+            severity="note"))
+    window = config.get("sliding_window")
+    if (config.get("model_type") != "gemma2" and isinstance(window, int) and not isinstance(window, bool)
+            and window > 0 and config.get("use_sliding_window") is not False):
+        # transformers' Mistral, Phi-3 (and Qwen2 with use_sliding_window) mask the scores
+        # outside the window: eager and SDPA attention still compute them; flash-attention's
+        # window_size skips those blocks.
+        notes.append(Problem(
+            "sliding_window", f"{window:,}: not modelled: attention is counted causal over the whole sequence, as "
+            "eager and SDPA attention compute it (masking what is outside the window); a flash kernel that "
+            f"skips the blocks outside it runs sequences longer than {window:,} tokens faster than estimated",
             severity="note"))
     given = [key for key in UNMODELLED_GEMMA2 if config.get(key) is not None]
     if config.get("model_type") == "gemma2" and given:
