@@ -332,24 +332,26 @@ def test_bad_input(write, extra, text, message):
 MODELS = ["tiny-llama", "gpt2-medium", "llama-3-8b", "mixtral-8x7b", "qwen2.5-7b", "llama-2-13b"]
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(model=st.sampled_from(MODELS), gpus=st.sampled_from([1, 2, 4, 6, 8, 16]), batch=st.sampled_from([8, 12, 32]),
        seq=st.sampled_from([1024, 2048, 4096]), cluster=st.sampled_from(["a100-40gb", "a100-80gb", "h100-80gb"]),
-       strategy=st.sampled_from(["balanced", "conservative"]))
-def test_every_plan_is_its_written_jobs_estimate(tmp_path_factory, model, gpus, batch, seq, cluster, strategy):
+       strategy=st.sampled_from(["balanced", "conservative"]),
+       framework=st.sampled_from(["fsdp2", "deepspeed", "zero-paper"]))
+def test_every_plan_is_its_written_jobs_estimate(tmp_path_factory, model, gpus, batch, seq, cluster, strategy,
+                                                 framework):
     """Every plan the search returns, written as a job file, is estimated by `estimate` to the
-    byte (peak GPU, host per node) and to the microsecond (step time)."""
+    byte (peak GPU, host per node) and to the microsecond (step time), under each accounting."""
     assume(not (model.startswith("gpt2") and seq > 1024))  # learned positions: 1024
     folder = tmp_path_factory.mktemp("plans")
     job = folder / "job.toml"
     job.write_text(f'[model]\npreset = "{model}"\n[train]\nseq_len = {seq}\n[cluster]\npreset = "{cluster}"\n'
-                   f'[offload]\nstrategy = "{strategy}"\n')
+                   f'[offload]\nstrategy = "{strategy}"\n[zero]\nframework = "{framework}"\n')
     result = run_cli("plan", str(job), "--gpus", str(gpus), "--global-batch", str(batch), "--top", "3", "--json")
     assert result.code in (0, 1), result.err
     for index, plan in enumerate(result.json["plans"]):
         written = folder / f"plan{index}.toml"
         document = {"model": {"preset": model}, "train": {"seq_len": seq}, "cluster": {"preset": cluster},
-                    "offload": {"strategy": strategy}}
+                    "offload": {"strategy": strategy}, "zero": {"framework": framework}}
         for table, keys in plan["job"].items():
             document.setdefault(table, {}).update(keys)
         written.write_text(tomli_w.dumps(document))
