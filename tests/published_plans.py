@@ -46,9 +46,11 @@ def published_search(run, fixed: Fixed, runnable: bool = True, top_k: int = 5):
 
 
 def megatron_2021_runs(inputs: EstimateInputs) -> bool:
-    """Whether Megatron-LM of April 2021 runs this plan of the MEGATRON_2021 search."""
-    pp = inputs.degrees.pp
-    return inputs.shape.num_layers % pp == 0 and (inputs.schedule != "interleaved-1f1b" or pp > 2)
+    """Whether Megatron-LM of April 2021 runs this plan of the MEGATRON_2021 search: the layers
+    split evenly over the stages and, interleaved, over every stage's chunks."""
+    pp, chunks = inputs.degrees.pp, inputs.degrees.pp * inputs.virtual
+    return (inputs.stage_split == (0, 0) and inputs.shape.num_layers % chunks == 0
+            and (inputs.schedule != "interleaved-1f1b" or pp > 2))
 
 
 def table_1_plans(run) -> tuple[EstimateInputs, list[Found], list[Found]]:
@@ -62,3 +64,21 @@ def table_1_plans(run) -> tuple[EstimateInputs, list[Found], list[Found]]:
     _, _, same = published_search(run, Fixed(tp=d.tp, pp=d.pp, schedule="1f1b" if d.pp <= 2 else None,
                                              **MEGATRON_2021), top_k=1)
     return base, best, same.plans
+
+
+def _described(plan: Found) -> str:
+    i = plan.inputs
+    schedule = f"{i.schedule} v{i.virtual}" if i.virtual > 1 else i.schedule
+    return f"{i.degrees.tp} x {i.degrees.pp}, {schedule}, micro batch {i.micro_batch}"
+
+
+def table_1_row(run, base: EstimateInputs, best: list[Found], same: list[Found]) -> tuple[str, bool]:
+    """The Markdown row docs/plan.md records for a Table 1 row (benchmarks/validate_plans.py
+    prints them all), and whether the published split is in the top 5 or within 5% of the best."""
+    d = base.degrees
+    in_top = any((p.inputs.degrees.tp, p.inputs.degrees.pp) == (d.tp, d.pp) for p in best)
+    ratio = same[0].seconds / best[0].seconds
+    note = " (in the top 5)" if in_top and ratio > 1.05 else ""
+    row = (f"| {run.name}, {run.gpus} GPUs | {d.tp} x {d.pp} | {_described(best[0])} | {best[0].seconds:.2f} "
+           f"| {_described(same[0])} | {same[0].seconds:.2f} | {ratio:.3f}{note} |")
+    return row, in_top or ratio <= 1.05

@@ -204,6 +204,8 @@ def test_debug_keeps_the_exit_code_of_an_internal_error(write, monkeypatch):
     plain, debug = run_cli("validate", job), run_cli("--debug", "validate", job)
     assert plain.code == debug.code == 3
     assert "Traceback" not in plain.err and "Traceback" in debug.err and "RuntimeError: boom" in debug.err
+    assert plain.err_lines[-1].endswith("(rerun with --debug)")
+    assert debug.err_lines[-1] == "shardplan: internal error: RuntimeError: boom"
 
 
 def test_show_completion_prints_a_script():

@@ -143,6 +143,39 @@ def test_parameter_offload_over_the_host_limit_is_not_taken(ram, why):
     assert doc["assumptions"]["offload"]["params"] is False
 
 
+def test_a_parameter_step_back_within_the_host_limit_ends_the_strategy():
+    """The strategy goes past a step over the CPU limit when a later one needs less (core/memory.py
+    `decide_offload`). With figures where the optimizer step needs 150 GiB of a 100 GiB limit
+    (peak 82 GiB) and the parameter step 90 GiB (peak 85 GiB), the plan ends at the parameter
+    step, within the limit: its peak above the optimizer step's does not send it back to the
+    plan with nothing offloaded (200 GiB)."""
+    from shardplan.core.estimate_inputs import inputs_from_job
+    from shardplan.core.memory import decide_offload
+    from shardplan.io.job import load_job
+
+    resolved = load_job(None, [("model.preset", "llama-3-8b"), ("parallel.dp", 8), ("zero.stage", 3),
+                               ("zero.framework", "deepspeed"), ("cluster.gpu_memory", "80GiB"),
+                               ("cluster.cpu_memory_per_node", "111GiB")], env={})
+    inputs = inputs_from_job(resolved.job, resolved.shape, True)
+    GiB = 2**30
+    figures = {(False, False): (200 * GiB, 10 * GiB), (True, False): (82 * GiB, 150 * GiB),
+               (True, True): (85 * GiB, 90 * GiB), (False, True): (120 * GiB, 60 * GiB)}
+
+    def measure(plan):
+        peak, host = figures[(plan.offload_optimizer, plan.offload_params)]
+        return peak, host, 32, 0
+
+    decided, decisions = decide_offload(inputs, measure)
+    assert (decided.offload_optimizer, decided.offload_params) == (True, True), decisions
+    assert decisions[-2].startswith("offload parameters (every layer's")
+    assert decisions[-1] == "still over the threshold with every parameter offloaded"
+    # Over the limit at the parameter step too: back to the last plan within it.
+    figures[(True, True)] = (70 * GiB, 120 * GiB)
+    decided, decisions = decide_offload(inputs, measure)
+    assert (decided.offload_optimizer, decided.offload_params) == (False, False)
+    assert decisions[-1].startswith("not offloading optimizer states: a node would need 150.00 GiB")
+
+
 @pytest.mark.parametrize("preset", ["llama-3-8b", "gpt2", "mixtral-8x7b"])
 @pytest.mark.parametrize("dp", [2, 3, 8, 64])
 def test_the_fullest_zero12_rank_is_the_one_with_most_gradients(preset, dp):

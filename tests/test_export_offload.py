@@ -364,13 +364,13 @@ EXPLICIT = {
                    "sub_group_size": 1000000000,
                    "offload_optimizer": {"device": "cpu", "pin_memory": True},
                    "offload_param": {"device": "cpu", "pin_memory": True}},
-                  {"offload.gpu_param_budget": "deepspeed's offload_param offloads every parameter; the plan keeps "
-                                               "1073741824 bytes of layers on the GPU"}),
+                  {"offload.gpu_param_budget": "deepspeed's offload_param offloads every layer's parameters; the "
+                                               "plan keeps 8 of 48 layers on the GPU"}),
     "torchtitan": (False, {"offload": "torchtitan offloads to the CPU only under FSDP, which it applies only with "
                                       "data_parallel_shard_degree or context_parallel_degree above 1; written as "
                                       "enable_cpu_offload = false"}),
-    "accelerate": (True, {"offload.gpu_param_budget": "FSDP2's CPU offload covers every wrapped layer; the plan "
-                                                      "keeps 1073741824 bytes of layers on the GPU"}),
+    "accelerate": (True, {"offload.gpu_param_budget": "FSDP2's CPU offload offloads every layer's parameters; the "
+                                                      "plan keeps 8 of 48 layers on the GPU"}),
     "megatron": (["--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.0", "--use-precision-aware-optimizer"],
                  {"offload.optimizer": "megatron offloads the optimizer with its distributed optimizer "
                                        "(--use-distributed-optimizer, ZeRO-1)",
@@ -396,6 +396,26 @@ def test_explicit_offload_exports_unchanged(target):
     for path, message in expected_notes.items():
         assert notes[path] == message
     assert not any("strategy" in message for message in notes.values())
+
+
+def test_the_kept_layers_are_the_estimates():
+    """The 1 GiB budget of gpt2-xl-offload-a100-40gb keeps 8 of GPT-2 XL's 48 layers (12 h^2 +
+    13 h = 30.7M fp32 parameters per layer at h = 1,600: 8 x 30.7M x 4 bytes fit 1 GiB, 9 do
+    not), as the estimate decides them; the notes above name those layers, not the budget's
+    bytes."""
+    assert estimate("gpt2-xl-offload-a100-40gb")["assumptions"]["offload"]["resident_layers"] == [8]
+
+
+@pytest.mark.parametrize("target", ["deepspeed", "accelerate", "torchtitan"])
+def test_a_deepspeed_job_keeps_no_layer_to_note(write, target):
+    """Under the `deepspeed` accounting parameter offload keeps no layer on the GPU (offload_param
+    moves every partition), whatever `gpu_param_budget` says: no export says that the plan keeps
+    layers there (each said it kept the default budget's 2 GiB)."""
+    job = write("job.toml", '[model]\npreset = "llama-3-8b"\n[parallel]\ndp = 8\n[zero]\nstage = 3\n'
+                            'framework = "deepspeed"\n[offload]\nparams = true\noptimizer = true\n')
+    assert estimate(job)["assumptions"]["offload"]["resident_layers"] == [0]
+    _, notes = export(job, target)
+    assert "offload.gpu_param_budget" not in notes
 
 
 @pytest.mark.parametrize("target", TARGETS)

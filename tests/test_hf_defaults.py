@@ -234,4 +234,22 @@ def test_a_sliding_window_is_said(name, window):
         return
     (note,) = notes
     assert note.severity == "note" and note.message.startswith(f"{window:,}: not modelled")
-    assert config_notes({**config, "use_sliding_window": True}) == config_notes(config)
+
+
+def test_a_sliding_window_follows_transformers_defaults():
+    """What transformers' config classes make of a config.json without the keys: MistralConfig's
+    sliding_window defaults to 4096; Qwen2Config keeps a window only with use_sliding_window,
+    which defaults to False (it then sets sliding_window to None)."""
+    from transformers import MistralConfig, Qwen2Config
+
+    def windows(config: dict) -> list[str]:
+        return [note.message.split(":")[0] for note in config_notes(config) if note.path == "sliding_window"]
+
+    mistral = json.loads((DATA / "hf_configs" / "mistral-7b-v0.1.json").read_text(encoding="utf-8"))
+    del mistral["sliding_window"]
+    assert MistralConfig.from_dict(mistral).sliding_window == 4096 and windows(mistral) == ["4,096"]
+    qwen = json.loads((DATA / "hf_configs" / "qwen2-0.5b.json").read_text(encoding="utf-8"))
+    for given, expected in (({}, []), ({"use_sliding_window": True, "sliding_window": 4096}, ["4,096"])):
+        config = {key: value for key, value in qwen.items() if key != "use_sliding_window"} | given
+        assert (Qwen2Config.from_dict(config).sliding_window is not None) == bool(expected)
+        assert windows(config) == expected

@@ -152,7 +152,8 @@ def test_a_layer_split_that_changes_no_figure_is_listed_once(write):
     text = (JOB.replace("llama-3-8b", "llama-3.1-405b").replace("seq_len = 8192", "seq_len = 2048")
             + '[lora]\nrank = 16\nbase_dtype = "nf4"\n')
     job = write("job.toml", text)
-    doc = run_cli("plan", job, "--gpus", "8", "--global-batch", "8", "--pp", "8", "--top", "20", "--json").json
+    doc = run_cli("plan", job, "--gpus", "8", "--global-batch", "8", "--pp", "8", "--top", "20", "--json",
+                  "--set", "parallel.pipeline_schedule=1f1b").json  # interleaving (uneven chunks) rates faster
     seen = {}
     for plan in doc["plans"]:
         parallel = plan["job"]["parallel"]
@@ -229,15 +230,19 @@ def test_a_batch_no_plan_splits_names_one_that_does(job, write):
     sequences split into no plan (1F1B needs at least pp microbatches). More GPUs would not
     help; the note names the nearest global batch that splits and fits, and that batch does,
     and, for a batch set for convergence, the most GPUs fewer than 64 on which 7 sequences
-    split and fit (32: tp 8 x pp 4, 7 microbatches), and those do."""
+    split and fit (56: dp 7 x tp 8), and those do."""
     result = run_cli("plan", job, "--gpus", "64", "--global-batch", "7")
     assert result.code == 1, result.err
     assert "no plan of 64 GPUs splits a global batch of 7" in result.err
     assert "with a global batch of 8 (--global-batch 8) a plan fits" in result.err
-    assert "with 32 GPUs (--gpus 32) a plan fits this global batch of 7" in result.err
-    assert [int(n) for n in re.findall(r"--gpus (\d+)", result.err)] == [32]  # no more GPUs
+    assert "with 56 GPUs (--gpus 56) a plan fits this global batch of 7" in result.err
+    assert [int(n) for n in re.findall(r"--gpus (\d+)", result.err)] == [56]  # no more GPUs
     assert run_cli("plan", job, "--gpus", "64", "--global-batch", "8").code == 0
-    assert run_cli("plan", job, "--gpus", "32", "--global-batch", "7").code == 0
+    assert run_cli("plan", job, "--gpus", "56", "--global-batch", "7").code == 0
+    # At 4 sequences no count from 56 down to 40 splits them (dp divides 4, and a pipeline
+    # needs as many microbatches as stages); 32 does (tp 8 x pp 4).
+    four = run_cli("plan", job, "--gpus", "64", "--global-batch", "4")
+    assert "with 32 GPUs (--gpus 32) a plan fits this global batch of 4" in four.err, four.err
     # Llama-3.1 405B (8 key/value heads too) without offload: 8 sequences split but do not
     # fit; more GPUs split them no better, and the note says so rather than "not even 4096".
     big = write("big.toml", JOB.replace("llama-3-8b", "llama-3.1-405b") + '[offload]\nstrategy = "conservative"\n')
@@ -279,16 +284,19 @@ def test_more_gpus_starts_at_a_count_machines_come_in(write, gpus, named):
 
 def test_regular_and_fewer_counts():
     """The counts the notes try: from an irregular count, the next whole node (or, within one
-    node, power of two); from a regular one, twice it; fewer: halving, in whole nodes above one."""
+    node, power of two); from a regular one, twice it; fewer: the eight whole-node counts below,
+    then halving; within one node, every count below."""
     from shardplan.io.plan_search import fewer_worlds, next_regular_world
 
     assert [next_regular_world(w, 8) for w in (1, 2, 3, 4, 5, 7, 8, 12, 16, 24, 100)] == [
         2, 4, 4, 8, 8, 8, 16, 16, 32, 48, 104]
     assert next_regular_world(3, 4) == 4 and next_regular_world(6, 4) == 8
-    assert fewer_worlds(64, 8) == [32, 16, 8, 4, 2, 1]
-    assert fewer_worlds(24, 8) == [8, 4, 2, 1]
-    assert fewer_worlds(7, 8) == [3, 1]
+    assert fewer_worlds(64, 8) == [56, 48, 40, 32, 24, 16, 8, 4, 2, 1]
+    assert fewer_worlds(24, 8) == [16, 8, 4, 2, 1]
+    assert fewer_worlds(12, 8) == [8, 4, 2, 1]
+    assert fewer_worlds(7, 8) == [6, 5, 4, 3, 2, 1]
     assert fewer_worlds(1, 8) == []
+    assert fewer_worlds(2048, 8)[:9] == [2040, 2032, 2024, 2016, 2008, 2000, 1992, 1984, 992]
 
 
 def test_between_counts_whole_nodes_past_one_node():
@@ -537,7 +545,8 @@ def test_a_fixed_key_no_plan_keeps_is_named(write):
     job = write("job.toml", JOB)
     # A degree the search's own rules refuse says which rule (core/search.py `degree_refusal`).
     for flags, named, why in (
-            (("--set", "parallel.virtual_stages=3"), "parallel.virtual_stages = 3", ""),
+            # 17 chunks on each of at least 2 stages are more than Llama-3 8B's 32 layers.
+            (("--set", "parallel.virtual_stages=17"), "parallel.virtual_stages = 17", ""),
             (("--tp", "16"), "parallel.tp = 16",
              ": `shardplan run` splits no key/value head over tensor-parallel ranks (16 > model.num_kv_heads, 8)"),
             (("--tp", "8", "--zero", "1"), "parallel.tp = 8, zero.stage = 1", ""),
@@ -551,7 +560,7 @@ def test_a_fixed_key_no_plan_keeps_is_named(write):
     deep = run_cli("plan", job, "--gpus", "64", "--global-batch", "64", "--pp", "64")
     assert deep.code == 2 and "which no plan of 64 GPUs keeps: 64 stages are more than the model's 32 layers" in deep.err
     # Written in the file: its file and line.
-    written = write("vs.toml", JOB + "[parallel]\nvirtual_stages = 3\n")
+    written = write("vs.toml", JOB + "[parallel]\nvirtual_stages = 17\n")
     result = run_cli("plan", written, "--gpus", "16", "--global-batch", "64", "--json")
     assert result.code == 2 and result.json["error"]["problems"][0]["file"] == written
     assert result.json["error"]["problems"][0]["line"] == 9 and result.json["error"]["problems"][0]["path"] == \
@@ -625,7 +634,8 @@ def test_a_fixed_key_that_stops_every_plan_is_named_with_what_would_fit(write):
     # One miss by the states alone (ZeRO 0); its hybrid ZeRO 2 and 3 twins were listed too.
     # It follows a miss timed whole, so it is not called the closest.
     alone = [line for line in closest if "alone" in line]
-    assert len(alone) == 1 and alone[0].startswith("plan: another miss: dp 32 tp 8 pp 8 cp 1, ZeRO 0, "), alone
+    assert len(alone) == 1 and alone[0].startswith("plan: another miss: dp 32 tp 8 pp 8 cp 1 ("), alone
+    assert ", ZeRO 0, " in alone[0], alone
 
 
 @pytest.mark.parametrize("args, where", [(("--nodes", "200000"), "--nodes"),

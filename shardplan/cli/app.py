@@ -249,7 +249,8 @@ def _internal_error(exc: Exception, json_out: bool) -> int:
     from ..spec.errors import EXIT_RUNTIME
 
     _show_traceback(exc)
-    line = f"shardplan: internal error: {type(exc).__name__}: {exc} (rerun with --debug)"
+    hint = "" if _debugging() else " (rerun with --debug)"
+    line = f"shardplan: internal error: {type(exc).__name__}: {exc}{hint}"
     return _fail([line], EXIT_RUNTIME, json_out)
 
 

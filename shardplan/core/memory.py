@@ -365,9 +365,11 @@ def _every_parameter(inputs: EstimateInputs, measure: Measure, peak: int, target
         return inputs, decisions + ["still over the threshold with every parameter offloaded"]
     trial = inputs.with_(offload_params=True)
     trial_peak, cpu, _, _ = measure(trial)
-    if trial_peak >= peak or cpu > limit:
-        if back is not None:
-            return back()
+    if back is not None and cpu > limit:
+        return back()
+    # Past the CPU limit before, a trial back within it is the plan to end with, whatever the
+    # peak of the step that went past; else it must lower the peak within the limit.
+    if back is None and (trial_peak >= peak or cpu > limit):
         why = (f"the peak would not fall ({share(trial_peak)})" if trial_peak >= peak else
                f"a node would need {format_bytes(cpu)} of CPU memory, over its {format_bytes(limit)} "
                f"(cpu_memory_budget / cpu_memory_per_node)")

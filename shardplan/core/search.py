@@ -214,8 +214,8 @@ def schedule_options(shape: ModelShape, pp: int, space: Space, fixed: Fixed) -> 
     holds the most microbatches and the last the head and the loss, so one or two layers
     fewer there than ceil(layers / pp) (Megatron-LM's first/last pipeline layers; Llama 3 405B:
     one fewer on each; where pp does not divide the layers, the even split already has one
-    fewer on the last, so two fewer is the lighter choice). Interleaved
-    1F1B takes the virtual stages that divide the layers evenly (its validation rule)."""
+    fewer on the last, so two fewer is the lighter choice). Interleaved 1F1B takes up to 8
+    virtual stages, each split over its chunks as `_chunk_splits` says."""
     if pp == 1:
         if (fixed.virtual or 1) > 1 or fixed.first_stage_layers or fixed.last_stage_layers:
             return []  # chunks per rank or an uneven split need a pipeline
@@ -226,24 +226,15 @@ def schedule_options(shape: ModelShape, pp: int, space: Space, fixed: Fixed) -> 
         RUN_SCHEDULES if space.runnable else ("1f1b", "interleaved-1f1b", "zero-bubble")))
     out = []
     layers = shape.num_layers
-    fixed_split = (fixed.first_stage_layers or 0, fixed.last_stage_layers or 0)
     for schedule in schedules:
         if schedule in CHUNKED_SCHEDULES:
             if fixed.virtual == 1:
                 continue
-            # Uneven stages need no even division (`split_problem` decides below).
-            virtuals = [fixed.virtual] if fixed.virtual else [v for v in range(2, layers // pp + 1)
-                                                              if (any(fixed_split) or layers % (pp * v) == 0)
-                                                              and v <= 8]
+            virtuals = [fixed.virtual] if fixed.virtual else list(range(2, min(8, layers // pp) + 1))
             for v in virtuals:
                 if v <= 1 or v * pp > layers:
                     continue
-                # A split the job fixes is taken over the pp * v stages (core/checks.py), else the even one.
-                if any(fixed_split):
-                    if not split_problem(layers, pp * v, *fixed_split):
-                        out.append((schedule, v, fixed_split))
-                elif layers % (pp * v) == 0:
-                    out.append((schedule, v, (0, 0)))
+                out += [(schedule, v, split) for split in _chunk_splits(layers, pp * v, fixed)]
             continue
         if fixed.virtual and fixed.virtual > 1:  # chunks per rank need a chunked schedule
             continue
@@ -260,6 +251,37 @@ def schedule_options(shape: ModelShape, pp: int, space: Space, fixed: Fixed) -> 
                 continue
             seen.add(counts)
             out.append((schedule, 1, (first, last)))
+    return out
+
+
+def _chunk_splits(layers: int, stages: int, fixed: Fixed) -> list[tuple[int, int]]:
+    """(first, last) chunk layers of a chunked schedule over `stages` = pp x virtual chunks:
+    the even split where the chunks divide the layers (its validation rule, core/checks.py),
+    else, as 1F1B's ends, one or two layers fewer than ceil(layers / stages) on the first and
+    the last chunk, the chunks between sharing the rest evenly (Llama 3 405B: 126 layers
+    interleaved over 16 stages x 4 chunks as 1, 2 x 62, 1; Megatron-LM's rule for uneven
+    stages, transformer_config.py). Ends the job fixes stay as fixed, the other end searched
+    as 1F1B's is."""
+    base = -(-layers // stages)
+    ends = [0] + sorted({base - 1, base - 2} - {0, -1})
+    firsts = [fixed.first_stage_layers] if fixed.first_stage_layers is not None else ends
+    lasts = [fixed.last_stage_layers] if fixed.last_stage_layers is not None else ends
+    out, seen = [], set()
+    for first, last in product(firsts, lasts):
+        if not (first or last):
+            if layers % stages == 0:
+                out.append((0, 0))
+            continue
+        if layers % stages == 0 and fixed.first_stage_layers is None and fixed.last_stage_layers is None:
+            continue  # an even split exists: the chunks' ends are not searched
+        if split_problem(layers, stages, first, last):
+            continue
+        counts = tuple(split_layers(layers, stages, first, last))
+        if len(set(counts[1:-1])) > 1:
+            continue  # the chunks between share the rest evenly (Megatron-LM's rule for its stages)
+        if counts not in seen:
+            seen.add(counts)
+            out.append((first, last))
     return out
 
 

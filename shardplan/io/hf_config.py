@@ -420,6 +420,11 @@ def read_hf_config(path: Path, shown: str) -> tuple[dict, list[Problem], Documen
 UNMODELLED_GEMMA2 = ("attn_logit_softcapping", "final_logit_softcapping", "sliding_window")
 
 
+# The sliding window a config.json without the key gets (transformers 5.24: MistralConfig's
+# sliding_window defaults to 4096; Phi3Config's and MixtralConfig's to None).
+WINDOW_DEFAULTS = {"mistral": 4096}
+
+
 def config_notes(config: dict) -> list[Problem]:
     """Notes on keys of a (supported) config.json that the plan reads past: a checkpoint's
     quantization (the plan is that of the model's shape; QLoRA is `[lora] base_dtype = "nf4"`),
@@ -434,9 +439,11 @@ def config_notes(config: dict) -> list[Problem]:
             "quantization_config", f"the checkpoint's {' '.join(words + ['quantization'])} is ignored: the model "
             "is planned from its shape at the job's precision; for QLoRA write [lora] base_dtype = \"nf4\"",
             severity="note"))
-    window = config.get("sliding_window")
-    if (config.get("model_type") != "gemma2" and isinstance(window, int) and not isinstance(window, bool)
-            and window > 0 and config.get("use_sliding_window") is not False):
+    model_type = config.get("model_type")
+    window = config.get("sliding_window", WINDOW_DEFAULTS.get(model_type))
+    if model_type == "qwen2" and config.get("use_sliding_window") is not True:
+        window = None  # Qwen2Config: use_sliding_window defaults to False, and then no window
+    if (model_type != "gemma2" and isinstance(window, int) and not isinstance(window, bool) and window > 0):
         # transformers' Mistral, Phi-3 (and Qwen2 with use_sliding_window) mask the scores
         # outside the window: eager and SDPA attention still compute them; flash-attention's
         # window_size skips those blocks.

@@ -93,11 +93,14 @@ class PlanOutcome:
             what = "GPU" if miss.reason == "GPU memory" else "host"
             hybrid = " hybrid" if miss.inputs.hybrid else ""
             split = split_label(miss.inputs.shape.num_layers, d.pp * miss.inputs.virtual, *miss.inputs.stage_split)
+            # Chunks per rank say their schedule: a split of pp x virtual chunks is not of pp stages.
+            shown_how = [f"{miss.inputs.schedule} v{miss.inputs.virtual}"] if miss.inputs.virtual > 1 else []
+            shown_how += [split] if split else []
             # A miss by its states alone after one timed whole is over by more than it says:
             # not called closer than that one.
             label = "another miss" if miss.at_least and not shown[0].at_least else "closest"
-            head = (f"plan: {label}: dp {d.dp} tp {d.tp} pp {d.pp} cp {d.cp}" + (f" ({split})" if split else "")
-                    + f", ZeRO {miss.inputs.zero_stage}{hybrid}, ")
+            head = (f"plan: {label}: dp {d.dp} tp {d.tp} pp {d.pp} cp {d.cp}"
+                    + (f" ({', '.join(shown_how)})" if shown_how else "") + f", ZeRO {miss.inputs.zero_stage}{hybrid}, ")
             short = format_bytes(miss.short_bytes)
             kept = ("the model states it keeps on the GPU with every offload" if miss.inputs.offload_params
                     or miss.inputs.offload_optimizer else "its parameters and optimizer states")
@@ -509,8 +512,9 @@ def _batch_that_splits(base: EstimateInputs, space: Space, fixed: Fixed, timer, 
 
 
 def _fewer_gpus(base: EstimateInputs, space: Space, fixed: Fixed, timer, ranking: dict) -> list[str]:
-    """The most GPUs, fewer than the job's, with a plan that splits and fits this global batch
-    (`fewer_worlds`): the answer when the batch is set for convergence, not for these GPUs."""
+    """The most GPUs among `fewer_worlds`, fewer than the job's, with a plan that splits and
+    fits this global batch: the answer when the batch is set for convergence, not for these
+    GPUs."""
     free = Fixed(**{**fixed.__dict__, "dp": None})
     for world in fewer_worlds(space.world, base.gpus_per_node):
         if search(base.with_(degrees=Degrees(dp=world)), replace(space, world=world), free, timer, top_k=1,
@@ -539,15 +543,26 @@ def next_regular_world(world: int, gpus_per_node: int) -> int:
     return min(1 << world.bit_length(), gpus_per_node)
 
 
+# Whole-node counts `fewer_worlds` tries one by one below the job's, before it halves.
+FEWER_NODES = 8
+
+
 def fewer_worlds(world: int, gpus_per_node: int) -> list[int]:
-    """GPU counts below `world` to try, most first: halving, in whole nodes while above one."""
-    counts, count = [], world
-    while count > 1:
-        count //= 2
-        if count > gpus_per_node:
-            count -= count % gpus_per_node
-        if count not in counts:
+    """GPU counts below `world` to try, most first: the FEWER_NODES whole-node counts below it,
+    then halving in whole nodes; within one node, every count below the job's (or, past one
+    node, halving from a node)."""
+    counts: list[int] = []
+    if world > gpus_per_node:
+        nodes = (world - 1) // gpus_per_node  # whole nodes strictly below the world
+        while nodes >= 1:
+            counts.append(nodes * gpus_per_node)
+            nodes = nodes - 1 if len(counts) < FEWER_NODES else nodes // 2
+        count = gpus_per_node
+        while count > 1:
+            count //= 2
             counts.append(count)
+    else:
+        counts = list(range(world - 1, 0, -1))
     return counts
 
 

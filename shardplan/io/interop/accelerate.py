@@ -134,9 +134,8 @@ def to_accelerate(plan: Plan) -> Exported:
         elif any((off.params, off.grads, off.optimizer)) and not all((off.params, off.grads, off.optimizer)):
             notes.append(Note("offload", "FSDP2's CPU offload moves parameters, gradients and optimizer states "
                                          f"together; written as {str(off.params).lower()} from offload.params"))
-        if off.params and off.gpu_param_budget and not plan.offload.changed:
-            notes.append(Note("offload.gpu_param_budget", "FSDP2's CPU offload covers every wrapped layer; the plan "
-                                                          f"keeps {off.gpu_param_budget} bytes of layers on the GPU"))
+        if not plan.offload.changed and (kept := plan.offload.kept_note("FSDP2's CPU offload")):
+            notes.append(Note("offload.gpu_param_budget", kept))
         if not off.pin_memory and offload_params:
             notes.append(Note("offload.pin_memory", "accelerate's CPUOffloadPolicy always pins; false is not exported"))
         if train.activation_checkpointing in ("selective", "op"):

@@ -124,10 +124,8 @@ def to_deepspeed(plan: Plan) -> Exported:
                                                    "partitions to the CPU too; the plan keeps them on the GPU"))
         if off.params:
             zero_config["offload_param"] = {"device": "cpu", "pin_memory": off.pin_memory}
-            if off.gpu_param_budget:
-                notes.append(Note("offload.gpu_param_budget",
-                                  "deepspeed's offload_param offloads every parameter; "
-                                  f"the plan keeps {off.gpu_param_budget} bytes of layers on the GPU"))
+            if kept := plan.offload.kept_note("deepspeed's offload_param"):
+                notes.append(Note("offload.gpu_param_budget", kept))
     if zero.overlap_comm is not None:
         zero_config["overlap_comm"] = zero.overlap_comm
         if zero.overlap_comm and par.pp > 1 and stage <= 2:

@@ -78,6 +78,16 @@ class OffloadDecision:
         """`written as optimizer states and gradients`, or `written without offload`."""
         return f"written as {self.describe(offload)}" if offload.any else "written without offload"
 
+    def kept_note(self, target: str) -> str | None:
+        """A target that offloads every layer's parameters, where the job's own parameter
+        offload keeps some on the GPU (`gpu_param_budget`, as the estimate decided: under
+        `deepspeed` none): what the note says, or None."""
+        kept = self.kept_layers()
+        if not (self.offload.params and kept):
+            return None
+        total = sum(layers for _, layers in self.layers)
+        return f"{target} offloads every layer's parameters; the plan keeps {kept} of {total} layers on the GPU"
+
     def kept_layers(self, offload: Offload | None = None) -> int:
         """Layers, over all stages, whose parameters stay on the GPU under `offload`."""
         offload = offload or self.offload

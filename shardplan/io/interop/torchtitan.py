@@ -165,9 +165,8 @@ def _training(plan: Plan, notes: list[Note]) -> dict:
     if any(offloading) and not all(offloading):
         notes.append(Note("offload", "torchtitan's enable_cpu_offload moves parameters, gradients and optimizer "
                                      f"states together; written as {str(off.params).lower()} from offload.params"))
-    if off.params and off.gpu_param_budget:
-        notes.append(Note("offload.gpu_param_budget", "torchtitan offloads every layer; the plan keeps "
-                                                      f"{off.gpu_param_budget} bytes of layers on the GPU"))
+    if kept := plan.offload.kept_note("torchtitan"):
+        notes.append(Note("offload.gpu_param_budget", kept))
     return training
 
 
