@@ -205,6 +205,45 @@ def test_params_only_has_no_activations():
         (2 + 2) * 7_500_000_000 + 12 * 7_500_000_000 // 4
 
 
+@pytest.mark.parametrize("flags, path", [(("--framework", "deepspeed", "--zero", "2"), "zero.framework"),
+                                         (("--framework", "deepspeed", "--zero", "0"), "zero.framework"),
+                                         (("--zero", "1"), "zero.stage")])
+def test_a_bare_count_is_refused_where_the_tensors_decide(flags, path):
+    """DeepSpeed's partitions and buckets follow the tensors (stage_1_and_2.py
+    `copy_grads_in_partition`: each parameter's whole gradient where it overlaps the partition),
+    and so does ZeroRedundancyOptimizer (whole parameters to ranks): a bare count has none.
+    Counted as one tensor, ZeRO-2 sharded no gradient; the refusal names the way on, and the
+    ZeRO paper's formulas answer the same question (stage 2: 2 + 2/N_d + 12/N_d bytes per
+    parameter, Rajbhandari et al. 2020, section 5.2)."""
+    result = run_cli("estimate", "--params", "6738415616", "--dp", "8", *flags, "--json")
+    assert result.code == 2
+    (problem,) = result.json["error"]["problems"]
+    assert problem["path"] == path and 'zero.framework = "zero-paper"' in problem["message"]
+    paper = run_cli("estimate", "--params", "6738415616", "--dp", "8", "--zero", "2", "--framework", "zero-paper",
+                    "--json").json["devices"][0]["gpu"]
+    numel = 6738415616
+    # The flat buffer padded to nccl_start_alignment_factor (2) x N_d elements, as DeepSpeed
+    # aligns it (stage_1_and_2.py, flatten_dense_tensors_aligned).
+    padded = -(-numel // 16) * 16
+    assert paper["params"] + paper["grads"] + paper["optimizer"] == 2 * numel + (2 + 12) * padded // 8
+
+
+def test_a_bare_count_under_fsdp2_builds_nothing_at_start_up():
+    """`run` builds a model a layer at a time before sharding it; a bare count has no layers
+    to build, and the host figure is the runtime allowance alone (it was the whole model in
+    fp32 on every rank: 200 GiB a node for 6.7B parameters on 8 GPUs)."""
+    result = run_cli("estimate", "--params", "6738415616", "--dp", "8", "--zero", "3", "--json")
+    assert result.code == 0
+    assert result.json["host"]["breakdown"] == {"runtime per process (allowance)": 8 * 2 * 2**30}
+    assert "the model `run` builds at start-up" in result.err
+    # With the GPU known, the missing time is said (docs/time.md: a bare count has no
+    # architecture to time); without it, nothing is (there is no time to miss).
+    timed = run_cli("estimate", "--params", "6738415616", "--dp", "8", "--zero", "3", "--set",
+                    "cluster.preset=h100-80gb", "--json")
+    assert "time" not in timed.json and "no architecture: no step time" in timed.err
+    assert "no step time" not in result.err
+
+
 @pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("zero-bubble", 1), ("interleaved-1f1b", 1),
                                                ("interleaved-1f1b", 2), ("interleaved-1f1b", 3)])
 @pytest.mark.parametrize("pp", [2, 3, 4, 6, 8])

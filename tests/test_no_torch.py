@@ -24,7 +24,7 @@ PLANNING_COMMANDS = [
     ["shards", "--blocks", "10", "--assign", "contiguous", "--world", "4"],
     ["estimate", "llama-3-8b-h100"],
     ["estimate", "llama-2-70b-3d", "--explain"],
-    ["estimate", "--params", "7.5B", "--dp", "64", "--zero", "3", "--framework", "deepspeed"],
+    ["estimate", "--set", "model.preset=llama-3-8b", "--dp", "64", "--zero", "3", "--framework", "deepspeed"],
     ["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "zero-bubble"],
     ["schedule", "llama-2-70b-3d", "--schedule", "interleaved-1f1b", "--virtual", "2"],
     *(["export", "llama-2-70b-3d", "--to", target] for target in ("deepspeed", "torchtitan", "accelerate", "megatron")),

@@ -104,11 +104,26 @@ def test_hf_config_scaling_reaches_the_shape(write):
     assert shape.rope_scaling == RopeScaling(32.0, 1.0, 4.0, 8192)  # meta-llama/Llama-3.2-1B config.json
 
 
+@pytest.mark.parametrize("table, path", [
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, "rope_scaling.rope_type"),
+    ({"type": "linear", "factor": 2.0}, "rope_scaling.type"),
+])
+def test_other_scalings_in_a_config_json_are_noted(write, table, path):
+    """Qwen2.5's README has users add a yarn rope_scaling for long contexts; Phi-3's 128k configs
+    carry 'longrope'. RoPE scaling changes no byte and no FLOP of the plan: the config.json
+    is planned as without it, with a note at the key (it was refused, exit 2)."""
+    write("config.json", json.dumps(dict(SMALL_LLAMA, rope_scaling=table)))
+    job = write("job.toml", '[model]\nhf_config = "config.json"\n')
+    result = run_cli("estimate", job, "--json")
+    assert result.code == 0, result.err
+    (note,) = [line for line in result.err_lines if f"note: {path}:" in line]
+    assert "not modelled (only 'llama3' is)" in note and note.startswith("config.json:1: ")
+    write("config.json", json.dumps(SMALL_LLAMA))
+    plain = run_cli("estimate", job, "--json")
+    assert (result.json["peak_gpu_bytes"], result.json["params"]) == (plain.json["peak_gpu_bytes"], plain.json["params"])
+
+
 @pytest.mark.parametrize("table, message", [
-    (dict(LLAMA31, rope_type="yarn"),
-     "rope_scaling.rope_type: 'yarn' is not supported (supported: 'default', 'llama3')"),
-    ({"type": "linear", "factor": 2.0},
-     "rope_scaling.type: 'linear' is not supported (supported: 'default', 'llama3')"),
     (dict(LLAMA31, factor=0), "rope_scaling.factor: expected a positive number, got 0"),
     (dict(LLAMA31, low_freq_factor="1"), "rope_scaling.low_freq_factor: expected a positive number, got '1'"),
     ({k: v for k, v in LLAMA31.items() if k != "high_freq_factor"},
@@ -126,11 +141,13 @@ def test_bad_scaling_in_a_config_json_is_one_line(write, table, message):
 
 
 def test_bad_rope_parameters_are_named_as_written(write):
-    write("config.json", json.dumps(dict(SMALL_LLAMA, rope_parameters=dict(LLAMA31, rope_type="dynamic"))))
+    write("config.json", json.dumps(dict(SMALL_LLAMA, rope_parameters=dict(LLAMA31, factor=-1))))
     result = run_cli("validate", write("job.toml", '[model]\nhf_config = "config.json"\n'))
     assert result.code == 2
-    assert result.err_lines == ["config.json:1: rope_parameters.rope_type: 'dynamic' is not supported "
-                                "(supported: 'default', 'llama3')"]
+    assert result.err_lines == ["config.json:1: rope_parameters.factor: expected a positive number, got -1"]
+    write("config.json", json.dumps(dict(SMALL_LLAMA, rope_parameters=dict(LLAMA31, rope_type="dynamic"))))
+    result = run_cli("validate", write("job.toml", '[model]\nhf_config = "config.json"\n'))
+    assert result.code == 0 and "note: rope_parameters.rope_type: 'dynamic': not modelled" in result.err
 
 
 # --- the job file ---------------------------------------------------------------------------

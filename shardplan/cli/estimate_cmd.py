@@ -88,6 +88,12 @@ def estimate(
 
             print_changes(console, changes, gpu_memory)
     emit_diagnostics(f"warning: {w}" for w in result.warnings)
+    if resolved.shape is None and timing is None:
+        from ..io.hardware import hardware_of
+
+        if hardware_of(cluster) is not None:  # the GPU is known: say why there is no time
+            emit_diagnostics(["warning: no architecture: no step time (the time model counts each layer's matmuls "
+                              "and collectives)"])
     if resolved.shape is not None:
         from ..runtime.capabilities import offload_refusals
 

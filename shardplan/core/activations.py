@@ -194,18 +194,17 @@ def op_saved_terms(act: ActivationShape) -> list[Term]:
     """What torchtitan's operator-level selective checkpointing keeps of a layer
     (torchtitan/models/llama3/parallelize.py, 2024-12: `_save_list` and
     `_get_custom_policy`): the checkpointed layer's input, the flash attention output with its
-    log-sum-exp, and the output of every other matmul, counted per block by a counter that
-    runs on across steps. With an odd number of matmuls per layer the saved half alternates
-    from step to step: the larger half is counted."""
+    log-sum-exp, and the output of every other matmul: the 1st, 3rd, 5th, ... of the block.
+    Its counter restarts at every checkpointed forward: torchtitan builds it (`meta =
+    defaultdict(int)`) inside the context_fn that torch's non-reentrant checkpoint calls each
+    time (torch/utils/checkpoint.py), and saves a matmul unless its count is even."""
     shape, e = act.shape, act.act_bytes
     rep = act.replicated_div
     sb, h = act.tokens, shape.hidden_size
     terms = [Term("layer input (checkpointed)", sb * h // rep * act.residual_bytes,
                   lambda: f"sbh/{rep} = {sb * h // rep:,} * {act.residual_bytes} B")]
     mms = _matmuls(act)
-    odd = [mm for i, mm in enumerate(mms) if i % 2 == 0]  # counts 1, 3, 5, ...: saved first
-    even = [mm for i, mm in enumerate(mms) if i % 2 == 1]
-    kept = odd if len(mms) % 2 == 0 or sum(n for _, n in odd) >= sum(n for _, n in even) else even
+    kept = [mm for i, mm in enumerate(mms) if i % 2 == 0]  # counts 1, 3, 5, ...: saved
     names = ", ".join(name for name, _ in kept)
     elements = sum(n for _, n in kept)
     terms.append(Term(f"every other matmul's output ({names})", elements * e,

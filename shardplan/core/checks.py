@@ -147,7 +147,7 @@ def sequence_problems(job: JobSpec, shape: ModelShape | None) -> list[Problem]:
         # gives rank i chunks i and 2cp-1-i (Megatron-LM / torch context_parallel).
         problems.append(error(
             "train.seq_len", f"{seq} is not divisible by 2 * cp ({2 * par.cp}): context parallel "
-            "splits the sequence into 2*cp chunks",
+            "splits the sequence into 2*cp chunks", ("train.seq_len", "parallel.cp"),
         ))
     if par.sequence_parallel:
         if par.tp == 1:
@@ -155,7 +155,8 @@ def sequence_problems(job: JobSpec, shape: ModelShape | None) -> list[Problem]:
         elif (seq // par.cp) % par.tp:
             local = f"seq_len / cp ({seq // par.cp})" if par.cp > 1 else f"train.seq_len ({seq})"
             problems.append(error(
-                "parallel.sequence_parallel", f"{local} is not divisible by tp ({par.tp})"
+                "parallel.sequence_parallel", f"{local} is not divisible by tp ({par.tp})",
+                ("parallel.sequence_parallel", "train.seq_len", "parallel.cp", "parallel.tp"),
             ))
     if shape is not None and shape.max_seq_len is not None and seq > shape.max_seq_len:
         if shape.position_embedding == "learned":
@@ -218,6 +219,31 @@ def lora_problems(job: JobSpec, shape: ModelShape | None) -> list[Problem]:
                                                        f"elements; {name} has {numel:,}: the estimate counts the "
                                                        "formula, `run` refuses the model"))
     return problems
+
+
+# What a bare parameter count (`--params`, no architecture) leaves to the ZeRO paper's formulas.
+BARE_COUNT_HINT = ("give the architecture (model.preset, model.hf_config or an inline shape), or zero.framework = "
+                   "\"zero-paper\" for the ZeRO paper's formulas, which need only the count")
+
+
+def bare_count_problems(job: JobSpec, shape: ModelShape | None) -> list[Problem]:
+    """A bare parameter count has no tensors, and two accountings allocate by them: the
+    `deepspeed` accounting sizes DeepSpeed's partitions, buckets and gathered modules by the
+    model's tensors (core/deepspeed.py), and fsdp2's stage 1 is torch's ZeroRedundancyOptimizer,
+    which gives whole tensors to ranks (core/states.py). Counted as one tensor, they gave a
+    ZeRO-1 or ZeRO-2 that shards nothing, and a ZeRO-3 that gathers the whole model."""
+    if shape is not None or job.model.params is None:
+        return []
+    zero = job.zero
+    if zero.framework == "deepspeed":
+        return [error("zero.framework", "the deepspeed accounting sizes DeepSpeed's partitions, buckets and "
+                                        "gathered modules by the model's tensors, which a bare parameter count does "
+                                        f"not have: {BARE_COUNT_HINT}", ("zero.framework", "model.params"))]
+    if zero.framework == "fsdp2" and zero.stage == 1:
+        return [error("zero.stage", "stage 1 under fsdp2 is torch's ZeroRedundancyOptimizer, which gives whole "
+                                    "tensors to ranks, and a bare parameter count has none: "
+                                    f"{BARE_COUNT_HINT}", ("zero.stage", "model.params"))]
+    return []
 
 
 def sharding_problems(job: JobSpec, nodes: int) -> list[Problem]:
@@ -412,6 +438,7 @@ def job_problems(
     fitting = {degrees.fitting_dp(world) for world, _ in worlds if world != degrees.world}
     problems += batch_problems(job, fitting.pop() if len(fitting) == 1 else None)
     problems += lora_problems(job, shape)
+    problems += bare_count_problems(job, shape)
     problems += precision_problems(job)
     placement = layout_problems(degrees, par.order, job.cluster.gpus_per_node,
                                 hybrid=job.zero.hybrid and job.zero.stage >= 2)

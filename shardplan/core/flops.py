@@ -92,13 +92,10 @@ def matmul_widths(shape: ModelShape, tp: int = 1) -> list[tuple[str, int, int]]:
 
 
 def op_recomputed(shape: ModelShape, tp: int = 1) -> tuple[str, ...]:
-    """The matmuls torchtitan's operator policy recomputes: it keeps every other matmul's
-    output, the larger half by output width when their number is odd (the rule of
-    core/activations.op_saved_terms), and recomputes the rest."""
-    widths = matmul_widths(shape, tp)
-    first, second = widths[0::2], widths[1::2]
-    keep_first = len(widths) % 2 == 0 or sum(w for *_, w in first) >= sum(w for *_, w in second)
-    return tuple(name for name, *_ in (second if keep_first else first))
+    """The matmuls torchtitan's operator policy recomputes: it keeps the output of the 1st,
+    3rd, 5th, ... matmul of a block, its counter restarting at every checkpointed forward
+    (core/activations.op_saved_terms), and recomputes the 2nd, 4th, ..."""
+    return tuple(name for name, *_ in matmul_widths(shape, tp)[1::2])
 
 
 def recompute_flops_per_token(shape: ModelShape, seq_len: int, recompute: str, causal: bool = True,

@@ -62,6 +62,8 @@ def process_allowance(on_gpu: bool = True) -> Term:
 def startup_host(inputs: EstimateInputs, rp: RankParams, eb: ElementBytes) -> list[Term]:
     """The model copy built on this rank's CPU before sharding."""
     if inputs.framework == "fsdp2":
+        if inputs.shape is None:
+            return []  # `run` builds a model layer by layer; a bare count has none to build
         largest = max(rp.layer_numel if rp.num_layers else 0, rp.root_numel)
         unit = eb.params
         return [Term("one layer or the root, materialized before fully_shard (`run`)", largest * unit,

@@ -533,8 +533,9 @@ def estimate_memory(inputs: EstimateInputs) -> Estimate:
                         f"DTensor plan, which `shardplan run` uses, also keeps the gathered QKV and MLP inputs: "
                         f"{format_bytes(gathered)} more per layer and microbatch held (docs/estimate.md)")
     if inputs.shape is None:
-        warnings.append("no architecture: model states only (activations and the buffers that depend on the "
-                        "layers are not estimated)")
+        built = ", and the model `run` builds at start-up" if inputs.framework == "fsdp2" else ""
+        warnings.append(f"no architecture: model states only (activations, the buffers that depend on the layers"
+                        f"{built} are not estimated)")
         if inputs.offload_params:
             warnings.append("no architecture: offload.params puts every parameter on the CPU (there are no layers "
                             "to keep resident)")

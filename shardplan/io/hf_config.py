@@ -245,9 +245,7 @@ class _Reader:
         if rope_type == "default":
             return None
         if rope_type != "llama3":
-            self.problems.append(Problem(f"{table}.{type_key}", f"{shown_value(rope_type)} is not supported "
-                                                                "(supported: 'default', 'llama3')", file=self.file))
-            return None
+            return None  # read past, with a note (`config_notes`): it changes no byte and no FLOP
         values: dict[str, object] = {"rope_type": "llama3"}
         for key in ("factor", "low_freq_factor", "high_freq_factor"):
             if inner.get(key) is None:
@@ -420,6 +418,20 @@ def read_hf_config(path: Path, shown: str) -> tuple[dict, list[Problem], Documen
 UNMODELLED_GEMMA2 = ("attn_logit_softcapping", "final_logit_softcapping", "sliding_window")
 
 
+def _unmodelled_rope(config: dict) -> tuple[str, object] | None:
+    """(the key, the rope_type) of a RoPE scaling other than 'default' and 'llama3' (Phi-3's
+    'longrope', Qwen2.5's 'yarn'), as `_Reader.rope_scaling` finds the table, or None."""
+    for table in ("rope_scaling", "rope_parameters"):
+        inner = config.get(table)
+        if isinstance(inner, dict) and inner:
+            type_key = "rope_type" if "rope_type" in inner else "type"
+            rope_type = inner.get(type_key, "default")
+            return None if rope_type in ("default", "llama3") else (f"{table}.{type_key}", rope_type)
+        if inner is not None and inner != {}:
+            return None
+    return None
+
+
 # The sliding window a config.json without the key gets (transformers 5.24: MistralConfig's
 # sliding_window defaults to 4096; Phi3Config's and MixtralConfig's to None).
 WINDOW_DEFAULTS = {"mistral": 4096}
@@ -440,6 +452,13 @@ def config_notes(config: dict) -> list[Problem]:
             "is planned from its shape at the job's precision; for QLoRA write [lora] base_dtype = \"nf4\"",
             severity="note"))
     model_type = config.get("model_type")
+    rope = _unmodelled_rope(config)
+    if rope:
+        path, rope_type = rope
+        notes.append(Problem(
+            path, f"{shown_value(rope_type)}: not modelled (only 'llama3' is): RoPE scaling changes no byte and no "
+            "FLOP the plan counts; `shardplan run` builds the model with unscaled rotary frequencies, and "
+            "`export` writes no scaling", severity="note"))
     window = config.get("sliding_window", WINDOW_DEFAULTS.get(model_type))
     if model_type == "qwen2" and config.get("use_sliding_window") is not True:
         window = None  # Qwen2Config: use_sliding_window defaults to False, and then no window
