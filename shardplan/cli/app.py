@@ -202,7 +202,7 @@ def _main(argv: list[str]) -> int:
     except typer.Abort:
         return _fail(["shardplan: interrupted"], 130, False)
     except ShardplanError as exc:
-        _show_traceback(exc)
+        show_traceback(exc)
         problems = exc.problems if isinstance(exc, InputError) else None
         return _fail(exc.lines(), exc.exit_code, json_out, problems)
     except KeyboardInterrupt:
@@ -222,7 +222,7 @@ def _main(argv: list[str]) -> int:
     return result if isinstance(result, int) else 0
 
 
-def _show_traceback(exc: BaseException) -> None:
+def show_traceback(exc: BaseException) -> None:
     """Under `--debug` (or SHARDPLAN_DEBUG=1), the error's traceback on stderr before its usual
     lines; the exit code stays the one the contract gives the error."""
     if _debugging():
@@ -248,7 +248,7 @@ def _internal_error(exc: Exception, json_out: bool) -> int:
     """An internal error: one line, never a traceback (`--debug` shows it)."""
     from ..spec.errors import EXIT_RUNTIME
 
-    _show_traceback(exc)
+    show_traceback(exc)
     hint = "" if _debugging() else " (rerun with --debug)"
     line = f"shardplan: internal error: {type(exc).__name__}: {exc}{hint}"
     return _fail([line], EXIT_RUNTIME, json_out)

@@ -449,10 +449,9 @@ def run(
     try:
         result = run_worker(resolved, limits_known(resolved), options)
     except Exception as exc:  # one readable line per failing rank; the exit code says the rest
-        if os.environ.get("SHARDPLAN_DEBUG", "") not in ("", "0"):  # the traceback too, same exit code
-            import traceback
+        from .app import show_traceback  # under --debug, the traceback too; the same exit code
 
-            traceback.print_exc()
+        show_traceback(exc)
         fail(describe_failure(rank, exc, resolved.job.parallel.communication_timeout))
         code = exc.exit_code if isinstance(exc, ShardplanError) else EXIT_RUNTIME
         raise typer.Exit(code) from None

@@ -238,10 +238,7 @@ def schedule_options(shape: ModelShape, pp: int, space: Space, fixed: Fixed) -> 
             continue
         if fixed.virtual and fixed.virtual > 1:  # chunks per rank need a chunked schedule
             continue
-        base = -(-layers // pp)
-        uneven = set() if space.deepspeed else {base - 1, base - 2}  # DeepSpeed: even stages
-        firsts = [fixed.first_stage_layers] if fixed.first_stage_layers is not None else sorted(({0} | uneven) - {-1})
-        lasts = [fixed.last_stage_layers] if fixed.last_stage_layers is not None else sorted(({0} | uneven) - {-1})
+        firsts, lasts = _end_options(layers, pp, fixed, lighter=not space.deepspeed)  # DeepSpeed: even stages
         seen = set()  # a split reached twice (an even rest equal to a fixed last stage) is one plan
         for first, last in product(firsts, lasts):
             if (first or last) and split_problem(layers, pp, first, last):
@@ -254,6 +251,17 @@ def schedule_options(shape: ModelShape, pp: int, space: Space, fixed: Fixed) -> 
     return out
 
 
+def _end_options(layers: int, stages: int, fixed: Fixed, lighter: bool = True) -> tuple[list[int], list[int]]:
+    """The first and the last stage's layer counts to search over `stages` stages (or chunks):
+    what the job fixes, else 0 (the even split) and, `lighter`, one or two layers fewer than
+    ceil(layers / stages)."""
+    base = -(-layers // stages)
+    ends = sorted(({0} | ({base - 1, base - 2} if lighter else set())) - {-1})
+    firsts = [fixed.first_stage_layers] if fixed.first_stage_layers is not None else ends
+    lasts = [fixed.last_stage_layers] if fixed.last_stage_layers is not None else ends
+    return firsts, lasts
+
+
 def _chunk_splits(layers: int, stages: int, fixed: Fixed) -> list[tuple[int, int]]:
     """(first, last) chunk layers of a chunked schedule over `stages` = pp x virtual chunks:
     the even split where the chunks divide the layers (its validation rule, core/checks.py),
@@ -262,10 +270,7 @@ def _chunk_splits(layers: int, stages: int, fixed: Fixed) -> list[tuple[int, int
     interleaved over 16 stages x 4 chunks as 1, 2 x 62, 1; Megatron-LM's rule for uneven
     stages, transformer_config.py). Ends the job fixes stay as fixed, the other end searched
     as 1F1B's is."""
-    base = -(-layers // stages)
-    ends = [0] + sorted({base - 1, base - 2} - {0, -1})
-    firsts = [fixed.first_stage_layers] if fixed.first_stage_layers is not None else ends
-    lasts = [fixed.last_stage_layers] if fixed.last_stage_layers is not None else ends
+    firsts, lasts = _end_options(layers, stages, fixed)
     out, seen = [], set()
     for first, last in product(firsts, lasts):
         if not (first or last):

@@ -230,18 +230,14 @@ class _Reader:
         `type`, else "default" (no scaling), and a llama3 scaling's
         original_max_position_embeddings, else max_position_embeddings
         (standardize_rope_params). The `[model] rope_scaling` table, or None."""
-        for table in ("rope_scaling", "rope_parameters"):
-            inner = self.config.get(table)
-            if inner is None or inner == {}:
-                continue
-            if not isinstance(inner, dict):
-                self.problems.append(Problem(table, f"expected a table, got {shown_value(inner)}", file=self.file))
-                return None
-            break
-        else:
+        found = _rope_table(self.config)
+        if found is None:
             return None
-        type_key = "rope_type" if "rope_type" in inner else "type"
-        rope_type = inner.get(type_key, "default")
+        table, inner = found
+        if not isinstance(inner, dict):
+            self.problems.append(Problem(table, f"expected a table, got {shown_value(inner)}", file=self.file))
+            return None
+        type_key, rope_type = _rope_type(inner)
         if rope_type == "default":
             return None
         if rope_type != "llama3":
@@ -418,18 +414,31 @@ def read_hf_config(path: Path, shown: str) -> tuple[dict, list[Problem], Documen
 UNMODELLED_GEMMA2 = ("attn_logit_softcapping", "final_logit_softcapping", "sliding_window")
 
 
-def _unmodelled_rope(config: dict) -> tuple[str, object] | None:
-    """(the key, the rope_type) of a RoPE scaling other than 'default' and 'llama3' (Phi-3's
-    'longrope', Qwen2.5's 'yarn'), as `_Reader.rope_scaling` finds the table, or None."""
+def _rope_table(config: dict) -> tuple[str, object] | None:
+    """(its key, its value) of the RoPE scaling transformers reads: `rope_scaling` when given
+    (neither null nor empty), else `rope_parameters` (convert_rope_params_to_dict), or None."""
     for table in ("rope_scaling", "rope_parameters"):
         inner = config.get(table)
-        if isinstance(inner, dict) and inner:
-            type_key = "rope_type" if "rope_type" in inner else "type"
-            rope_type = inner.get(type_key, "default")
-            return None if rope_type in ("default", "llama3") else (f"{table}.{type_key}", rope_type)
         if inner is not None and inner != {}:
-            return None
+            return table, inner
     return None
+
+
+def _rope_type(inner: dict) -> tuple[str, object]:
+    """(its key, its value) of a scaling table's type: `rope_type`, else the older `type`,
+    else "default" (standardize_rope_params)."""
+    type_key = "rope_type" if "rope_type" in inner else "type"
+    return type_key, inner.get(type_key, "default")
+
+
+def _unmodelled_rope(config: dict) -> tuple[str, object] | None:
+    """(the key, the rope_type) of a RoPE scaling other than 'default' and 'llama3' (Phi-3's
+    'longrope', Qwen2.5's 'yarn'), or None."""
+    found = _rope_table(config)
+    if found is None or not isinstance(found[1], dict):
+        return None
+    type_key, rope_type = _rope_type(found[1])
+    return None if rope_type in ("default", "llama3") else (f"{found[0]}.{type_key}", rope_type)
 
 
 # The sliding window a config.json without the key gets (transformers 5.24: MistralConfig's
@@ -472,7 +481,7 @@ def config_notes(config: dict) -> list[Problem]:
             f"skips the blocks outside it runs sequences longer than {window:,} tokens faster than estimated",
             severity="note"))
     given = [key for key in UNMODELLED_GEMMA2 if config.get(key) is not None]
-    if config.get("model_type") == "gemma2" and given:
+    if model_type == "gemma2" and given:
         notes.append(Problem(
             "", f"{', '.join(given)}: not modelled (soft-capping's tanh outputs kept for backward, the "
             "window's shorter attention; docs/job-file.md)", severity="note"))
